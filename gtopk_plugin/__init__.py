@@ -1,0 +1,34 @@
+"""gtopk_plugin: sparse gradient reduction for data-parallel training on slow
+networks — gTop-k S-SGD (Shi et al. 2019), rTop-k (Barnes et al. 2020), and
+the elastic consistency scheduler (Nadiradze et al. 2020) — as drop-in parts
+of torch.distributed / DDP, Horovod and BytePS.
+
+``import gtopk_plugin`` needs only torch; framework layers are imported on
+demand (``gtopk_plugin.torch_ddp``, ``gtopk_plugin.horovod``, ...).
+"""
+from . import compress, kernels  # noqa: F401
+from .collectives.transport import TrafficCounters, Transport
+from .config import DensityWarmup, ReducerConfig
+from .consistency import LayoutMismatchError, NonFiniteGradientError, PeerInputError
+from .frameworks.torch_distributed import TorchDistributedTransport
+from .reducer import GradientReducer, k_for
+from .stats import ReduceStats
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy framework layers: importing them pulls nothing heavy for users who
+    # never touch them, and keeps ``gp.torch_ddp`` working as an attribute.
+    if name == "torch_ddp":
+        from .frameworks import torch_ddp
+        return torch_ddp
+    if name == "testing":
+        from . import testing
+        return testing
+    raise AttributeError(f"module 'gtopk_plugin' has no attribute {name!r}")
+
+
+__all__ = ["GradientReducer", "TorchDistributedTransport", "Transport", "TrafficCounters",
+           "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
+           "NonFiniteGradientError", "PeerInputError", "k_for", "__version__"]

@@ -1,0 +1,109 @@
+"""gTopKAllReduce: the butterfly merge of Shi et al. 2019 (arXiv 1901.04359,
+Algorithm 1), generalised to any P (DESIGN.md §3).
+
+Let P' = 2^⌊log2 P⌋.  Ranks r ≥ P' first send their set to r − P', which
+merges it; then for j = 0 .. log2 P' − 1 rank r swaps its current set with
+r XOR 2^j and both compute the same merge (sum on equal indices, per-segment
+top-k of the union); finally ranks r < P − P' send the result to r + P'.
+Every rank ends with the same ≤ k (index, value) pairs, bit for bit.
+
+Exact error feedback needs to know which of a worker's own entries reached
+the result: entry i did iff index i stayed in the worker's current set after
+every round (a dropped index takes every contribution of the group with it;
+a later reappearance of i carries other workers' values only).  A folded-in
+rank learns its survivors from its partner as a bitmask over its own set
+(⌈k/8⌉ bytes, appended to the final message).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from . import wire
+from .transport import Transport
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ButterflyResult:
+    idx: Tensor        # global indices of the result (ascending)
+    vals: Tensor       # summed values (wire dtype)
+    sent_mask: Tensor  # bool over the caller's own entries: reached the result
+    rounds: int
+
+
+def _rounds(P: int) -> int:
+    return (P.bit_length() - 1) + (0 if P & (P - 1) == 0 else 2)
+
+
+def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, transport: Transport,
+                    idx_dtype: torch.dtype, static_count: bool,
+                    kernels_choice=None) -> ButterflyResult:
+    """Run the butterfly on this rank's sparse set ``(idx, vals)``.
+
+    ``static_count``: every set in flight has exactly ``sum(k)`` entries (exact
+    top-k selection: a union of two sets with k_s entries per segment keeps
+    exactly k_s), so message sizes are known and no header travels.
+    """
+    P, r = transport.size, transport.rank
+    dev = vals.device
+    own_idx = idx.long()
+    alive = torch.ones(own_idx.numel(), dtype=torch.bool, device=dev)
+    if P == 1:
+        return ButterflyResult(idx, vals, alive, 0)
+
+    Pp = 1 << (P.bit_length() - 1)
+    eb = wire.entry_bytes(idx_dtype, vals.dtype)
+    K = int(k.sum())
+    msg_bytes = K * eb if static_count else None
+
+    def merge(a_idx, a_val, b_idx, b_val):
+        return kernels.merge_select(a_idx, a_val, b_idx, b_val, offsets, k, kernels=kernels_choice)
+
+    def unpack(blob, extra=0):
+        i, v, tail = wire.unpack(blob.to(dev), idx_dtype, vals.dtype, extra)
+        return i, v, tail
+
+    cur_idx, cur_val = idx.to(idx_dtype), vals
+
+    # Ranks beyond the largest power of two fold into their partner and wait
+    # for the result plus their survivor bitmask.
+    if r >= Pp:
+        partner = r - Pp
+        transport.send(partner, wire.pack(cur_idx, cur_val, idx_dtype), with_header=not static_count)
+        extra = wire.bitmask_bytes(own_idx.numel())
+        blob = transport.recv(partner, None if msg_bytes is None else msg_bytes + extra, dev)
+        res_idx, res_val, bits = unpack(blob, extra)
+        sent_mask = wire.unpack_bits(bits.to(dev), own_idx.numel())
+        return ButterflyResult(res_idx, res_val, sent_mask, _rounds(P))
+
+    folded_idx = folded_alive = None
+    if r < P - Pp:
+        partner = r + Pp
+        blob = transport.recv(partner, msg_bytes, dev)
+        o_idx, o_val, _ = unpack(blob)
+        cur_idx, cur_val, keep_a, keep_b = merge(cur_idx, cur_val, o_idx, o_val)
+        alive &= keep_a
+        folded_idx, folded_alive = o_idx.long(), keep_b
+
+    for j in range(Pp.bit_length() - 1):
+        peer = r ^ (1 << j)
+        blob = transport.exchange(peer, wire.pack(cur_idx, cur_val, idx_dtype), msg_bytes)
+        o_idx, o_val, _ = unpack(blob)
+        cur_idx, cur_val, _, _ = merge(cur_idx, cur_val, o_idx, o_val)
+        # An own entry survives only if its index is in every round's set.
+        cur_long = cur_idx.long()
+        alive &= torch.isin(own_idx, cur_long)
+        if folded_idx is not None:
+            folded_alive &= torch.isin(folded_idx, cur_long)
+
+    if folded_idx is not None:
+        partner = r + Pp
+        blob = torch.cat([wire.pack(cur_idx, cur_val, idx_dtype), wire.pack_bits(folded_alive)])
+        # The folded rank knows its own set size, so the bitmask length is known
+        # to it; only the result part may need a header.
+        transport.send(partner, blob, with_header=not static_count)
+    return ButterflyResult(cur_idx, cur_val, alive, _rounds(P))

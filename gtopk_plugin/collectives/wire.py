@@ -1,0 +1,62 @@
+"""Wire format (DESIGN.md §3): one byte blob per message holding the int32
+(int64 past 2^31−1 elements) indices followed by the values in the gradient's
+dtype or the fp16/bf16 wire dtype.  8 bytes per fp32 entry; never an upcast."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def entry_bytes(idx_dtype: torch.dtype, val_dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=idx_dtype).element_size() + torch.empty(0, dtype=val_dtype).element_size()
+
+
+def pack(idx: Tensor, vals: Tensor, idx_dtype: torch.dtype) -> Tensor:
+    """``[indices | values]`` as one uint8 tensor."""
+    i = idx.to(idx_dtype).contiguous().view(torch.uint8)
+    v = vals.contiguous().view(torch.uint8)
+    return torch.cat([i.to(v.device), v])
+
+
+def _view(blob: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+    part = blob[start:stop]
+    size = torch.empty(0, dtype=dtype).element_size()
+    if part.storage_offset() % size:
+        part = part.clone()  # realign before reinterpreting the bytes
+    return part.view(dtype)
+
+
+def unpack(blob: Tensor, idx_dtype: torch.dtype, val_dtype: torch.dtype,
+           extra_bytes: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`pack`; ``extra_bytes`` trailing bytes (a survivor
+    bitmask, say) are returned as the third element."""
+    body = blob.numel() - extra_bytes
+    eb = entry_bytes(idx_dtype, val_dtype)
+    if body % eb:
+        raise RuntimeError(f"corrupt message: {body} bytes is not a multiple of the {eb}-byte entry size")
+    n = body // eb
+    isz = eb - torch.empty(0, dtype=val_dtype).element_size()
+    idx = _view(blob, 0, n * isz, idx_dtype)
+    vals = _view(blob, n * isz, body, val_dtype)
+    return idx, vals, blob[body:]
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """Bool tensor -> uint8 bitmask (little-endian within a byte)."""
+    n = mask.numel()
+    pad = (-n) % 8
+    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=mask.device)])
+    weights = (2 ** torch.arange(8, dtype=torch.uint8, device=mask.device))
+    return (m.view(-1, 8) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(bits: Tensor, n: int) -> Tensor:
+    weights = (2 ** torch.arange(8, dtype=torch.uint8, device=bits.device))
+    return ((bits.view(-1, 1) & weights) != 0).view(-1)[:n]
+
+
+def bitmask_bytes(n: int) -> int:
+    return (n + 7) // 8

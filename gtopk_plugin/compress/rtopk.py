@@ -1,0 +1,37 @@
+"""rTop-k (Barnes et al. 2020, arXiv 2005.10761): take the top ``r·k``
+coordinates by magnitude, then keep a uniformly random ``k``-subset of them.
+
+Each worker draws from its own generator (seeded from ``seed`` and the rank,
+checkpointed in ``state_dict``), as in the paper, where workers sample
+independently."""
+import math
+
+import torch
+
+from .. import kernels
+from .base import Selector
+from .registry import register
+
+
+@register("rtopk")
+class RTopKSelector(Selector):
+    uses_generator = True
+    aggregation = "allgather"
+
+    def select(self, acc, offsets, k, ctx):
+        if self.r_factor == 1.0:
+            return kernels.select_topk(acc, offsets, k, kernels=ctx.kernels)
+        sizes = (offsets[1:] - offsets[:-1]).tolist()
+        ks = k.tolist()
+        r = torch.tensor([min(n, math.ceil(self.r_factor * kk)) for n, kk in zip(sizes, ks)],
+                         dtype=torch.long)
+        idx, _ = kernels.select_topk(acc, offsets, r, kernels=ctx.kernels)
+        # idx is grouped by segment (ascending); pick k_s of each group of r_s.
+        picks, start = [], 0
+        for r_s, k_s in zip(r.tolist(), ks):
+            k_s = min(k_s, r_s)
+            perm = torch.randperm(r_s, generator=ctx.generator)[:k_s]
+            picks.append(torch.sort(perm).values + start)
+            start += r_s
+        sel = idx[torch.cat(picks).to(idx.device)] if picks else idx[:0]
+        return sel, acc[sel.long()]

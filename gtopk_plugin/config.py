@@ -1,0 +1,155 @@
+"""Configuration: frozen dataclasses, keyword validation, and the ONE place that
+reads ``GTOPK_*`` environment variables (DESIGN.md §2 rule 5).
+
+Everything else in the package receives its settings as arguments; nothing
+deep inside a reducer or a collective looks at ``os.environ``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+MERGES = ("allgather", "gtopk")
+OPS = ("average", "sum")
+GRANULARITIES = ("layer", "global")
+NONFINITE = ("raise", "skip")
+WIRE_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+DensitySchedule = Union[None, Sequence[float], Callable[[int], float], "DensityWarmup"]
+
+
+@dataclass(frozen=True)
+class DensityWarmup:
+    """Exponential density warm-up used by DGC and the gtopkssgd code base.
+
+    For the first ``steps`` steps the density decays geometrically from
+    ``start_density`` to the reducer's target density; afterwards the target
+    is used.  ``start_density=1.0`` makes the first step dense-equivalent.
+    """
+
+    steps: int
+    start_density: float = 0.25
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"DensityWarmup.steps must be a positive int, got {self.steps!r}")
+        if not (0.0 < self.start_density <= 1.0):
+            raise ValueError(
+                f"DensityWarmup.start_density must be in (0, 1], got {self.start_density!r}")
+
+    def density(self, step: int, target: float) -> float:
+        if step >= self.steps:
+            return target
+        frac = step / self.steps
+        # geometric interpolation: start * (target/start)^(step/steps)
+        return self.start_density * (target / self.start_density) ** frac
+
+
+def _check_density(name: str, d) -> float:
+    try:
+        d = float(d)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a float in (0, 1], e.g. 0.01; got {d!r}") from None
+    if not (0.0 < d <= 1.0) or math.isnan(d):
+        raise ValueError(f"{name} must be in (0, 1] (fraction of entries kept, e.g. 0.01); got {d!r}")
+    return d
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """Validated settings of a :class:`gtopk_plugin.GradientReducer`.
+
+    Hyper-parameters the user tunes; the reducer's internal state (residuals,
+    step, RNG) lives in the reducer, not here.
+    """
+
+    method: str = "gtopk"
+    density: float = 0.01
+    r_factor: float = 4.0
+    merge: Optional[str] = None
+    granularity: str = "layer"
+    value_dtype: Optional[torch.dtype] = None
+    op: str = "average"
+    seed: int = 0
+    warmup: DensitySchedule = None
+    nonfinite: str = "raise"
+    error_feedback: bool = True
+    kernels: str = field(default_factory=lambda: env_kernels())
+
+    def __post_init__(self):
+        from .compress import registry  # late: compress imports kernels imports config
+
+        registry.get(self.method)  # ValueError naming the known methods
+        object.__setattr__(self, "density", _check_density("density", self.density))
+        try:
+            r = float(self.r_factor)
+        except (TypeError, ValueError):
+            raise ValueError(f"r_factor must be a number >= 1, e.g. 4.0; got {self.r_factor!r}") from None
+        if not (r >= 1.0) or math.isinf(r):
+            raise ValueError(f"r_factor must be a finite number >= 1 (rTop-k keeps k of the top r*k); got {self.r_factor!r}")
+        object.__setattr__(self, "r_factor", r)
+        if self.merge is not None and self.merge not in MERGES:
+            raise ValueError(f"unknown merge {self.merge!r}; pass None, 'allgather' or 'gtopk'")
+        if self.merge is not None and self.method in ("dense", "randomk"):
+            raise ValueError(
+                f"merge={self.merge!r} does not apply to method {self.method!r} "
+                "(it is reduced by a dense allreduce); pass merge=None")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {self.granularity!r}; pass 'layer' or 'global'")
+        if self.value_dtype is not None and self.value_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {self.value_dtype!r}")
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; pass 'average' or 'sum'")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int; got {self.seed!r}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"unknown nonfinite policy {self.nonfinite!r}; pass 'raise' or 'skip'")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"unknown kernels back end {self.kernels!r}; pass one of {', '.join(KERNEL_BACKENDS)}")
+        w = self.warmup
+        if w is not None and not isinstance(w, DensityWarmup) and not callable(w):
+            try:
+                seq = tuple(w)
+            except TypeError:
+                raise ValueError(
+                    "warmup must be None, a DensityWarmup, a sequence of densities for the "
+                    f"first steps, or a callable step -> density; got {w!r}") from None
+            for i, d in enumerate(seq):
+                _check_density(f"warmup[{i}]", d)
+            object.__setattr__(self, "warmup", seq)
+
+    @property
+    def aggregation(self) -> str:
+        """How results combine: the selector's default, or ``merge`` when set
+        (``merge="gtopk"`` puts any sparse selector on the butterfly)."""
+        from .compress import registry
+
+        return self.merge or registry.get(self.method).aggregation
+
+    def density_at(self, step: int) -> float:
+        """Density in force at ``step`` (0-based), after the warm-up schedule."""
+        w = self.warmup
+        if w is None:
+            return self.density
+        if isinstance(w, DensityWarmup):
+            return w.density(step, self.density)
+        if callable(w):
+            return _check_density(f"warmup({step})", w(step))
+        return w[step] if step < len(w) else self.density
+
+
+def env_kernels() -> str:
+    """``GTOPK_KERNELS=reference|cpu|cuda|auto`` forces a kernel back end."""
+    return os.environ.get("GTOPK_KERNELS", "auto").strip().lower() or "auto"
+
+
+def env_timeout_seconds(default: float = 300.0) -> float:
+    """``GTOPK_TIMEOUT`` (seconds): default timeout of a transport's collective calls."""
+    v = os.environ.get("GTOPK_TIMEOUT")
+    return float(v) if v else default

@@ -1,0 +1,77 @@
+"""Cross-rank consistency check run at the start of every ``reduce()`` call.
+
+One tiny MAX-allreduce of four int64 values tells every rank at once whether
+any rank (a) passed invalid input, (b) has a non-finite gradient, or (c) sees
+a different layout (tensor names, shapes, dtypes, per-segment k, step,
+method).  Only when something is wrong do ranks exchange details (an
+allgather of small Python objects) so that every rank raises the same clear
+error instead of hanging in a mismatched exchange.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .collectives.transport import Transport
+
+
+class LayoutMismatchError(RuntimeError):
+    """Ranks disagree on tensor names, shapes, dtypes or settings."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient holds NaN or Inf and ``nonfinite="raise"``."""
+
+
+class PeerInputError(RuntimeError):
+    """Another rank passed invalid input to the same collective call."""
+
+
+def fingerprint(layout: Sequence[Tuple]) -> int:
+    """63-bit hash of a layout description, identical on every rank."""
+    h = hashlib.blake2b(repr(tuple(layout)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 62) - 1)
+
+
+def first_mismatch(layouts: List[Sequence[Tuple]]) -> str:
+    """Human-readable description of the first difference between rank 0's
+    layout and another rank's."""
+    ref = list(layouts[0])
+    for r, lay in enumerate(layouts[1:], start=1):
+        lay = list(lay)
+        for i in range(max(len(ref), len(lay))):
+            a = ref[i] if i < len(ref) else None
+            b = lay[i] if i < len(lay) else None
+            if a != b:
+                return f"entry {i}: rank 0 has {a!r}, rank {r} has {b!r}"
+    return "layouts differ"
+
+
+def check(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str],
+          nonfinite_names: Sequence[str]) -> Tuple[bool, List[Tuple[int, List[str]]]]:
+    """Agree across ranks.  Raises on every rank for invalid input or a layout
+    mismatch; returns ``(any_nonfinite, [(rank, names), ...])``."""
+    fp = fingerprint(layout) if bad_input is None else 0
+    v = torch.tensor([int(bad_input is not None), int(bool(nonfinite_names)), fp, -fp],
+                     dtype=torch.int64)
+    if transport.size > 1:
+        v = transport.control_allreduce_max(v)
+    bad, nonfinite, hi, neg_lo = v.tolist()
+    if bad:
+        msgs = transport.allgather_object(bad_input) if transport.size > 1 else [bad_input]
+        if bad_input is not None:
+            raise ValueError(bad_input)
+        culprits = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
+        raise PeerInputError(f"another rank passed invalid input to reduce(): {culprits}")
+    if hi != -neg_lo:
+        layouts = transport.allgather_object(list(layout))
+        raise LayoutMismatchError(
+            "gtopk_plugin: ranks called reduce() with different tensors or settings "
+            f"(names, shapes, dtypes, k, step or method must match): {first_mismatch(layouts)}")
+    if not nonfinite:
+        return False, []
+    names = list(nonfinite_names)
+    per_rank = transport.allgather_object(names) if transport.size > 1 else [names]
+    return True, [(r, n) for r, n in enumerate(per_rank) if n]

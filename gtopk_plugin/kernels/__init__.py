@@ -1,0 +1,76 @@
+"""Selection / merge / scatter kernels behind one interface.
+
+``reference`` (pure torch) is the oracle and the last fallback; fast back ends
+(``csrc/cpu`` as a torch C++ extension, ``csrc/cuda`` through CuPy) register
+themselves here with the same signatures.  Callers never pick a back end:
+they call the functions below, which dispatch on the tensor's device and the
+``kernels`` setting (``GTOPK_KERNELS``, read in :mod:`gtopk_plugin.config`).
+
+Fixed public names: ``select_topk(x, offsets, k)``,
+``select_threshold(x, offsets, k)``, ``merge_select(...)``,
+``scatter_update(...)``, ``residual_update(...)``, ``backend(device)``.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Dict, Optional
+
+import torch
+
+from .. import config
+from . import reference
+from .reference import index_dtype, INT32_LIMIT  # noqa: F401  (re-exported)
+
+# device type -> back-end module with the reference signatures.  Fast back
+# ends add themselves here once they load; until then the reference serves.
+_FAST_BACKENDS: Dict[str, ModuleType] = {}
+
+
+def register_backend(device_type: str, module: ModuleType) -> None:
+    """Register a fast back end for ``device_type`` ("cpu" or "cuda")."""
+    _FAST_BACKENDS[device_type] = module
+
+
+def _module(device: torch.device, choice: Optional[str] = None) -> ModuleType:
+    choice = choice or config.env_kernels()
+    if choice == "reference":
+        return reference
+    dev_type = torch.device(device).type
+    if choice in ("cpu", "cuda") and choice != dev_type:
+        raise ValueError(f"GTOPK_KERNELS={choice!r} cannot run tensors on device {dev_type!r}")
+    mod = _FAST_BACKENDS.get(dev_type)
+    if mod is None and choice in ("cpu", "cuda"):
+        raise RuntimeError(
+            f"kernels back end {choice!r} was forced but is not available in this build; "
+            "unset GTOPK_KERNELS to fall back to the reference kernels")
+    return mod or reference
+
+
+def backend(device) -> str:
+    """Name of the back end used for tensors on ``device``."""
+    mod = _module(torch.device(device))
+    return "reference" if mod is reference else torch.device(device).type
+
+
+def select_topk(x, offsets, k, *, kernels: Optional[str] = None):
+    return _module(x.device, kernels).select_topk(x, offsets, k)
+
+
+def select_threshold(x, offsets, k, *, kernels: Optional[str] = None):
+    return _module(x.device, kernels).select_threshold(x, offsets, k)
+
+
+def merge_select(idx_a, val_a, idx_b, val_b, offsets, k, *, kernels: Optional[str] = None):
+    return _module(val_a.device, kernels).merge_select(idx_a, val_a, idx_b, val_b, offsets, k)
+
+
+def scatter_update(numel, idx, vals, scale, dtype, *, kernels: Optional[str] = None):
+    return _module(vals.device, kernels).scatter_update(numel, idx, vals, scale, dtype)
+
+
+def residual_update(acc, idx, sent, *, kernels: Optional[str] = None):
+    return _module(acc.device, kernels).residual_update(acc, idx, sent)
+
+
+__all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
+           "residual_update", "backend", "register_backend", "reference", "index_dtype"]

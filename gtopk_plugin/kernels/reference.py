@@ -1,0 +1,186 @@
+"""Pure-torch reference kernels: the oracle every fast back end is tested
+against and the last fallback on any device (DESIGN.md §2 rule 3, §4).
+
+All functions work on *segmented* flat buffers: ``x`` is 1-D, ``offsets`` is an
+int64 tensor of S+1 segment boundaries (``offsets[0] == 0``,
+``offsets[-1] == x.numel()``) and ``k`` an int64 tensor of S per-segment
+counts.  Index tensors are global positions into ``x``, sorted ascending.
+
+Ordering rule (DESIGN.md §3): larger ``|value|`` first, then smaller index.
+NaN magnitudes rank as ``+inf`` (the reducer rejects or skips non-finite
+gradients before selection; this only makes the kernels total functions).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+#: Indices travel as int32 unless a buffer has more elements than int32 holds.
+INT32_LIMIT = 2**31 - 1
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Wire/index dtype for a buffer of ``numel`` elements."""
+    return torch.int32 if numel <= INT32_LIMIT else torch.int64
+
+
+def magnitude(v: Tensor) -> Tensor:
+    """|v| as float32 (exact for fp16/bf16/fp32), NaN mapped to +inf."""
+    m = v.abs()
+    if m.dtype not in (torch.float32, torch.float64):
+        m = m.float()
+    return torch.nan_to_num(m, nan=float("inf"))
+
+
+def _segment_bounds(offsets: Tensor, k: Tensor):
+    return offsets.tolist(), k.tolist()
+
+
+def topk_segment(mag: Tensor, k: int) -> Tensor:
+    """Positions (sorted ascending) of the exact top-``k`` of one segment's
+    magnitudes under the tie rule: all entries strictly above the k-th largest
+    magnitude, then the lowest-indexed entries equal to it."""
+    n = mag.numel()
+    if k >= n:
+        return torch.arange(n, device=mag.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=mag.device)
+    kth = torch.topk(mag, k, sorted=False).values.min()
+    above = torch.nonzero(mag > kth).squeeze(1)
+    ties = torch.nonzero(mag == kth).squeeze(1)[: k - above.numel()]
+    return torch.sort(torch.cat([above, ties])).values
+
+
+def select_topk(x: Tensor, offsets: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    """Exact per-segment top-k.  Returns ``(indices, values)``, indices global
+    into ``x`` (int32 unless ``x`` exceeds int32), ascending; exactly
+    ``min(k_s, n_s)`` entries per segment."""
+    offs, ks = _segment_bounds(offsets, k)
+    mag = magnitude(x)
+    parts = []
+    for s, ks_ in enumerate(ks):
+        lo, hi = offs[s], offs[s + 1]
+        parts.append(topk_segment(mag[lo:hi], ks_) + lo)
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=x.device)
+    return idx.to(index_dtype(x.numel())), x[idx]
+
+
+#: Threshold selection accepts a count within this factor of k; otherwise it
+#: corrects the threshold (DGC-style adaptive threshold).
+THRESHOLD_TOLERANCE = 0.10
+THRESHOLD_SAMPLE = 4096
+
+
+def _threshold_segment(mag: Tensor, k: int) -> Tensor:
+    n = mag.numel()
+    if k >= n:
+        return torch.arange(n, device=mag.device)
+    # 1. Estimate the threshold from a deterministic strided sample (DGC
+    #    samples 0.1-1% of the entries; a fixed stride keeps ranks reproducible).
+    stride = max(1, n // THRESHOLD_SAMPLE)
+    sample = mag[::stride]
+    ks = max(1, min(sample.numel(), round(k * sample.numel() / n)))
+    t = torch.topk(sample, ks, sorted=False).values.min()
+    sel = torch.nonzero(mag >= t).squeeze(1)
+    lo, hi = (1 - THRESHOLD_TOLERANCE) * k, (1 + THRESHOLD_TOLERANCE) * k
+    if lo <= sel.numel() <= hi:
+        return sel
+    # 2. Adaptive correction.  Too many: the exact threshold lies among the
+    #    candidates, so a top-k over the (small) candidate set fixes it.  Too
+    #    few: fall back to the exact k-th magnitude of the whole segment.
+    if sel.numel() > hi:
+        pos = topk_segment(mag[sel], k)
+        return sel[pos]
+    return topk_segment(mag, k)
+
+
+def select_threshold(x: Tensor, offsets: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    """Sampled-threshold selection: per segment, every entry with magnitude at
+    or above an estimated threshold; the count lands within ±10% of ``k_s``
+    (exactly ``k_s`` after a correction).  Returns exactly what it selected;
+    the caller keeps everything else in the residual."""
+    offs, ks = _segment_bounds(offsets, k)
+    mag = magnitude(x)
+    parts = []
+    for s, ks_ in enumerate(ks):
+        lo, hi = offs[s], offs[s + 1]
+        parts.append(_threshold_segment(mag[lo:hi], ks_) + lo)
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=x.device)
+    return idx.to(index_dtype(x.numel())), x[idx]
+
+
+def segment_of(idx: Tensor, offsets: Tensor) -> Tensor:
+    """Segment id of each global index."""
+    return torch.searchsorted(offsets, idx.long(), right=True) - 1
+
+
+def merge_select(idx_a: Tensor, val_a: Tensor, idx_b: Tensor, val_b: Tensor,
+                 offsets: Tensor, k: Tensor):
+    """Union of two sparse sets (values summed on equal indices) and the
+    per-segment top-k of the union under the tie rule.
+
+    Both partners of a butterfly round call this with the operands swapped;
+    the result is bit-identical because IEEE addition of two operands is
+    commutative and the selection order is total.
+
+    Returns ``(idx, val, keep_a, keep_b)``: the merged set (ascending indices,
+    ``idx_a``'s dtype) and, for every entry of each operand, whether its index
+    is in the merged set (what exact error feedback needs).
+    """
+    dev = val_a.device
+    ia, ib = idx_a.long(), idx_b.long()
+    cat_idx = torch.cat([ia, ib])
+    uniq, inv = torch.unique(cat_idx, sorted=True, return_inverse=True)
+    vals = torch.zeros(uniq.numel(), dtype=val_a.dtype, device=dev)
+    vals.index_add_(0, inv, torch.cat([val_a, val_b.to(val_a.dtype)]))
+    keep = topk_mask_sparse(uniq, vals, offsets, k)
+    keep_a = keep[inv[: ia.numel()]]
+    keep_b = keep[inv[ia.numel():]]
+    return uniq[keep].to(idx_a.dtype), vals[keep], keep_a, keep_b
+
+
+def topk_mask_sparse(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor) -> Tensor:
+    """Boolean mask over a sparse set (ascending unique ``idx``) keeping the
+    per-segment top-k by (|value| desc, index asc)."""
+    n = idx.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=vals.device)
+    seg = segment_of(idx, offsets)
+    mag = magnitude(vals)
+    # Stable sorts compose into the lexicographic order (segment, -|v|, index):
+    # input is ascending in index; sort by magnitude desc, then by segment.
+    o1 = torch.sort(mag, descending=True, stable=True).indices
+    o2 = torch.sort(seg[o1], stable=True).indices
+    perm = o1[o2]
+    seg_sorted = seg[perm]
+    counts = torch.bincount(seg_sorted, minlength=k.numel())
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_seg = torch.arange(n, device=vals.device) - starts[seg_sorted]
+    keep_sorted = rank_in_seg < k.to(vals.device)[seg_sorted]
+    keep = torch.zeros(n, dtype=torch.bool, device=vals.device)
+    keep[perm[keep_sorted]] = True
+    return keep
+
+
+def scatter_update(numel: int, idx: Tensor, vals: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """Dense buffer of ``numel`` zeros with ``vals * scale`` at ``idx``."""
+    out = torch.zeros(numel, dtype=dtype, device=vals.device)
+    if idx.numel():
+        v = vals.to(dtype)
+        out[idx.long()] = v * scale if scale != 1.0 else v
+    return out
+
+
+def residual_update(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
+    """New residual: ``acc`` minus what reached the global result.  ``sent``
+    holds the values as they travelled (wire-rounded), in ``acc``'s dtype, so
+    any rounding error stays in the residual; where nothing was rounded the
+    entry becomes exactly zero."""
+    res = acc.clone()
+    if idx.numel():
+        i = idx.long()
+        res[i] = acc[i] - sent.to(acc.dtype)
+    return res

@@ -1,0 +1,164 @@
+"""Single-process oracle: simulates all P workers of every method, written
+independently of the collectives (dense masks instead of sparse messages,
+explicit group bookkeeping instead of the butterfly's survivor tracking), so
+that distributed results can be checked against it.  Also used by the
+convergence study to simulate many workers quickly and exactly.
+
+Only the selection kernels (the reference back end) and ``k_for`` are
+shared: they are the spec, tested separately against a brute-force oracle.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from .compress import SelectionContext, registry
+from .config import ReducerConfig
+from .reducer import _GLOBAL_SEGMENT, k_for
+
+Tensor = torch.Tensor
+
+
+def _topk_positions(idx: np.ndarray, mag: np.ndarray, k: int) -> np.ndarray:
+    """Brute force: indices of the top-k by (|v| desc, index asc)."""
+    order = np.lexsort((idx, -mag))
+    return idx[order[:k]]
+
+
+class Oracle:
+    """Simulate ``world_size`` workers of a GradientReducer configuration.
+
+    ``step(grads_per_rank)`` takes one dict name -> gradient per rank and
+    returns the dense update every rank would get (dict name -> tensor);
+    ``residuals[r]`` holds worker r's residual per name afterwards.
+    """
+
+    def __init__(self, world_size: int, **reducer_kwargs):
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.P = world_size
+        self.cfg = ReducerConfig(**reducer_kwargs)
+        self.selector = registry.get(self.cfg.method)(r_factor=self.cfg.r_factor)
+        self.aggregation = self.cfg.aggregation
+        self.residuals: List[Dict[str, Tensor]] = [dict() for _ in range(world_size)]
+        self.generators = [torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + r)
+                           for r in range(world_size)]
+        self.step_count = 0
+        self.last_sent: List[Tensor] = []
+
+    def step(self, grads_per_rank: Sequence[Mapping[str, Tensor]]) -> Dict[str, Tensor]:
+        cfg, P = self.cfg, self.P
+        names = sorted(grads_per_rank[0])
+        shapes = [grads_per_rank[0][n].shape for n in names]
+        sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
+        dtype = grads_per_rank[0][names[0]].dtype
+        for n in names[1:]:
+            dtype = torch.promote_types(dtype, grads_per_rank[0][n].dtype)
+        wire = cfg.value_dtype or dtype
+        density = cfg.density_at(self.step_count)
+        if cfg.granularity == "layer":
+            offs = np.cumsum([0] + sizes)
+            ks = [k_for(density, s) for s in sizes]
+            seg_names = names
+        else:
+            offs = np.array([0, sum(sizes)])
+            ks = [k_for(density, sum(sizes))]
+            seg_names = [_GLOBAL_SEGMENT]
+        N = int(offs[-1])
+        offsets_t, k_t = torch.tensor(offs, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
+
+        accs = []
+        for r in range(P):
+            parts = []
+            for n in names:
+                g = grads_per_rank[r][n].detach().reshape(-1).to(dtype)
+                res = self.residuals[r].get(n) if cfg.error_feedback else None
+                parts.append(g.clone() if res is None else g + res)
+            accs.append(torch.cat(parts))
+
+        # -- selection (the reference kernels are the spec) --
+        sel_idx, sel_wire = [], []
+        for r in range(P):
+            if self.aggregation == "dense":
+                i = torch.arange(N)
+                v = accs[r]
+            else:
+                ctx = SelectionContext(step=self.step_count, segment_names=seg_names, seed=cfg.seed,
+                                       generator=self.generators[r], kernels="reference")
+                i, v = self.selector.select(accs[r], offsets_t, k_t, ctx)
+            sel_idx.append(i.long())
+            sel_wire.append(v.to(wire))
+
+        reached = [torch.ones(i.numel(), dtype=torch.bool) for i in sel_idx]
+        if self.aggregation == "gtopk":
+            result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, wire).to(dtype)
+        else:
+            result = torch.zeros(N, dtype=dtype)
+            for r in range(P):  # rank order
+                dense = torch.zeros(N, dtype=dtype)
+                dense[sel_idx[r]] = sel_wire[r].to(dtype)
+                result = result + dense
+
+        self.last_sent = []
+        for r in range(P):
+            res = accs[r].clone()
+            i = sel_idx[r][reached[r]]
+            res[i] = accs[r][i] - sel_wire[r][reached[r]].to(dtype)
+            self.last_sent.append(i)
+            if cfg.error_feedback:
+                for n, part in zip(names, torch.split(res, sizes)):
+                    self.residuals[r][n] = part
+        if cfg.op == "average":
+            result = result / P
+        self.step_count += 1
+        return {n: u.view(s) for n, u, s in zip(names, torch.split(result, sizes), shapes)}
+
+    def _butterfly(self, sel_idx, sel_wire, reached, offs, ks, N, wire) -> Tensor:
+        """Explicit group simulation: a set is a dense (mask, values) pair; a
+        merge adds masked values and keeps the per-segment top-k by brute force.
+        Worker m's entry i reached the result iff i is in its group's set
+        after every merge its group takes part in."""
+        P = self.P
+        Pp = 1 << (P.bit_length() - 1)
+        masks, vals, groups = [], [], []
+        for r in range(P):
+            m = torch.zeros(N, dtype=torch.bool)
+            m[sel_idx[r]] = True
+            v = torch.zeros(N, dtype=wire)
+            v[sel_idx[r]] = sel_wire[r]
+            masks.append(m)
+            vals.append(v)
+            groups.append([r])
+
+        def merge(a, b):
+            m = masks[a] | masks[b]
+            v = torch.where(masks[a], vals[a], torch.zeros((), dtype=wire)) + \
+                torch.where(masks[b], vals[b], torch.zeros((), dtype=wire))
+            keep = torch.zeros(N, dtype=torch.bool)
+            cand = torch.nonzero(m).squeeze(1).numpy()
+            mag = kernels.reference.magnitude(v).numpy()
+            for s in range(len(ks)):
+                c = cand[(cand >= offs[s]) & (cand < offs[s + 1])]
+                keep[torch.from_numpy(_topk_positions(c, mag[c], ks[s]).copy())] = True
+            v = torch.where(keep, v, torch.zeros((), dtype=wire))
+            members = groups[a] + groups[b]
+            for w in members:
+                reached[w] &= keep[sel_idx[w]]
+            return keep, v, members
+
+        for r in range(Pp, P):
+            masks[r - Pp], vals[r - Pp], groups[r - Pp] = merge(r - Pp, r)
+        j = 1
+        while j < Pp:
+            for r in range(Pp):
+                p = r ^ j
+                if p > r:
+                    m, v, g = merge(r, p)
+                    masks[r] = masks[p] = m
+                    vals[r] = vals[p] = v
+                    groups[r] = groups[p] = g
+            j <<= 1
+        return vals[0]
