@@ -7,7 +7,7 @@ of torch.distributed / DDP, Horovod and BytePS.
 demand (``gtopk_plugin.torch_ddp``, ``gtopk_plugin.horovod``, ...).
 """
 from . import compress, kernels  # noqa: F401
-from .collectives.transport import TrafficCounters, Transport
+from .collectives.transport import SingleProcessTransport, TrafficCounters, Transport
 from .config import DensityWarmup, ReducerConfig
 from .consistency import LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from .frameworks.torch_distributed import TorchDistributedTransport
@@ -29,6 +29,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'gtopk_plugin' has no attribute {name!r}")
 
 
-__all__ = ["GradientReducer", "TorchDistributedTransport", "Transport", "TrafficCounters",
+__all__ = ["GradientReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
            "NonFiniteGradientError", "PeerInputError", "k_for", "__version__"]

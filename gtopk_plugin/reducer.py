@@ -135,8 +135,8 @@ class GradientReducer:
             seconds["communicate"] = time.perf_counter() - t2
             t3 = time.perf_counter()
             residual = acc - wire_vals.to(dtype)
-            scale = 1.0 / P if cfg.op == "average" else 1.0
-            update = summed * scale if scale != 1.0 else summed
+            divisor = P if cfg.op == "average" else 1
+            update = summed / divisor if divisor != 1 else summed
             selected = sent = numel
             rounds = 0 if P == 1 else 2 * (P - 1)
         else:
@@ -148,14 +148,14 @@ class GradientReducer:
             sent_vals = wire_vals.to(dtype)  # what travels, in acc's dtype
             seconds["select"] = time.perf_counter() - t1
             t2 = time.perf_counter()
-            scale = 1.0 / P if cfg.op == "average" else 1.0
+            divisor = P if cfg.op == "average" else 1
             if self.aggregation == "gtopk":
                 br = gtopk_allreduce(idx, wire_vals, offsets, k, self.transport, idx_dtype,
                                      static_count=self.selector.exact_count, kernels_choice=cfg.kernels)
                 seconds["communicate"] = time.perf_counter() - t2
                 t3 = time.perf_counter()
                 reached = br.sent_mask
-                update = kernels.scatter_update(numel, br.idx, br.vals, scale, dtype, kernels=cfg.kernels)
+                update = kernels.scatter_update(numel, br.idx, br.vals, divisor, dtype, kernels=cfg.kernels)
                 rounds = br.rounds
             elif self.aggregation == "allgather":
                 summed = sparse_allgather(idx, wire_vals, numel, self.transport, idx_dtype, dtype,
@@ -163,14 +163,14 @@ class GradientReducer:
                 seconds["communicate"] = time.perf_counter() - t2
                 t3 = time.perf_counter()
                 reached = None
-                update = summed * scale if scale != 1.0 else summed
+                update = summed / divisor if divisor != 1 else summed
                 rounds = P - 1
             elif self.aggregation == "allreduce_values":
                 summed = dense_allreduce(wire_vals, self.transport)
                 seconds["communicate"] = time.perf_counter() - t2
                 t3 = time.perf_counter()
                 reached = None
-                update = kernels.scatter_update(numel, idx, summed, scale, dtype, kernels=cfg.kernels)
+                update = kernels.scatter_update(numel, idx, summed, divisor, dtype, kernels=cfg.kernels)
                 rounds = 0 if P == 1 else 2 * (P - 1)
             else:  # pragma: no cover - registry guarantees a known aggregation
                 raise RuntimeError(f"unknown aggregation {self.aggregation!r}")

@@ -193,3 +193,35 @@ class Transport(abc.ABC):
         """Picklable object from every rank (error paths only)."""
         self.counters.control_bytes += len(pickle.dumps(obj)) * self.size
         return self._raw_allgather_object(obj)
+
+
+class SingleProcessTransport(Transport):
+    """P = 1: a reducer on one worker (no communication at all).  Lets the
+    same training script run unchanged on one device, and unit tests run
+    selection, error feedback and scatter without a process group."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        raise RuntimeError("SingleProcessTransport has no peers")
+
+    def _raw_send(self, peer, send):
+        raise RuntimeError("SingleProcessTransport has no peers")
+
+    def _raw_recv(self, peer, recv):
+        raise RuntimeError("SingleProcessTransport has no peers")
+
+    def _raw_allreduce_sum_(self, t):
+        pass
+
+    def _raw_allreduce_max_(self, t):
+        pass
+
+    def _raw_allgather_object(self, obj):
+        return [obj]

@@ -64,8 +64,8 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k, *, kernels: Optional[st
     return _module(val_a.device, kernels).merge_select(idx_a, val_a, idx_b, val_b, offsets, k)
 
 
-def scatter_update(numel, idx, vals, scale, dtype, *, kernels: Optional[str] = None):
-    return _module(vals.device, kernels).scatter_update(numel, idx, vals, scale, dtype)
+def scatter_update(numel, idx, vals, divisor, dtype, *, kernels: Optional[str] = None):
+    return _module(vals.device, kernels).scatter_update(numel, idx, vals, divisor, dtype)
 
 
 def residual_update(acc, idx, sent, *, kernels: Optional[str] = None):

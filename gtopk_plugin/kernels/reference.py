@@ -32,7 +32,7 @@ def magnitude(v: Tensor) -> Tensor:
     m = v.abs()
     if m.dtype not in (torch.float32, torch.float64):
         m = m.float()
-    return torch.nan_to_num(m, nan=float("inf"))
+    return torch.nan_to_num(m, nan=float("inf"), posinf=float("inf"))
 
 
 def _segment_bounds(offsets: Tensor, k: Tensor):
@@ -165,12 +165,13 @@ def topk_mask_sparse(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor) -> T
     return keep
 
 
-def scatter_update(numel: int, idx: Tensor, vals: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
-    """Dense buffer of ``numel`` zeros with ``vals * scale`` at ``idx``."""
+def scatter_update(numel: int, idx: Tensor, vals: Tensor, divisor: int, dtype: torch.dtype) -> Tensor:
+    """Dense buffer of ``numel`` zeros with ``vals / divisor`` at ``idx``
+    (a true division, as DESIGN.md §3 states the average: value / P)."""
     out = torch.zeros(numel, dtype=dtype, device=vals.device)
     if idx.numel():
         v = vals.to(dtype)
-        out[idx.long()] = v * scale if scale != 1.0 else v
+        out[idx.long()] = v / divisor if divisor != 1 else v
     return out
 
 

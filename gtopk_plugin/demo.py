@@ -1,0 +1,395 @@
+"""``gtopk-demo``: data-parallel training of a small CNN with sparse gradients.
+
+Launches ``--workers`` local processes joined in a ``torch.distributed`` gloo
+group, trains a small CNN on scikit-learn's 8x8 digits (bundled with
+scikit-learn, no download) and reduces every step's gradients with
+:class:`gtopk_plugin.GradientReducer`.  By default it trains twice from the
+same seed, once with dense allreduce (S-SGD) and once with the chosen method
+(gTop-k S-SGD: Shi et al., 2019, "A Distributed Synchronous SGD Algorithm with
+Global Top-k Sparsification for Low Bandwidth Networks", arXiv 1901.04359),
+and prints test accuracy and traffic side by side::
+
+    gtopk-demo                       # 4 workers, gtopk vs dense
+    python -m gtopk_plugin.demo --method rtopk --density 0.02 --json out.json
+
+Each worker gets its shard of every global batch; the reducer's update (the
+global top-k average for gTop-k, with error feedback keeping what was not
+sent, Algorithm 2 of the paper) is written into ``p.grad`` and applied by
+``torch.optim.SGD`` with momentum.  Exit status is non-zero if any worker
+raises, dies, or the run exceeds ``--timeout``; the surviving workers are
+killed rather than left waiting in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, List, Optional, Sequence
+
+METHODS = ("dense", "topk", "gtopk", "rtopk", "randomk", "threshold")
+DEFAULTS = dict(workers=4, method="gtopk", density=0.05, epochs=6, batch_size=64, lr=0.05,
+                momentum=0.9, seed=0, timeout=600.0)
+_TEST_FRACTION = 0.2  # fixed train/test split of the 1797 digits (1437 / 360)
+
+
+# --------------------------------------------------------------------- CLI
+def _density(text: str) -> float:
+    try:
+        d = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"density must be a number in (0, 1]; got {text!r}") from None
+    if not (0.0 < d <= 1.0):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"density must be in (0, 1] (fraction of gradient entries "
+                                         f"sent, e.g. 0.05); got {text}")
+    return d
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}; got {text!r}") from None
+        if not (v > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}; got {text}")
+        return v
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="gtopk-demo",
+        description="Train a small CNN on the 8x8 digits with P local gloo workers, reducing "
+                    "gradients with gtopk_plugin (gTop-k S-SGD, Shi et al. 2019), and compare "
+                    "accuracy and traffic with dense allreduce.")
+    p.add_argument("--workers", type=_positive(int), default=d["workers"],
+                   help=f"number of worker processes P (default {d['workers']})")
+    p.add_argument("--method", choices=METHODS, default=d["method"],
+                   help=f"gradient reduction method (default {d['method']})")
+    p.add_argument("--density", type=_density, default=d["density"],
+                   help=f"fraction of entries each worker sends per layer, in (0, 1] "
+                        f"(default {d['density']})")
+    p.add_argument("--epochs", type=_positive(int), default=d["epochs"],
+                   help=f"training epochs per run (default {d['epochs']})")
+    p.add_argument("--batch-size", type=_positive(int), default=d["batch_size"],
+                   help=f"global batch size, split across workers (default {d['batch_size']})")
+    p.add_argument("--lr", type=_positive(float), default=d["lr"],
+                   help=f"SGD learning rate (default {d['lr']})")
+    p.add_argument("--momentum", type=float, default=d["momentum"],
+                   help=f"SGD momentum (default {d['momentum']})")
+    p.add_argument("--seed", type=int, default=d["seed"], help=f"random seed (default {d['seed']})")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the dense-allreduce baseline run")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--timeout", type=_positive(float), default=d["timeout"],
+                   help=f"seconds before the whole run is abandoned (default {d['timeout']:g})")
+    # Test-only hook (tests/test_demo.py): rank N raises at training step 1 of
+    # the first run, to check that a failing worker ends the demo non-zero
+    # without hanging.  Hidden from --help.
+    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < args.workers:
+        parser.error(f"--batch-size ({args.batch_size}) must be at least --workers ({args.workers}) "
+                     "so that every worker gets a sample of each batch")
+    if not (0.0 <= args.momentum < 1.0):
+        parser.error(f"--momentum must be in [0, 1); got {args.momentum}")
+    if args.fail_rank is not None and not (0 <= args.fail_rank < args.workers):
+        parser.error(f"--fail-rank must be in [0, {args.workers - 1}]; got {args.fail_rank}")
+    return args
+
+
+# ------------------------------------------------------------------ data
+def load_data(seed: int):
+    """The 8x8 digits as float32 arrays in [0, 1], split once (stratified,
+    ``random_state=seed``) into train and test sets."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None, :, :]  # N x 1 x 8 x 8
+    y = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=_TEST_FRACTION, random_state=seed,
+                                              stratify=y)
+    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+
+
+# ----------------------------------------------------------------- model
+def build_model():
+    """A small CNN for 8x8 inputs (~39k parameters)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 32 x 4 x 4
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+# --------------------------------------------------------------- worker
+def _evaluate(model, x, y) -> float:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == y).float().mean().item()
+    model.train()
+    return acc
+
+
+def _apply_reduced_gradients(model, reducer) -> None:
+    """Reduce every parameter's gradient across workers and write the update
+    (dense average, or the sparse global top-k average) back into ``p.grad``."""
+    params = {n: p for n, p in model.named_parameters() if p.grad is not None}
+    updates = reducer.reduce({n: p.grad for n, p in params.items()})
+    for n, p in params.items():
+        p.grad.copy_(updates[n])
+
+
+def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int):
+    """Global batches of one epoch: the same permutation on every rank
+    (seeded by (seed, epoch)); the last partial batch is dropped."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return [perm[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Optional[int]) -> dict:
+    """One full training run on this rank; returns its metrics (rank 0's test
+    accuracy, this rank's traffic).  Collective: all ranks call it together."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import gtopk_plugin as gp
+
+    # Same initial weights on every rank; per-process stream afterwards.
+    torch.manual_seed(args.seed)
+    model = build_model()
+    torch.manual_seed(args.seed * 1_000_003 + rank)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed)
+    x_tr, y_tr = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
+    x_te, y_te = torch.from_numpy(data["x_test"]), torch.from_numpy(data["y_test"])
+
+    show = rank == 0
+    if show:
+        from tqdm import tqdm
+    bytes_sent = dense_bytes = control_bytes = steps = 0
+    history = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        batches = _epoch_batches(len(y_tr), args.batch_size, args.seed, epoch)
+        bar = tqdm(batches, desc=f"{method:>9} epoch {epoch + 1}/{args.epochs}", unit="step",
+                   leave=False, file=sys.stderr, dynamic_ncols=True) if show else batches
+        loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of losses, batches)
+        for batch in bar:
+            if fail_at_step is not None and steps == fail_at_step:
+                raise RuntimeError(f"--fail-rank: rank {rank} fails on purpose at step {steps}")
+            shard = torch.tensor_split(batch, world)[rank]
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x_tr[shard]), y_tr[shard])
+            loss.backward()
+            _apply_reduced_gradients(model, reducer)
+            opt.step()
+            st = reducer.last_stats
+            bytes_sent += st.bytes_sent
+            dense_bytes += st.dense_bytes
+            control_bytes += st.control_bytes
+            steps += 1
+            loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        dist.all_reduce(loss_sum)  # mean loss over all workers' shards
+        epoch_loss = (loss_sum[0] / loss_sum[1]).item()
+        if show:
+            acc = _evaluate(model, x_te, y_te)
+            history.append({"epoch": epoch + 1, "loss": epoch_loss, "test_accuracy": acc})
+            bar.close()
+            per_step, dense_per_step = bytes_sent / steps, dense_bytes / steps
+            print(f"[{method}] epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.4f}  "
+                  f"test acc {acc:.2%}  sent/step/worker {_fmt_bytes(per_step)} vs dense "
+                  f"{_fmt_bytes(dense_per_step)} ({per_step / dense_per_step:.2%})", flush=True)
+    wall = time.perf_counter() - t0
+    totals = torch.tensor([bytes_sent, dense_bytes, control_bytes], dtype=torch.float64)
+    dist.all_reduce(totals)  # traffic of all workers together
+    return {"method": method, "density": 1.0 if method == "dense" else args.density,
+            "test_accuracy": _evaluate(model, x_te, y_te), "final_loss": history[-1]["loss"] if history else None,
+            "steps": steps, "bytes_per_step_per_worker": totals[0].item() / (steps * world),
+            "dense_bytes_per_step_per_worker": totals[1].item() / (steps * world),
+            "total_bytes": int(totals[0].item()), "total_control_bytes": int(totals[2].item()),
+            "wall_time_s": wall, "history": history}
+
+
+def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[str], args, data) -> None:
+    """Process entry point: join the gloo group, run each method in turn,
+    write rank 0's results; on any exception write the traceback and exit 1."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        results = []
+        for i, method in enumerate(methods):
+            fail = 1 if (i == 0 and args.fail_rank == rank) else None
+            results.append(train_one(method, args, data, rank, world, fail))
+        dist.barrier()
+        if rank == 0:
+            _write_json(os.path.join(outdir, "results.json"), results)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes back to the launcher
+        with open(os.path.join(outdir, f"error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown, which may wait on dead peers
+
+
+# --------------------------------------------------------------- launcher
+class DemoError(RuntimeError):
+    """A worker failed, died or timed out."""
+
+
+def launch(methods: List[str], args, data) -> List[dict]:
+    """Run ``methods`` on ``args.workers`` spawned gloo processes; return rank
+    0's results.  Raises :class:`DemoError` (after killing every worker) if
+    any worker fails or the run exceeds ``args.timeout``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    tmpdir = tempfile.mkdtemp(prefix="gtopk-demo-")
+    procs = []
+    try:
+        rendezvous = f"file://{os.path.join(tmpdir, 'rendezvous')}"
+        procs = [ctx.Process(target=_worker, args=(r, args.workers, rendezvous, tmpdir, methods, args, data),
+                             name=f"gtopk-demo-rank{r}", daemon=True) for r in range(args.workers)]
+        for p in procs:
+            p.start()
+        _supervise(procs, tmpdir, args.timeout)
+        with open(os.path.join(tmpdir, "results.json")) as f:
+            return json.load(f)
+    finally:
+        _kill(procs)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _supervise(procs, tmpdir: str, timeout: float) -> None:
+    """Wait for all workers; on the first failure or at the deadline, raise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            raise DemoError(_failure_message(failed, codes, tmpdir))
+        if all(c == 0 for c in codes):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            hung = [r for r, c in enumerate(codes) if c is None]
+            raise DemoError(f"timed out after {timeout:g} s (ranks {hung} still running); "
+                            "all workers were killed (raise --timeout for slower machines)")
+        mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=min(left, 1.0))
+
+
+def _failure_message(failed: List[int], codes, tmpdir: str) -> str:
+    lines = []
+    for r in failed:
+        path = os.path.join(tmpdir, f"error.{r}")
+        if os.path.exists(path):
+            with open(path) as f:
+                tb = f.read().rstrip()
+            last = tb.splitlines()[-1] if tb else "unknown error"
+            lines.append(f"worker rank {r} failed (exit code {codes[r]}): {last}\n{tb}")
+        else:
+            lines.append(f"worker rank {r} died with exit code {codes[r]}")
+    return "\n".join(lines) + "\nall workers were killed"
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+# ----------------------------------------------------------------- report
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def format_table(results: List[dict]) -> str:
+    """method | test accuracy | bytes sent/step/worker | total bytes | wall time."""
+    head = ["method", "density", "test accuracy", "bytes sent/step/worker", "vs dense", "total bytes",
+            "wall time"]
+    rows = [[r["method"], f"{r['density']:g}", f"{r['test_accuracy']:.2%}",
+             _fmt_bytes(r["bytes_per_step_per_worker"]),
+             f"{r['bytes_per_step_per_worker'] / r['dense_bytes_per_step_per_worker']:.2%}",
+             _fmt_bytes(r["total_bytes"]), f"{r['wall_time_s']:.1f} s"] for r in results]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point ``gtopk-demo``; returns the exit status."""
+    args = parse_args(argv)
+    methods = [args.method] if (args.no_compare or args.method == "dense") else ["dense", args.method]
+    print(f"gtopk-demo: {args.workers} workers (gloo), methods {', '.join(methods)}, density "
+          f"{args.density:g}, {args.epochs} epochs, global batch {args.batch_size}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        data = load_data(args.seed)
+        results = launch(methods, args, data)
+    except DemoError as e:
+        print(f"gtopk-demo: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("gtopk-demo: interrupted; all workers were killed", file=sys.stderr, flush=True)
+        return 130
+    total = time.perf_counter() - t0
+    print()
+    print(format_table(results))
+    print(f"\n(total wall time including process start-up: {total:.1f} s)", flush=True)
+    if args.json:
+        out = {"workers": args.workers, "epochs": args.epochs, "batch_size": args.batch_size,
+               "lr": args.lr, "momentum": args.momentum, "seed": args.seed,
+               "total_wall_time_s": total, "results": {r["method"]: r for r in results}}
+        try:
+            _write_json(args.json, out)
+        except OSError as e:
+            print(f"gtopk-demo: error: cannot write --json {args.json}: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

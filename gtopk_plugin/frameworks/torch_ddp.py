@@ -1,0 +1,317 @@
+"""PyTorch DDP communication hook: sparse gradient reduction for
+``DistributedDataParallel``.
+
+Modelled on ``torch/distributed/algorithms/ddp_comm_hooks``: one state object
+holds every setting and all memory, and a plain function ``hook(state,
+bucket) -> Future`` does the work::
+
+    import gtopk_plugin as gp
+
+    ddp = DistributedDataParallel(model)
+    state = gp.torch_ddp.SparseState(method="gtopk", density=0.01,
+                                     named_parameters=model.named_parameters())
+    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
+
+The state wraps ONE :class:`gtopk_plugin.GradientReducer`, so error-feedback
+residuals, the step counter (density warm-up, random-k seeds) and the RNG live
+in one place and are checkpointed together (``state_dict()`` or pickle).
+
+Note: this module deliberately does not use ``from __future__ import
+annotations``: DDP's ``register_comm_hook`` compares the hook's annotations
+with the real ``dist.GradBucket`` / ``Future[Tensor]`` objects, and string
+annotations would fail that check.
+"""
+import inspect
+import logging
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..reducer import GradientReducer
+from ..stats import ReduceStats
+from .torch_distributed import TorchDistributedTransport
+
+__all__ = ["SparseState", "sparse_hook"]
+
+logger = logging.getLogger(__name__)
+
+# GradientReducer keywords a SparseState passes through.  ``transport`` is not
+# among them: the state builds its own TorchDistributedTransport on
+# ``process_group`` so that pickling can drop and rebind the group.
+_REDUCER_KWARGS = tuple(n for n in inspect.signature(GradientReducer.__init__).parameters
+                        if n not in ("self", "transport"))
+_STATE_VERSION = 1
+_TRAFFIC_FIELDS = ("bytes_sent", "bytes_received", "payload_bytes_sent", "payload_bytes_received",
+                   "header_bytes_sent", "header_bytes_received", "control_bytes", "dense_bytes",
+                   "messages_sent", "numel", "k", "sent_entries")
+
+
+class SparseState:
+    r"""State of :func:`sparse_hook`: the reducer's settings and memory.
+
+    Hyper-parameters the user tunes (validated here; ``ValueError`` on bad
+    values):
+        method, density, and every other :class:`~gtopk_plugin.GradientReducer`
+        keyword except ``transport`` (``r_factor``, ``merge``, ``granularity``,
+        ``value_dtype``, ``op``, ``seed``, ``warmup``, ``nonfinite``,
+        ``error_feedback``, ``kernels``).
+        process_group: the group DDP reduces over (``None``: the default
+            group).  Must be the same group as DDP's ``process_group``.
+        named_parameters: optional iterable of ``(name, parameter)``, e.g.
+            ``model.named_parameters()``.  Residuals and checkpoints are then
+            keyed by these names.  Without it parameters are named
+            ``"param0"``, ``"param1"``, ... in the order the hook first sees
+            them; that order is the same on every rank and after a restart
+            because DDP's first iteration always runs on the initial bucket
+            layout (buckets are rebuilt only after it).
+        timeout: seconds one exchange may take before this rank raises
+            (default: ``GTOPK_TIMEOUT`` or 300 s).
+
+    Internal state (checkpointed by :meth:`state_dict` and by pickling):
+        the reducer's residuals, step counter and RNG state, and the
+        parameter names in the order the hook first saw them.
+
+    ``op="average"`` (the default) already divides by the world size, so
+    ``param.grad`` after ``backward()`` is the averaged sparse update, as with
+    DDP's default allreduce.
+    """
+
+    def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 timeout: Optional[float] = None, **reducer_kwargs):
+        if "transport" in reducer_kwargs:
+            raise ValueError("SparseState builds its own transport on `process_group`; pass "
+                             "process_group=<torch.distributed group> instead of transport=")
+        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS))
+        if unknown:
+            raise ValueError(f"unknown SparseState keyword(s) {', '.join(map(repr, unknown))}; "
+                             f"accepted: method, density, process_group, named_parameters, timeout, "
+                             f"{', '.join(n for n in _REDUCER_KWARGS if n not in ('method', 'density'))}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError("process_group must be None (the default group) or a "
+                             "torch.distributed ProcessGroup (e.g. from dist.new_group); got "
+                             f"{type(process_group).__name__}")
+        # -- hyper-parameters (kept so that unpickling can rebuild the reducer) --
+        self._reducer_kwargs = dict(reducer_kwargs, method=method, density=density)
+        self.process_group = process_group
+        self.timeout = timeout
+        # GradientReducer / ReducerConfig / the transport validate every
+        # other value with a ValueError naming the keyword.
+        self.reducer = GradientReducer(
+            transport=TorchDistributedTransport(group=process_group, timeout=timeout),
+            **self._reducer_kwargs)
+        # -- parameter naming --
+        # id(param) -> name as given by the user (holds the parameter too, so
+        # that its id cannot be reused by another object while we map it).
+        self._given: Dict[int, Tuple[torch.Tensor, str]] = {}
+        self._named = named_parameters is not None
+        if self._named:
+            self.set_named_parameters(named_parameters)
+        # id(param) -> (param, name) for parameters the hook has seen in this
+        # process, in the order it first saw them.
+        self._seen: Dict[int, Tuple[torch.Tensor, str]] = {}
+        # (name, shape) in first-appearance order: survives pickling and
+        # state_dict(), so that a restarted job names its parameters the same
+        # way even though ids do not survive a process.
+        self._order: List[Tuple[str, Tuple[int, ...]]] = []
+        # -- per-step traffic (sum over the buckets of one training step) --
+        self._traffic_acc: Dict[str, int] = {}
+        self.last_step_traffic: Optional[Dict[str, int]] = None
+
+    # ------------------------------------------------------------------ API
+    @property
+    def last_stats(self) -> Optional[ReduceStats]:
+        """The reducer's statistics of the last bucket reduced."""
+        return self.reducer.last_stats
+
+    @property
+    def step(self) -> int:
+        """Training steps completed (advanced once per step, at the last bucket)."""
+        return self.reducer.step
+
+    @property
+    def param_names(self) -> List[str]:
+        """Parameter names in the order the hook first saw them."""
+        return [n for n, _ in self._order]
+
+    def name_of(self, param: torch.Tensor) -> str:
+        """The name under which ``param``'s gradient is reduced (assigns the
+        next name the first time a parameter is seen)."""
+        hit = self._seen.get(id(param))
+        if hit is not None:
+            return hit[1]
+        shape = tuple(param.shape)
+        n = len(self._seen)
+        if self._given:
+            g = self._given.get(id(param))
+            if g is None:
+                raise ValueError(
+                    f"DDP bucket holds a parameter of shape {shape} that is not in the "
+                    "named_parameters given to SparseState; pass the named_parameters() of the "
+                    "module wrapped by this DistributedDataParallel")
+            name = g[1]
+            recorded = dict(self._order).get(name)
+            if recorded is None:
+                self._order.append((name, shape))
+            elif recorded != shape:
+                raise RuntimeError(f"parameter {name!r} has shape {shape} but the loaded state "
+                                   f"recorded {recorded}: the model changed")
+        elif n < len(self._order):
+            # Restored state: the n-th parameter seen gets the n-th recorded
+            # name (DDP's first iteration uses the initial bucket layout, so
+            # first-appearance order is the same as before the restart).
+            name, recorded = self._order[n]
+            if recorded != shape:
+                raise RuntimeError(
+                    f"the parameter seen {n}-th by the hook has shape {shape}, but the restored "
+                    f"state recorded {recorded} for {name!r}: the model or its bucket layout "
+                    "changed (register a restored state on a freshly built DDP model, or pass "
+                    "named_parameters / call set_named_parameters)")
+        elif self._named:
+            raise RuntimeError(
+                "this SparseState was unpickled and sees more parameters than it recorded; "
+                "call state.set_named_parameters(model.named_parameters()) before training")
+        else:
+            name = f"param{n}"
+            self._order.append((name, shape))
+        self._seen[id(param)] = (param, name)
+        return name
+
+    def set_named_parameters(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """(Re)bind names to parameters, e.g. after unpickling a state into a
+        process whose model is not fresh."""
+        given: Dict[int, Tuple[torch.Tensor, str]] = {}
+        names = set()
+        try:
+            items = list(named_parameters)
+        except TypeError:
+            raise ValueError("named_parameters must be an iterable of (name, parameter) pairs, "
+                             f"e.g. model.named_parameters(); got {type(named_parameters).__name__}") from None
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise ValueError("named_parameters must yield (str, torch.Tensor) pairs, e.g. "
+                                 f"model.named_parameters(); got {item!r:.80}")
+            name, p = item
+            if name in names:
+                raise ValueError(f"named_parameters names {name!r} twice; names must be unique")
+            names.add(name)
+            # A tied parameter listed under several names keeps its first name,
+            # as nn.Module.named_parameters() does.
+            given.setdefault(id(p), (p, name))
+        if not given:
+            raise ValueError("named_parameters is empty; pass model.named_parameters()")
+        self._given = given
+        self._named = True
+        self._seen = {}
+
+    def state_dict(self) -> dict:
+        """Everything a bit-exact resume needs: the reducer's residuals, step
+        and RNG state, and the parameter names in first-appearance order."""
+        return {"version": _STATE_VERSION, "reducer": self.reducer.state_dict(),
+                "named": self._named, "params": [(n, list(s)) for n, s in self._order]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported SparseState state version "
+                             f"{sd.get('version') if isinstance(sd, dict) else sd!r}")
+        order = [(str(n), tuple(int(d) for d in s)) for n, s in sd["params"]]
+        residual_names = set(sd["reducer"].get("residuals", {}))
+        known = {n for n, _ in order}
+        if self._given:
+            known = {name for _, name in self._given.values()}
+        missing = sorted(residual_names - known)
+        if missing:
+            raise ValueError(
+                f"the state holds residuals for {missing[:5]} which this SparseState does not "
+                "name (saved with different named_parameters, or with automatic names while "
+                "this state has named_parameters, or vice versa)")
+        if not self._given:
+            # Parameters already seen in this process must agree with the
+            # recorded first-appearance order, or their residuals would be
+            # attached to the wrong tensors.
+            for i, (name, p_name) in enumerate(zip(order, (v[1] for v in self._seen.values()))):
+                if name[0] != p_name:
+                    raise ValueError(f"parameter {i} is named {p_name!r} here but {name[0]!r} in "
+                                     "the state; load the state before the first backward")
+        self.reducer.load_state_dict(sd["reducer"])
+        self._order = order
+        self._named = bool(sd.get("named", self._named)) or bool(self._given)
+
+    # ------------------------------------------------------------- pickling
+    # Process groups cannot be pickled (and a saved group would be meaningless
+    # in another job), so they are dropped and the state rebinds to the
+    # default group, as DDP's PowerSGDState does.  Parameter ids do not
+    # survive a process either: the state keeps names in first-appearance
+    # order instead (see ``name_of``).
+    def __getstate__(self):
+        if self.process_group is not None:
+            logger.warning("NOTE: process group is not serializable and is excluded from the "
+                           "saved SparseState.")
+        return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
+                "timeout": self.timeout, "state": self.state_dict(),
+                "last_step_traffic": self.last_step_traffic}
+
+    def __setstate__(self, d):
+        if d.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported pickled SparseState version {d.get('version')!r}")
+        self._reducer_kwargs = dict(d["reducer_kwargs"])
+        self.process_group = None  # the default group, resolved lazily
+        self.timeout = d["timeout"]
+        self.reducer = GradientReducer(transport=TorchDistributedTransport(group=None, timeout=self.timeout),
+                                       **self._reducer_kwargs)
+        self._given, self._seen, self._order = {}, {}, []
+        self._named = False
+        self._traffic_acc = {}
+        self.last_step_traffic = d.get("last_step_traffic")
+        self.load_state_dict(d["state"])
+
+    # ------------------------------------------------------------ internals
+    def _record_traffic(self, last: bool) -> None:
+        st = self.reducer.last_stats
+        if st is not None:
+            for f in _TRAFFIC_FIELDS:
+                self._traffic_acc[f] = self._traffic_acc.get(f, 0) + int(getattr(st, f))
+            self._traffic_acc["buckets"] = self._traffic_acc.get("buckets", 0) + 1
+        if last:
+            self.last_step_traffic, self._traffic_acc = self._traffic_acc, {}
+
+    def __repr__(self):
+        kw = ", ".join(f"{k}={v!r}" for k, v in sorted(self._reducer_kwargs.items()))
+        return f"SparseState({kw}, step={self.step})"
+
+
+def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: reduce the bucket's gradients with
+    ``state``'s :class:`~gtopk_plugin.GradientReducer` (sparse selection with
+    error feedback, then sparse allgather, gTop-k butterfly or dense
+    allreduce) and return the averaged update in the bucket buffer's layout.
+
+    Example::
+        >>> ddp_model.register_comm_hook(SparseState(method="gtopk", density=0.01), sparse_hook)
+    """
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    # Residuals are keyed by parameter name, not bucket index: DDP rebuilds
+    # its buckets after the first iteration, so a bucket's index and content
+    # change while each parameter keeps its name.
+    names = [state.name_of(p) for p in params]
+    # Several buckets make up one training step; only the last one advances
+    # the step counter, so that the warm-up density and random-k draws are
+    # per step, not per bucket.
+    updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=bucket.is_last())
+    state._record_traffic(bucket.is_last())
+    buffer = bucket.buffer()
+    flat = torch.cat([updates[n].reshape(-1) for n in names]) if names else buffer.new_zeros(0)
+    if flat.numel() != buffer.numel():
+        raise RuntimeError(f"DDP bucket {bucket.index()} buffer has {buffer.numel()} elements but "
+                           f"its gradients have {flat.numel()}; unsupported bucket layout")
+    # The reducer already divided by the world size (op="average"); DDP
+    # copies the future's value into the gradients as is.  Writing into the
+    # buffer in place (the reducer has consumed the gradients) avoids another
+    # bucket-sized allocation, as torch's own compression hooks do.
+    buffer.copy_(flat.view_as(buffer))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
