@@ -1,0 +1,154 @@
+"""Bytes per worker per step, and communication time, for every method side
+by side, measured on real gloo process groups on this machine (loopback).
+
+    python -m benchmarks.bytes_per_step --workers 4 8 --numel 1000000 --density 0.001 0.01
+
+Prints a table per (P, density) and writes JSON + PNG to benchmarks/results/.
+Loopback is not a slow network: the byte counts are exact and carry over to
+any network; the times only rank methods on this machine (the emulated
+1 GbE cluster of issue #6 measures time on a shaped link).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+METHODS = ["dense", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+
+
+def layer_shapes(numel: int):
+    """A model-like layout: a few conv/linear layers of decreasing size plus
+    biases, totalling ``numel`` elements."""
+    fracs = [0.5, 0.25, 0.15, 0.0999]
+    shapes = {f"layer{i}.weight": (max(1, int(numel * f)),) for i, f in enumerate(fracs)}
+    rest = numel - sum(s[0] for s in shapes.values())
+    shapes["layers.bias"] = (max(1, rest),)
+    return shapes
+
+
+def _worker(rank, P, tmp, args, queue):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import gtopk_plugin as gp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=300))
+    shapes = layer_shapes(args.numel)
+    g = torch.Generator().manual_seed(rank)
+    grads = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(2)]
+    rows = []
+    for density in args.density:
+        for method in args.methods:
+            red = gp.GradientReducer(method=method, density=density)
+            stats = []
+            for s in range(args.warmup + args.steps):
+                dist.barrier()
+                red.reduce(grads[s % 2])
+                if s >= args.warmup:
+                    stats.append(red.last_stats)
+            st = stats[-1]
+            rows.append(dict(P=P, density=density, method=method, numel=st.numel, k=st.k,
+                             bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+                             rounds=st.rounds, messages=st.messages_sent, dense_bytes=st.dense_bytes,
+                             comm_ms=statistics.median(x.seconds.get("communicate", 0) for x in stats) * 1e3,
+                             total_ms=statistics.median(x.seconds["total"] for x in stats) * 1e3))
+    # every rank reports; the table shows the max over ranks (the slowest link)
+    queue.put((rank, rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(P, args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, P, tmp, args, q)) for r in range(P)]
+        for p in procs:
+            p.start()
+        got = dict(q.get(timeout=1800) for _ in range(P))
+        for p in procs:
+            p.join(60)
+        if any(p.exitcode != 0 for p in procs):
+            raise SystemExit(f"a worker failed at P={P}: exit codes {[p.exitcode for p in procs]}")
+    merged = []
+    for i, row in enumerate(got[0]):
+        row = dict(row)
+        for key in ("bytes_sent", "bytes_received", "comm_ms", "total_ms"):
+            row[key] = max(got[r][i][key] for r in range(P))
+        merged.append(row)
+    return merged
+
+
+def print_table(rows):
+    hdr = f"{'P':>2} {'density':>8} {'method':>9} {'k':>8} {'sent B/step':>12} {'recv B/step':>12} " \
+          f"{'vs dense':>9} {'rounds':>6} {'comm ms':>8} {'total ms':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ratio = r["dense_bytes"] / max(1, r["bytes_sent"])
+        print(f"{r['P']:>2} {r['density']:>8g} {r['method']:>9} {r['k']:>8} {r['bytes_sent']:>12,} "
+              f"{r['bytes_received']:>12,} {ratio:>8.1f}x {r['rounds']:>6} {r['comm_ms']:>8.2f} "
+              f"{r['total_ms']:>8.2f}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')")
+        return
+    densities = sorted({r["density"] for r in rows})
+    fig, axes = plt.subplots(1, len(densities), figsize=(6 * len(densities), 4), squeeze=False)
+    for ax, d in zip(axes[0], densities):
+        for m in METHODS:
+            pts = sorted((r["P"], r["bytes_sent"]) for r in rows if r["density"] == d and r["method"] == m)
+            if pts:
+                ax.plot([p for p, _ in pts], [b for _, b in pts], marker="o", label=m)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers P")
+        ax.set_ylabel("bytes sent per worker per step")
+        ax.set_title(f"density {d:g}, N = {rows[0]['numel']:,}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--numel", type=int, default=1_000_000)
+    ap.add_argument("--density", type=float, nargs="+", default=[0.001, 0.01])
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json", default=os.path.join(RESULTS, "bytes_per_step.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    for P in args.workers:
+        rows += run(P, args)
+    print_table(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "torch": torch.__version__}, f, indent=1)
+    png = os.path.splitext(args.json)[0] + ".png"
+    plot(rows, png)
+    print(f"wrote {args.json} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
