@@ -19,8 +19,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from . import consistency, kernels
-from .collectives import dense_allreduce, gtopk_allreduce, sparse_allgather
-from .collectives.transport import Transport
+from . import collectives
+from .collectives import Selection, Transport
 from .compress import ErrorFeedback, SelectionContext, registry
 from .config import ReducerConfig
 from .stats import ReduceStats
@@ -82,6 +82,7 @@ class GradientReducer:
         self.transport = transport
         self.selector = registry.get(method)(r_factor=self.config.r_factor)
         self.aggregation = self.config.aggregation
+        self._aggregation = collectives.get(self.aggregation)
         # -- internal state (checkpointed) --
         self.memory = ErrorFeedback(self.config.error_feedback)
         self.step = 0
@@ -122,62 +123,39 @@ class GradientReducer:
                          for n, t in zip(names, tensors)])
         numel = acc.numel()
         offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
-        wire_dtype = cfg.value_dtype or dtype
-        idx_dtype = kernels.index_dtype(numel)
         t1 = time.perf_counter()
+        ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
+                               generator=self._rng() if self.selector.uses_generator else None,
+                               kernels=cfg.kernels)
+        idx, vals = self.selector.select(acc, offsets, k, ctx)
+        wire_vals = vals.to(cfg.value_dtype or dtype)
+        seconds["select"] = time.perf_counter() - t1
 
-        if self.aggregation == "dense":
-            idx = None
-            wire_vals = acc.to(wire_dtype)
-            seconds["select"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            summed = dense_allreduce(wire_vals, self.transport).to(dtype)
-            seconds["communicate"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            residual = acc - wire_vals.to(dtype)
-            divisor = P if cfg.op == "average" else 1
-            update = summed / divisor if divisor != 1 else summed
-            selected = sent = numel
-            rounds = 0 if P == 1 else 2 * (P - 1)
+        t2 = time.perf_counter()
+        agg = self._aggregation(Selection(
+            idx=idx, vals=wire_vals, numel=numel, offsets=offsets, k=k,
+            idx_dtype=kernels.index_dtype(numel), sum_dtype=dtype,
+            static_count=self.selector.exact_count, kernels=cfg.kernels), self.transport)
+        seconds["communicate"] = time.perf_counter() - t2
+
+        t3 = time.perf_counter()
+        divisor = P if cfg.op == "average" else 1
+        if agg.idx is None:
+            update = agg.vals.to(dtype)
+            update = update / divisor if divisor != 1 else update
         else:
-            ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
-                                   generator=self._rng() if self.selector.uses_generator else None,
-                                   kernels=cfg.kernels)
-            idx, vals = self.selector.select(acc, offsets, k, ctx)
-            wire_vals = vals.to(wire_dtype)
-            sent_vals = wire_vals.to(dtype)  # what travels, in acc's dtype
-            seconds["select"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            divisor = P if cfg.op == "average" else 1
-            if self.aggregation == "gtopk":
-                br = gtopk_allreduce(idx, wire_vals, offsets, k, self.transport, idx_dtype,
-                                     static_count=self.selector.exact_count, kernels_choice=cfg.kernels)
-                seconds["communicate"] = time.perf_counter() - t2
-                t3 = time.perf_counter()
-                reached = br.sent_mask
-                update = kernels.scatter_update(numel, br.idx, br.vals, divisor, dtype, kernels=cfg.kernels)
-                rounds = br.rounds
-            elif self.aggregation == "allgather":
-                summed = sparse_allgather(idx, wire_vals, numel, self.transport, idx_dtype, dtype,
-                                          static_count=self.selector.exact_count)
-                seconds["communicate"] = time.perf_counter() - t2
-                t3 = time.perf_counter()
-                reached = None
-                update = summed / divisor if divisor != 1 else summed
-                rounds = P - 1
-            elif self.aggregation == "allreduce_values":
-                summed = dense_allreduce(wire_vals, self.transport)
-                seconds["communicate"] = time.perf_counter() - t2
-                t3 = time.perf_counter()
-                reached = None
-                update = kernels.scatter_update(numel, idx, summed, divisor, dtype, kernels=cfg.kernels)
-                rounds = 0 if P == 1 else 2 * (P - 1)
-            else:  # pragma: no cover - registry guarantees a known aggregation
-                raise RuntimeError(f"unknown aggregation {self.aggregation!r}")
-            if reached is not None:
-                idx, sent_vals = idx[reached], sent_vals[reached]
+            update = kernels.scatter_update(numel, agg.idx, agg.vals, divisor, dtype, kernels=cfg.kernels)
+        # Residual: acc less what reached the global result, as it travelled.
+        sent_vals = wire_vals.to(dtype)
+        if idx is None:
+            residual = acc - sent_vals
+        else:
+            if agg.reached is not None:
+                idx, sent_vals = idx[agg.reached], sent_vals[agg.reached]
             residual = self.memory.remainder(acc, idx, sent_vals, cfg.kernels)
-            selected, sent = int(vals.numel()), int(idx.numel())
+        selected = int(vals.numel())
+        sent = numel if idx is None else int(idx.numel())
+        rounds = agg.rounds
 
         for n, part in zip(names, torch.split(residual, sizes)):
             self.memory.update(n, part)

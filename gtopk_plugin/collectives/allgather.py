@@ -3,28 +3,26 @@ worker receives every other worker's (index, value) set, O(kP) traffic, and
 sums them in rank order so every rank gets the same bits (DESIGN.md §3)."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 
 from . import wire
+from .base import Aggregated, Aggregation, Selection, register
 from .transport import Transport
 
 
-def sparse_allgather(idx: torch.Tensor, vals: torch.Tensor, numel: int, transport: Transport,
-                     idx_dtype: torch.dtype, sum_dtype: torch.dtype,
-                     static_count: bool) -> torch.Tensor:
-    """Dense sum (``numel`` entries, ``sum_dtype``) of all ranks' sparse sets.
+@register("allgather")
+class SparseAllGather(Aggregation):
+    """Dense sum (``sel.sum_dtype``) of all ranks' sparse sets.  Exact top-k
+    sets have the same size on every rank, so no size headers travel.  Every
+    local entry reaches the result."""
 
-    ``static_count``: every rank sends the same number of entries (exact
-    top-k), so no size headers travel.  Every local entry reaches the result.
-    """
-    blob = wire.pack(idx, vals, idx_dtype)
-    P = transport.size
-    sizes: Optional[List[int]] = [blob.numel()] * P if static_count else None
-    blobs = transport.allgather_blobs(blob, sizes) if P > 1 else [blob]
-    out = torch.zeros(numel, dtype=sum_dtype, device=vals.device)
-    for b in blobs:  # rank order: identical bits on every rank
-        i, v, _ = wire.unpack(b.to(vals.device), idx_dtype, vals.dtype)
-        out.index_add_(0, i.long(), v.to(sum_dtype))
-    return out
+    def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
+        blob = wire.pack(sel.idx, sel.vals, sel.idx_dtype)
+        P = transport.size
+        sizes = [blob.numel()] * P if sel.static_count else None
+        blobs = transport.allgather_blobs(blob, sizes) if P > 1 else [blob]
+        out = torch.zeros(sel.numel, dtype=sel.sum_dtype, device=sel.vals.device)
+        for b in blobs:  # rank order: identical bits on every rank
+            i, v, _ = wire.unpack(b.to(sel.vals.device), sel.idx_dtype, sel.vals.dtype)
+            out.index_add_(0, i.long(), v.to(sel.sum_dtype))
+        return Aggregated(None, out, None, P - 1)

@@ -1,15 +1,33 @@
-"""Dense allreduce (S-SGD baseline) and the value-only allreduce of random-k,
-whose indices are known to every rank."""
+"""Dense allreduce (the S-SGD baseline) and the value-only allreduce of
+random-k, whose indices every rank already knows."""
 from __future__ import annotations
 
-import torch
-
+from .base import Aggregated, Aggregation, Selection, register
 from .transport import Transport
 
 
-def dense_allreduce(values: torch.Tensor, transport: Transport) -> torch.Tensor:
-    """Sum of ``values`` over ranks (a new tensor)."""
-    out = values.clone()
+def _allreduce(vals, transport: Transport):
+    out = vals.clone()
     if transport.size > 1:
         transport.allreduce_sum_(out)
     return out
+
+
+def _ring_rounds(P: int) -> int:
+    return 0 if P == 1 else 2 * (P - 1)
+
+
+@register("dense")
+class DenseAllReduce(Aggregation):
+    """Sum of the whole accumulator (``sel.idx is None``)."""
+
+    def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
+        return Aggregated(None, _allreduce(sel.vals, transport), None, _ring_rounds(transport.size))
+
+
+@register("allreduce_values")
+class ValueAllReduce(Aggregation):
+    """Random-k: the same indices on every rank, values summed by allreduce."""
+
+    def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
+        return Aggregated(sel.idx, _allreduce(sel.vals, transport), None, _ring_rounds(transport.size))

@@ -22,6 +22,7 @@ import torch
 
 from .. import kernels
 from . import wire
+from .base import Aggregated, Aggregation, Selection, register
 from .transport import Transport
 
 Tensor = torch.Tensor
@@ -107,3 +108,13 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         # to it; only the result part may need a header.
         transport.send(partner, blob, with_header=not static_count)
     return ButterflyResult(cur_idx, cur_val, alive, _rounds(P))
+
+
+@register("gtopk")
+class GTopKAllReduce(Aggregation):
+    """The butterfly as an aggregation: the result is the ≤ k global set."""
+
+    def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
+        br = gtopk_allreduce(sel.idx, sel.vals, sel.offsets, sel.k, transport, sel.idx_dtype,
+                             static_count=sel.static_count, kernels_choice=sel.kernels)
+        return Aggregated(br.idx, br.vals, br.sent_mask, br.rounds)

@@ -1,7 +1,5 @@
 """Dense: no selection; the whole accumulator is summed by allreduce (the
 S-SGD baseline)."""
-import torch
-
 from .base import Selector
 from .registry import register
 
@@ -11,5 +9,5 @@ class DenseSelector(Selector):
     aggregation = "dense"
 
     def select(self, acc, offsets, k, ctx):
-        idx = torch.arange(acc.numel(), device=acc.device)
-        return idx, acc
+        # ``None`` indices: "everything", so no N-element index vector is built.
+        return None, acc

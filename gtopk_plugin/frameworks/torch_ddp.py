@@ -75,6 +75,18 @@ class SparseState:
     ``op="average"`` (the default) already divides by the world size, so
     ``param.grad`` after ``backward()`` is the averaged sparse update, as with
     DDP's default allreduce.
+
+    With granularity "layer" (the default) every deterministic method gives
+    exactly what one ``GradientReducer.reduce`` over all parameters gives,
+    whatever DDP's bucket layout.  rTop-k is the exception: its per-rank
+    generator is consumed segment by segment within each ``reduce()`` call,
+    so its draws depend on how DDP cuts the model into buckets.  Because a
+    restarted job's first iteration runs on the initial layout, an rTop-k run
+    resumes bit for bit only when the model fits in one bucket (or the
+    layout never changes); granularity "global" likewise selects per bucket.
+
+    ``last_step_traffic`` sums the reducer's byte counts over the buckets of
+    the last completed step (``bytes_sent``, ``dense_bytes``, ...).
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,

@@ -1,0 +1,70 @@
+"""Aggregation interface: how the workers' selected entries are combined.
+
+An aggregation takes this rank's selection and returns the global result
+plus which of this rank's entries reached it (what exact error feedback
+needs).  Aggregations talk only to a :class:`Transport`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Dict, Optional, Type
+
+import torch
+
+from .transport import Transport
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Selection:
+    """This rank's contribution.  ``idx is None`` means the dense vector."""
+
+    idx: Optional[Tensor]
+    vals: Tensor          # wire dtype
+    numel: int
+    offsets: Tensor
+    k: Tensor
+    idx_dtype: torch.dtype
+    sum_dtype: torch.dtype
+    static_count: bool    # every set in flight has exactly sum(k) entries
+    kernels: Optional[str] = None
+
+
+@dataclass
+class Aggregated:
+    """Global result: values at ``idx`` (``idx is None``: a dense vector of
+    ``numel``); ``reached`` flags this rank's entries that made it into the
+    result (``None``: all of them)."""
+
+    idx: Optional[Tensor]
+    vals: Tensor
+    reached: Optional[Tensor]
+    rounds: int
+
+
+class Aggregation(abc.ABC):
+    name = "?"
+
+    @abc.abstractmethod
+    def __call__(self, sel: Selection, transport: Transport) -> Aggregated: ...
+
+
+_REGISTRY: Dict[str, Type[Aggregation]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get(name: str) -> Aggregation:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown aggregation {name!r}; known: {', '.join(_REGISTRY)}") from None
