@@ -20,12 +20,12 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy framework layers: importing them pulls nothing heavy for users who
     # never touch them, and keeps ``gp.torch_ddp`` working as an attribute.
-    if name == "torch_ddp":
-        from .frameworks import torch_ddp
-        return torch_ddp
-    if name == "testing":
-        from . import testing
-        return testing
+    # importlib, not "from . import x": that form looks the name up on this
+    # module first and would re-enter __getattr__ forever.
+    if name in ("torch_ddp", "testing"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gtopk_plugin' has no attribute {name!r}")
 
 

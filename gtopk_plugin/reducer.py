@@ -53,7 +53,9 @@ class GradientReducer:
         value_dtype: None, torch.float16 or torch.bfloat16: values on the wire.
         op: "average" (divide by P) or "sum".
         transport: a :class:`Transport`; default: torch.distributed's default group.
-        seed: seed of random-k's shared draws and rTop-k's per-rank generator.
+        seed: seed of random-k's shared draws and rTop-k's per-rank draws
+            (both keyed by (seed, step, tensor name), so the step counter is
+            the whole RNG state).
         warmup: density schedule for the first steps (``DensityWarmup``, a
             sequence of densities, or a callable step -> density).
         nonfinite: "raise" (error on every rank, nothing applied) or "skip"
@@ -86,8 +88,6 @@ class GradientReducer:
         # -- internal state (checkpointed) --
         self.memory = ErrorFeedback(self.config.error_feedback)
         self.step = 0
-        self._generator: Optional[torch.Generator] = None
-        self._pending_generator_state: Optional[Tensor] = None
         self.last_stats: Optional[ReduceStats] = None
 
     # ------------------------------------------------------------------ API
@@ -125,8 +125,7 @@ class GradientReducer:
         offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
         t1 = time.perf_counter()
         ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
-                               generator=self._rng() if self.selector.uses_generator else None,
-                               kernels=cfg.kernels)
+                               rank=self.transport.rank, kernels=cfg.kernels)
         idx, vals = self.selector.select(acc, offsets, k, ctx)
         wire_vals = vals.to(cfg.value_dtype or dtype)
         seconds["select"] = time.perf_counter() - t1
@@ -173,11 +172,10 @@ class GradientReducer:
         self.memory.reset()
 
     def state_dict(self) -> dict:
-        """Residuals, step and generator state: everything a bit-exact resume needs."""
-        gen = self._generator.get_state() if self._generator is not None else self._pending_generator_state
-        return {"version": 1, "method": self.config.method, "step": self.step,
-                "residuals": self.memory.state_dict(),
-                "generator": None if gen is None else gen.clone()}
+        """Residuals and step: everything a bit-exact resume needs (random
+        draws are keyed by (seed, step, name), so the step is the RNG state)."""
+        return {"version": 1, "method": self.config.method, "seed": self.config.seed,
+                "step": self.step, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != 1:
@@ -187,23 +185,8 @@ class GradientReducer:
                              f"{self.config.method!r}")
         self.step = int(sd["step"])
         self.memory.load_state_dict(sd["residuals"])
-        gen = sd.get("generator")
-        self._generator = None
-        self._pending_generator_state = None if gen is None else gen.clone()
 
     # ------------------------------------------------------------ internals
-    def _rng(self) -> torch.Generator:
-        if self._generator is None:
-            g = torch.Generator()
-            if self._pending_generator_state is not None:
-                g.set_state(self._pending_generator_state)
-                self._pending_generator_state = None
-            else:
-                # Independent streams per rank, reproducible from (seed, rank).
-                g.manual_seed(self.config.seed * 1_000_003 + self.transport.rank)
-            self._generator = g
-        return self._generator
-
     @staticmethod
     def _validate(grads) -> Tuple[Optional[str], List[str], List[Tensor]]:
         """Local input checks.  Returns an error message instead of raising, so

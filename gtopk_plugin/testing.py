@@ -44,8 +44,6 @@ class Oracle:
         self.selector = registry.get(self.cfg.method)(r_factor=self.cfg.r_factor)
         self.aggregation = self.cfg.aggregation
         self.residuals: List[Dict[str, Tensor]] = [dict() for _ in range(world_size)]
-        self.generators = [torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + r)
-                           for r in range(world_size)]
         self.step_count = 0
         self.last_sent: List[Tensor] = []
 
@@ -87,7 +85,7 @@ class Oracle:
                 v = accs[r]
             else:
                 ctx = SelectionContext(step=self.step_count, segment_names=seg_names, seed=cfg.seed,
-                                       generator=self.generators[r], kernels="reference")
+                                       rank=r, kernels="reference")
                 i, v = self.selector.select(accs[r], offsets_t, k_t, ctx)
             sel_idx.append(i.long())
             sel_wire.append(v.to(wire))

@@ -165,3 +165,13 @@ def test_outputs_keep_shapes_and_dtypes():
     out = red.reduce(grads)
     for n in grads:
         assert out[n].shape == grads[n].shape and out[n].dtype == grads[n].dtype
+
+
+@pytest.mark.parametrize("method", ["rtopk", "randomk", "gtopk"])
+def test_draws_do_not_depend_on_how_tensors_are_grouped_into_calls(method):
+    g = torch.Generator().manual_seed(9)
+    grads = {"a": torch.randn(200, generator=g), "b": torch.randn(50, generator=g)}
+    together = make(method=method, density=0.05, seed=2).reduce(grads)
+    split = make(method=method, density=0.05, seed=2)
+    parts = {**split.reduce({"a": grads["a"]}, advance_step=False), **split.reduce({"b": grads["b"]})}
+    assert all(torch.equal(together[n], parts[n]) for n in grads)

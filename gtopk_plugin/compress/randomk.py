@@ -2,19 +2,10 @@
 seed shared by all ranks for that step and segment name (Stich et al.'s
 random sparsification with shared seed), so every rank picks the same
 indices and only values travel, summed by a dense allreduce."""
-import hashlib
-
 import torch
 
-from .base import Selector
+from .base import Selector, seeded_generator
 from .registry import register
-
-
-def shared_seed(seed: int, step: int, name: str) -> int:
-    """Deterministic 63-bit seed from (seed, step, segment name), identical on
-    every rank and independent of Python's hash randomisation."""
-    h = hashlib.blake2b(f"{seed}:{step}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 @register("randomk")
@@ -27,7 +18,7 @@ class RandomKSelector(Selector):
         parts = []
         for s, (k_s, name) in enumerate(zip(k.tolist(), ctx.segment_names)):
             n = offs[s + 1] - offs[s]
-            g = torch.Generator().manual_seed(shared_seed(ctx.seed, ctx.step, name))
+            g = seeded_generator(ctx.seed, ctx.step, name)  # same on every rank
             parts.append(torch.sort(torch.randperm(n, generator=g)[: min(k_s, n)]).values + offs[s])
         idx = torch.cat(parts).to(acc.device)
         return idx, acc[idx]

@@ -1,21 +1,20 @@
 """rTop-k (Barnes et al. 2020, arXiv 2005.10761): take the top ``r·k``
 coordinates by magnitude, then keep a uniformly random ``k``-subset of them.
 
-Each worker draws from its own generator (seeded from ``seed`` and the rank,
-checkpointed in ``state_dict``), as in the paper, where workers sample
-independently."""
+Workers sample independently, as in the paper: each segment's draw is keyed
+by (seed, step, segment name, rank), so it does not depend on how tensors are
+grouped into calls (DDP buckets) and resumes bit-exactly from the step."""
 import math
 
 import torch
 
 from .. import kernels
-from .base import Selector
+from .base import Selector, seeded_generator
 from .registry import register
 
 
 @register("rtopk")
 class RTopKSelector(Selector):
-    uses_generator = True
     aggregation = "allgather"
 
     def select(self, acc, offsets, k, ctx):
@@ -28,9 +27,10 @@ class RTopKSelector(Selector):
         idx, _ = kernels.select_topk(acc, offsets, r, kernels=ctx.kernels)
         # idx is grouped by segment (ascending); pick k_s of each group of r_s.
         picks, start = [], 0
-        for r_s, k_s in zip(r.tolist(), ks):
+        for r_s, k_s, name in zip(r.tolist(), ks, ctx.segment_names):
             k_s = min(k_s, r_s)
-            perm = torch.randperm(r_s, generator=ctx.generator)[:k_s]
+            g = seeded_generator(ctx.seed, ctx.step, name, rank=ctx.rank)
+            perm = torch.randperm(r_s, generator=g)[:k_s]
             picks.append(torch.sort(perm).values + start)
             start += r_s
         sel = idx[torch.cat(picks).to(idx.device)] if picks else idx[:0]

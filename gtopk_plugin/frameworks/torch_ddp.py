@@ -69,21 +69,17 @@ class SparseState:
             (default: ``GTOPK_TIMEOUT`` or 300 s).
 
     Internal state (checkpointed by :meth:`state_dict` and by pickling):
-        the reducer's residuals, step counter and RNG state, and the
+        the reducer's residuals and step counter (the RNG state), and the
         parameter names in the order the hook first saw them.
 
     ``op="average"`` (the default) already divides by the world size, so
     ``param.grad`` after ``backward()`` is the averaged sparse update, as with
     DDP's default allreduce.
 
-    With granularity "layer" (the default) every deterministic method gives
-    exactly what one ``GradientReducer.reduce`` over all parameters gives,
-    whatever DDP's bucket layout.  rTop-k is the exception: its per-rank
-    generator is consumed segment by segment within each ``reduce()`` call,
-    so its draws depend on how DDP cuts the model into buckets.  Because a
-    restarted job's first iteration runs on the initial layout, an rTop-k run
-    resumes bit for bit only when the model fits in one bucket (or the
-    layout never changes); granularity "global" likewise selects per bucket.
+    With granularity "layer" (the default) every method gives exactly what
+    one ``GradientReducer.reduce`` over all parameters gives, whatever DDP's
+    bucket layout (random draws are keyed by step and tensor name, not by a
+    running stream).  Granularity "global" selects per DDP bucket.
 
     ``last_step_traffic`` sums the reducer's byte counts over the buckets of
     the last completed step (``bytes_sent``, ``dense_bytes``, ...).
