@@ -69,30 +69,32 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         return i, v, tail
 
     cur_idx, cur_val = idx.to(idx_dtype), vals
+    headers = not static_count
+    n_extra = P - Pp
+    own_mask_bytes = wire.bitmask_bytes(own_idx.numel())
 
-    # Ranks beyond the largest power of two fold into their partner and wait
-    # for the result plus their survivor bitmask.
-    if r >= Pp:
-        partner = r - Pp
-        transport.send(partner, wire.pack(cur_idx, cur_val, idx_dtype), with_header=not static_count)
-        extra = wire.bitmask_bytes(own_idx.numel())
-        blob = transport.recv(partner, None if msg_bytes is None else msg_bytes + extra, dev)
-        res_idx, res_val, bits = unpack(blob, extra)
-        sent_mask = wire.unpack_bits(bits.to(dev), own_idx.numel())
-        return ButterflyResult(res_idx, res_val, sent_mask, _rounds(P))
-
+    # Phase 1 (non-power-of-two P): ranks r >= P' fold their set into r - P'.
+    # Every rank takes part in every phase (see Transport.phase).
     folded_idx = folded_alive = None
-    if r < P - Pp:
-        partner = r + Pp
-        blob = transport.recv(partner, msg_bytes, dev)
-        o_idx, o_val, _ = unpack(blob)
-        cur_idx, cur_val, keep_a, keep_b = merge(cur_idx, cur_val, o_idx, o_val)
-        alive &= keep_a
-        folded_idx, folded_alive = o_idx.long(), keep_b
+    if n_extra:
+        send_to = r - Pp if r >= Pp else None
+        recv_from = r + Pp if r < n_extra else None
+        blob = transport.phase(send_to, wire.pack(cur_idx, cur_val, idx_dtype) if send_to is not None else None,
+                               recv_from, msg_bytes, dev, headers)
+        if recv_from is not None:
+            o_idx, o_val, _ = unpack(blob)
+            cur_idx, cur_val, keep_a, keep_b = merge(cur_idx, cur_val, o_idx, o_val)
+            alive &= keep_a
+            folded_idx, folded_alive = o_idx.long(), keep_b
 
+    # Phase 2: log2(P') butterfly rounds among ranks < P'; both partners of a
+    # round compute the same merge.
     for j in range(Pp.bit_length() - 1):
-        peer = r ^ (1 << j)
-        blob = transport.exchange(peer, wire.pack(cur_idx, cur_val, idx_dtype), msg_bytes)
+        peer = (r ^ (1 << j)) if r < Pp else None
+        blob = transport.phase(peer, wire.pack(cur_idx, cur_val, idx_dtype) if peer is not None else None,
+                               peer, msg_bytes, dev, headers)
+        if peer is None:
+            continue
         o_idx, o_val, _ = unpack(blob)
         cur_idx, cur_val, _, _ = merge(cur_idx, cur_val, o_idx, o_val)
         # An own entry survives only if its index is in every round's set.
@@ -101,12 +103,21 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         if folded_idx is not None:
             folded_alive &= torch.isin(folded_idx, cur_long)
 
-    if folded_idx is not None:
-        partner = r + Pp
-        blob = torch.cat([wire.pack(cur_idx, cur_val, idx_dtype), wire.pack_bits(folded_alive)])
-        # The folded rank knows its own set size, so the bitmask length is known
-        # to it; only the result part may need a header.
-        transport.send(partner, blob, with_header=not static_count)
+    # Phase 3: the folded ranks get the result plus a bitmask of which of
+    # their own entries reached it (they cannot tell from the result alone:
+    # an index may have been dropped and reappeared with others' values).
+    if n_extra:
+        send_to = r + Pp if r < n_extra else None
+        recv_from = r - Pp if r >= Pp else None
+        out = None
+        if send_to is not None:
+            out = torch.cat([wire.pack(cur_idx, cur_val, idx_dtype), wire.pack_bits(folded_alive)])
+        blob = transport.phase(send_to, out, recv_from,
+                               None if msg_bytes is None else msg_bytes + own_mask_bytes, dev, headers)
+        if recv_from is not None:
+            res_idx, res_val, bits = unpack(blob, own_mask_bytes)
+            return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), own_idx.numel()),
+                                   _rounds(P))
     return ButterflyResult(cur_idx, cur_val, alive, _rounds(P))
 
 

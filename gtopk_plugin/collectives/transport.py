@@ -132,6 +132,25 @@ class Transport(abc.ABC):
         self.counters.payload_bytes_received += nbytes
         return blob
 
+    def phase(self, send_to: Optional[int], blob: Optional[Tensor], recv_from: Optional[int],
+              recv_nbytes: Optional[int], device, headers: bool) -> Optional[Tensor]:
+        """One step of a pairwise schedule (the butterfly) that EVERY rank
+        calls, with ``None`` for a direction it does not use this step.
+
+        Point-to-point engines ignore idle ranks; engines with only
+        collectives (Horovod's alltoall with splits) need every rank in every
+        step, which is why the schedule is written this way.  ``headers``:
+        sizes are not known to receivers and travel first (8 bytes).
+        Returns the received blob, or None.
+        """
+        if send_to is not None and send_to == recv_from:
+            return self.exchange(send_to, blob, None if headers else recv_nbytes)
+        if send_to is not None:
+            self.send(send_to, blob, with_header=headers)
+        if recv_from is not None:
+            return self.recv(recv_from, None if headers else recv_nbytes, device)
+        return None
+
     def allgather_blobs(self, blob: Tensor, nbytes: Optional[List[int]] = None) -> List[Tensor]:
         """Every rank's blob, in rank order (own included), by a ring of P−1
         neighbour exchanges, so each worker receives exactly the other
