@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -33,12 +32,14 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 METHODS = ("dense", "topk", "gtopk", "rtopk", "randomk", "threshold")
-DEFAULTS = dict(workers=4, method="gtopk", density=0.05, epochs=6, batch_size=64, lr=0.05,
+DEFAULTS = dict(workers=4, method="gtopk", density=0.05, epochs=8, batch_size=32, lr=0.05,
                 momentum=0.9, seed=0, timeout=600.0)
 _TEST_FRACTION = 0.2  # fixed train/test split of the 1797 digits (1437 / 360)
+_SPLIT_SEED = 0
 
 
 # --------------------------------------------------------------------- CLI
@@ -110,23 +111,41 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--momentum must be in [0, 1); got {args.momentum}")
     if args.fail_rank is not None and not (0 <= args.fail_rank < args.workers):
         parser.error(f"--fail-rank must be in [0, {args.workers - 1}]; got {args.fail_rank}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: directory {os.path.dirname(os.path.abspath(args.json))} "
+                     "does not exist")
     return args
 
 
+def _check_extras() -> None:
+    """Fail early, in the launcher, if the demo's extra dependencies are missing."""
+    missing = []
+    for mod, pkg in (("sklearn", "scikit-learn"), ("tqdm", "tqdm"), ("numpy", "numpy")):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(pkg)
+    if missing:
+        raise DemoError(f"the demo needs {', '.join(missing)}: pip install 'gtopk-plugin[demo]'")
+
+
 # ------------------------------------------------------------------ data
-def load_data(seed: int):
-    """The 8x8 digits as float32 arrays in [0, 1], split once (stratified,
-    ``random_state=seed``) into train and test sets."""
+def load_data() -> dict:
+    """The 8x8 digits (scikit-learn's bundled copy, no download) as float32
+    N x 1 x 8 x 8 arrays, split once and for all (stratified, fixed
+    ``random_state``) into train and test sets, and standardised with the
+    training set's mean and standard deviation."""
     import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[:, None, :, :]  # N x 1 x 8 x 8
+    x = digits.images.astype(np.float32)[:, None, :, :]
     y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=_TEST_FRACTION, random_state=seed,
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=_TEST_FRACTION, random_state=_SPLIT_SEED,
                                               stratify=y)
-    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+    mean, std = x_tr.mean(), x_tr.std()
+    return {"x_train": (x_tr - mean) / std, "y_train": y_tr, "x_test": (x_te - mean) / std, "y_test": y_te}
 
 
 # ----------------------------------------------------------------- model
@@ -170,78 +189,121 @@ def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int):
     return [perm[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
-def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Optional[int]) -> dict:
-    """One full training run on this rank; returns its metrics (rank 0's test
-    accuracy, this rank's traffic).  Collective: all ranks call it together."""
+@dataclass
+class _Traffic:
+    """This rank's reducer traffic, summed over steps (``ReduceStats``)."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    control_bytes: int = 0
+
+    def add(self, st) -> None:
+        self.steps += 1
+        self.bytes_sent += st.bytes_sent
+        self.dense_bytes += st.dense_bytes
+        self.control_bytes += st.control_bytes
+
+
+def _progress(batches, desc: str, show: bool):
+    """A tqdm bar over ``batches`` on rank 0 (stderr); the plain list elsewhere."""
+    if not show:
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, desc=desc, unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def _train_epoch(model, opt, reducer, x, y, batches, rank: int, world: int, traffic: _Traffic,
+                 fail_at_step: Optional[int]) -> float:
+    """One epoch of S-SGD: each rank takes its shard of every global batch,
+    backpropagates, reduces the gradients and steps.  Returns the mean loss
+    over all ranks' shards."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of losses, batches)
+    for batch in batches:
+        if fail_at_step is not None and traffic.steps == fail_at_step:
+            raise RuntimeError(f"--fail-rank: rank {rank} fails on purpose at step {traffic.steps}")
+        shard = torch.tensor_split(batch, world)[rank]
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x[shard]), y[shard])
+        loss.backward()
+        _apply_reduced_gradients(model, reducer)
+        opt.step()
+        traffic.add(reducer.last_stats)
+        loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    return (loss_sum[0] / loss_sum[1]).item()
+
+
+def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Optional[int] = None) -> dict:
+    """One full training run with ``method``; returns rank 0's test accuracy
+    and history, and the traffic of all ranks.  Collective: every rank calls
+    it together, with the same arguments but ``rank``."""
+    import torch
+    import torch.distributed as dist
+
     import gtopk_plugin as gp
 
-    # Same initial weights on every rank; per-process stream afterwards.
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model()
-    torch.manual_seed(args.seed * 1_000_003 + rank)
+    torch.manual_seed(args.seed * 1_000_003 + rank)  # then a per-process stream
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed)
     x_tr, y_tr = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
     x_te, y_te = torch.from_numpy(data["x_test"]), torch.from_numpy(data["y_test"])
+    show, traffic, history = rank == 0, _Traffic(), []
 
-    show = rank == 0
-    if show:
-        from tqdm import tqdm
-    bytes_sent = dense_bytes = control_bytes = steps = 0
-    history = []
     dist.barrier()
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
-        batches = _epoch_batches(len(y_tr), args.batch_size, args.seed, epoch)
-        bar = tqdm(batches, desc=f"{method:>9} epoch {epoch + 1}/{args.epochs}", unit="step",
-                   leave=False, file=sys.stderr, dynamic_ncols=True) if show else batches
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of losses, batches)
-        for batch in bar:
-            if fail_at_step is not None and steps == fail_at_step:
-                raise RuntimeError(f"--fail-rank: rank {rank} fails on purpose at step {steps}")
-            shard = torch.tensor_split(batch, world)[rank]
-            opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(model(x_tr[shard]), y_tr[shard])
-            loss.backward()
-            _apply_reduced_gradients(model, reducer)
-            opt.step()
-            st = reducer.last_stats
-            bytes_sent += st.bytes_sent
-            dense_bytes += st.dense_bytes
-            control_bytes += st.control_bytes
-            steps += 1
-            loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-        dist.all_reduce(loss_sum)  # mean loss over all workers' shards
-        epoch_loss = (loss_sum[0] / loss_sum[1]).item()
+        batches = _progress(_epoch_batches(len(y_tr), args.batch_size, args.seed, epoch),
+                            f"{method:>9} epoch {epoch + 1}/{args.epochs}", show)
+        loss = _train_epoch(model, opt, reducer, x_tr, y_tr, batches, rank, world, traffic, fail_at_step)
         if show:
+            batches.close()
             acc = _evaluate(model, x_te, y_te)
-            history.append({"epoch": epoch + 1, "loss": epoch_loss, "test_accuracy": acc})
-            bar.close()
-            per_step, dense_per_step = bytes_sent / steps, dense_bytes / steps
-            print(f"[{method}] epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.4f}  "
-                  f"test acc {acc:.2%}  sent/step/worker {_fmt_bytes(per_step)} vs dense "
-                  f"{_fmt_bytes(dense_per_step)} ({per_step / dense_per_step:.2%})", flush=True)
+            history.append({"epoch": epoch + 1, "loss": loss, "test_accuracy": acc})
+            _print_epoch(method, epoch, args.epochs, loss, acc, traffic)
     wall = time.perf_counter() - t0
-    totals = torch.tensor([bytes_sent, dense_bytes, control_bytes], dtype=torch.float64)
-    dist.all_reduce(totals)  # traffic of all workers together
+
+    totals = torch.tensor([traffic.bytes_sent, traffic.dense_bytes, traffic.control_bytes],
+                          dtype=torch.float64)
+    dist.all_reduce(totals)  # all workers together
+    per_worker_step = traffic.steps * world
     return {"method": method, "density": 1.0 if method == "dense" else args.density,
-            "test_accuracy": _evaluate(model, x_te, y_te), "final_loss": history[-1]["loss"] if history else None,
-            "steps": steps, "bytes_per_step_per_worker": totals[0].item() / (steps * world),
-            "dense_bytes_per_step_per_worker": totals[1].item() / (steps * world),
+            "test_accuracy": _evaluate(model, x_te, y_te),
+            "final_loss": history[-1]["loss"] if history else None, "steps": traffic.steps,
+            "bytes_per_step_per_worker": totals[0].item() / per_worker_step,
+            "dense_bytes_per_step_per_worker": totals[1].item() / per_worker_step,
+            "ratio_vs_dense": totals[0].item() / totals[1].item() if totals[1].item() else None,
             "total_bytes": int(totals[0].item()), "total_control_bytes": int(totals[2].item()),
             "wall_time_s": wall, "history": history}
 
 
-def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[str], args, data) -> None:
+def _print_epoch(method: str, epoch: int, epochs: int, loss: float, acc: float, traffic: _Traffic) -> None:
+    """Rank 0's per-epoch line: loss, test accuracy, and the bytes it sent per
+    step against what a dense ring allreduce would send (``last_stats``)."""
+    sent, dense = traffic.bytes_sent / traffic.steps, traffic.dense_bytes / traffic.steps
+    print(f"[{method}] epoch {epoch + 1}/{epochs}  loss {loss:.4f}  test acc {acc:.2%}  "
+          f"rank 0 sent/step {_fmt_bytes(sent)} vs dense allreduce {_fmt_bytes(dense)} "
+          f"({_fmt_ratio(sent, dense)})",
+          flush=True)
+
+
+def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[str], args) -> None:
     """Process entry point: join the gloo group, run each method in turn,
     write rank 0's results; on any exception write the traceback and exit 1."""
     try:
+        import numpy as np
         import torch
         import torch.distributed as dist
+
+        with np.load(os.path.join(outdir, "data.npz")) as z:
+            data = {k: z[k] for k in z.files}
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
@@ -254,12 +316,16 @@ def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[s
         if rank == 0:
             _write_json(os.path.join(outdir, "results.json"), results)
         dist.destroy_process_group()
+        status = 0
     except BaseException:  # noqa: BLE001 - everything goes back to the launcher
         with open(os.path.join(outdir, f"error.{rank}"), "w") as f:
             f.write(traceback.format_exc())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown, which may wait on dead peers
+        status = 1
+    # Skip interpreter teardown: after a failure it may wait on dead peers,
+    # and after success torch's teardown alone takes seconds per process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # --------------------------------------------------------------- launcher
@@ -277,17 +343,30 @@ def launch(methods: List[str], args, data) -> List[dict]:
     tmpdir = tempfile.mkdtemp(prefix="gtopk-demo-")
     procs = []
     try:
+        # The data goes through a file, not the spawn pipe: arguments larger
+        # than a pipe buffer make each start() wait for the previous child to
+        # finish importing, serialising the start-up of all workers.
+        _save_npz(os.path.join(tmpdir, "data.npz"), data)
         rendezvous = f"file://{os.path.join(tmpdir, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, args.workers, rendezvous, tmpdir, methods, args, data),
+        procs = [ctx.Process(target=_worker, args=(r, args.workers, rendezvous, tmpdir, methods, args),
                              name=f"gtopk-demo-rank{r}", daemon=True) for r in range(args.workers)]
         for p in procs:
             p.start()
         _supervise(procs, tmpdir, args.timeout)
-        with open(os.path.join(tmpdir, "results.json")) as f:
-            return json.load(f)
+        try:
+            with open(os.path.join(tmpdir, "results.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise DemoError(f"all workers exited cleanly but rank 0 left no results: {e}") from e
     finally:
         _kill(procs)
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _save_npz(path: str, data) -> None:
+    import numpy as np
+
+    np.savez(path, **data)
 
 
 def _supervise(procs, tmpdir: str, timeout: float) -> None:
@@ -339,17 +418,24 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
+def _fmt_ratio(sent: float, dense: float) -> str:
+    return f"{sent / dense:.2%}" if dense else "n/a"
+
+
 def format_table(results: List[dict]) -> str:
     """method | test accuracy | bytes sent/step/worker | total bytes | wall time."""
     head = ["method", "density", "test accuracy", "bytes sent/step/worker", "vs dense", "total bytes",
             "wall time"]
     rows = [[r["method"], f"{r['density']:g}", f"{r['test_accuracy']:.2%}",
              _fmt_bytes(r["bytes_per_step_per_worker"]),
-             f"{r['bytes_per_step_per_worker'] / r['dense_bytes_per_step_per_worker']:.2%}",
+             _fmt_ratio(r["bytes_per_step_per_worker"], r["dense_bytes_per_step_per_worker"]),
              _fmt_bytes(r["total_bytes"]), f"{r['wall_time_s']:.1f} s"] for r in results]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
 def _write_json(path: str, obj) -> None:
@@ -367,7 +453,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.density:g}, {args.epochs} epochs, global batch {args.batch_size}", flush=True)
     t0 = time.perf_counter()
     try:
-        data = load_data(args.seed)
+        _check_extras()
+        data = load_data()
         results = launch(methods, args, data)
     except DemoError as e:
         print(f"gtopk-demo: error: {e}", file=sys.stderr, flush=True)
@@ -380,8 +467,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(results))
     print(f"\n(total wall time including process start-up: {total:.1f} s)", flush=True)
     if args.json:
-        out = {"workers": args.workers, "epochs": args.epochs, "batch_size": args.batch_size,
-               "lr": args.lr, "momentum": args.momentum, "seed": args.seed,
+        out = {"workers": args.workers, "method": args.method, "density": args.density,
+               "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+               "momentum": args.momentum, "seed": args.seed, "methods": methods,
                "total_wall_time_s": total, "results": {r["method"]: r for r in results}}
         try:
             _write_json(args.json, out)
