@@ -149,6 +149,13 @@ def env_kernels() -> str:
     return os.environ.get("GTOPK_KERNELS", "auto").strip().lower() or "auto"
 
 
+def env_fusion_threshold_bytes(default: int = 64 * 1024 * 1024) -> int:
+    """``GTOPK_FUSION_THRESHOLD`` (bytes): default gradient-bucket size of the
+    framework optimizers (the role of Horovod's ``HOROVOD_FUSION_THRESHOLD``)."""
+    v = os.environ.get("GTOPK_FUSION_THRESHOLD")
+    return int(v) if v else default
+
+
 def env_timeout_seconds(default: float = 300.0) -> float:
     """``GTOPK_TIMEOUT`` (seconds): default timeout of a transport's collective calls."""
     v = os.environ.get("GTOPK_TIMEOUT")
