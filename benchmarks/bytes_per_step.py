@@ -11,16 +11,16 @@ any network; the times only rank methods on this machine (the emulated
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
-import torch.multiprocessing as mp
+
+if __package__ in (None, ""):  # run as a script: make "benchmarks" importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import launch  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ["dense", "topk", "gtopk", "rtopk", "randomk", "threshold"]
@@ -36,59 +36,43 @@ def layer_shapes(numel: int):
     return shapes
 
 
-def _worker(rank, P, tmp, args, queue):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+def measure(ctx, args):
+    """Worker body (run by benchmarks.launch on every rank of a gloo group)."""
     import torch.distributed as dist
 
     import gtopk_plugin as gp
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=300))
-    shapes = layer_shapes(args.numel)
-    g = torch.Generator().manual_seed(rank)
+    shapes = layer_shapes(args["numel"])
+    g = torch.Generator().manual_seed(ctx.rank)
     grads = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(2)]
     rows = []
-    for density in args.density:
-        for method in args.methods:
+    for density in args["density"]:
+        for method in args["methods"]:
             red = gp.GradientReducer(method=method, density=density)
             stats = []
-            for s in range(args.warmup + args.steps):
+            for s in range(args["warmup"] + args["steps"]):
                 dist.barrier()
                 red.reduce(grads[s % 2])
-                if s >= args.warmup:
+                if s >= args["warmup"]:
                     stats.append(red.last_stats)
             st = stats[-1]
-            rows.append(dict(P=P, density=density, method=method, numel=st.numel, k=st.k,
+            rows.append(dict(P=ctx.size, density=density, method=method, numel=st.numel, k=st.k,
                              bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                              rounds=st.rounds, messages=st.messages_sent, dense_bytes=st.dense_bytes,
                              comm_ms=statistics.median(x.seconds.get("communicate", 0) for x in stats) * 1e3,
                              total_ms=statistics.median(x.seconds["total"] for x in stats) * 1e3))
-    # every rank reports; the table shows the max over ranks (the slowest link)
-    queue.put((rank, rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def run(P, args):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, P, tmp, args, q)) for r in range(P)]
-        for p in procs:
-            p.start()
-        got = dict(q.get(timeout=1800) for _ in range(P))
-        for p in procs:
-            p.join(60)
-        if any(p.exitcode != 0 for p in procs):
-            raise SystemExit(f"a worker failed at P={P}: exit codes {[p.exitcode for p in procs]}")
-    merged = []
-    for i, row in enumerate(got[0]):
-        row = dict(row)
-        for key in ("bytes_sent", "bytes_received", "comm_ms", "total_ms"):
-            row[key] = max(got[r][i][key] for r in range(P))
-        merged.append(row)
-    return merged
+    """P gloo workers on loopback (benchmarks.launch); every rank reports and
+    the table shows the max over ranks (the slowest link)."""
+    try:
+        per_rank = launch.run_workers(P, "benchmarks.bytes_per_step:measure", vars(args),
+                                      engine="torch", ifname="lo", timeout=1800)
+    except launch.WorkerFailed as e:
+        raise SystemExit(f"a worker failed at P={P}:\n{e}")
+    return launch.merge_max(per_rank, ("bytes_sent", "bytes_received", "comm_ms", "total_ms"))
 
 
 def print_table(rows):
