@@ -11,6 +11,7 @@ others; anything that would hang is bounded by the parent's timeout.
 """
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -116,10 +117,12 @@ def run_dense(make_opt, steps=STEPS, bpps=1, momentum=0.9):
 
 
 def check(results, key, fn, *args, **kwargs):
+    t0 = time.perf_counter()
     try:
         results[key] = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - recorded for the parent
         results[key] = ("error", (type(e).__name__, str(e), traceback.format_exc()))
+    results.setdefault("seconds", {})[key] = time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------

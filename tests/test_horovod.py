@@ -44,17 +44,19 @@ ROOT = os.path.dirname(HERE)
 WORLD_SIZES = [2, 3, 4]
 
 
-def horovodrun(np_, args, timeout=300):
+def horovodrun(np_, args, timeout=300, hosts=None):
     """Run ``horovodrun -np np_ --gloo python args...``; kill the whole
-    process group on timeout so no worker outlives the test."""
+    process group on timeout so no worker outlives the test.  ``hosts``:
+    launcher arguments replacing ``-H localhost:np_`` (elastic mode)."""
     bindir = os.path.dirname(sys.executable)
     exe = os.path.join(bindir, "horovodrun")
     if not os.path.exists(exe):
         exe = shutil.which("horovodrun")
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
-    cmd = [exe, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", "--gloo-timeout-seconds", "60",
-           sys.executable] + list(args)
+    hosts = ["-H", f"localhost:{np_}"] if hosts is None else hosts
+    cmd = [exe, "-np", str(np_)] + hosts + ["--gloo", "--gloo-timeout-seconds", "60",
+                                            sys.executable] + list(args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=ROOT, start_new_session=True)
     try:
@@ -291,5 +293,35 @@ def test_example_trains_under_horovodrun():
                              "--density", "0.05", "--epochs", "2"], timeout=240)
     assert rc == 0, out[-4000:]
     assert "final test accuracy" in out
-    acc = float(out.rsplit("final test accuracy", 1)[1].split()[0].strip(":%"))
-    assert acc > 60.0, out[-2000:]
+    acc = float(out.rsplit("final test accuracy", 1)[1].split()[0])
+    assert acc > 0.5, out[-2000:]  # 10 classes: chance is 0.1
+
+
+@pytest.mark.timeout(300)
+def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
+    """A real elastic job (host discovery script, min-np 2): every worker
+    raises HorovodInternalError after uncommitted steps; hvd.elastic.run
+    restores the commit, re-initialises Horovod and syncs.  Residuals and the
+    step counter must come back to the committed values on every rank, and
+    training must finish with identical parameters everywhere."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    # --network-interface lo: elastic mode otherwise probes every interface
+    hosts = ["--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
+             "--network-interface", "lo"]
+    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_elastic_job.py"), str(tmp_path)], timeout=240,
+                         hosts=hosts)
+    assert rc == 0, out[-6000:]
+    logs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, log in enumerate(logs):
+        assert log["events"] == [("reset", 2)], f"rank {r}: {log['events']}"
+        c, b, a = log["committed"], log["before_failure"], log["after_restore"]
+        assert (c["step"], b["step"], a["step"]) == (4, 6, 4)
+        assert set(a["residuals"]) == set(c["residuals"]) and c["residuals"]
+        for n, t in c["residuals"].items():
+            assert torch.equal(a["residuals"][n], t), f"rank {r}: residual {n} not restored"
+        assert any(not torch.equal(b["residuals"][n], t) for n, t in c["residuals"].items())
+        assert log["final_step"] == 10
+        for n, t in log["final"].items():
+            assert torch.equal(t, logs[0]["final"][n]), f"rank {r}: {n} differs after the reset"

@@ -1,0 +1,213 @@
+"""Overhead of gtopk_plugin's Horovod DistributedOptimizer with
+``Compression.none`` against stock ``hvd.DistributedOptimizer``, and the bytes
+per step of every compression, under real ``horovodrun --gloo`` jobs.
+
+    python -m benchmarks.horovod_overhead --workers 2 4 --rounds 15 --steps 10
+
+For each P one horovodrun job trains two identical copies of each model, one
+through each optimizer, in interleaved rounds (the order alternates every
+round, so drift in machine load hits both alike); the per-step wall time is
+the median over all timed steps, and the ratio is ours / stock (goal ≤ 1.05).
+At the largest P the job also runs every compression at ``--density`` for a
+few steps and records ``last_step_traffic`` (exact bytes, payload + headers,
+per worker per step).  Prints tables and writes
+``benchmarks/results/horovod_overhead.json``.  Needs Horovod
+(``bash scripts/install_horovod.sh``).  A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODELS = {  # name -> layer widths of an MLP
+    "mlp-17k": [64, 128, 64, 10],
+    "mlp-1.1M": [784, 1024, 256, 10],
+}
+COMPRESSIONS = ["none", "fp16", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+
+
+def _mlp(widths, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def worker(args):
+    """Runs inside horovodrun."""
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+    from gtopk_plugin.horovod import Compression, DistributedOptimizer
+
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, P = hvd.rank(), hvd.size()
+    out = {"P": P, "models": {}, "bytes": {}}
+
+    def batch(widths, step):
+        g = torch.Generator().manual_seed(step * 131 + rank)
+        return torch.randn(args.batch, widths[0], generator=g), torch.randint(0, widths[-1], (args.batch,), generator=g)
+
+    def one_step(model, opt, widths, step):
+        x, y = batch(widths, step)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for mname, widths in MODELS.items():
+        runs = {}
+        for kind in ("stock", "ours"):
+            model = _mlp(widths, seed=0)
+            base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            if kind == "stock":
+                opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                               compression=hvd.Compression.none)
+            else:
+                opt = DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           compression=Compression.none)
+            runs[kind] = (model, opt)
+        times = {"stock": [], "ours": []}
+        step = 0
+        for w in range(args.warmup):  # both paths warm (Horovod's response cache, allocator)
+            for kind in ("stock", "ours"):
+                one_step(*runs[kind], widths, step)
+            step += 1
+        for r in range(args.rounds):
+            order = ("stock", "ours") if r % 2 == 0 else ("ours", "stock")
+            for kind in order:
+                for s in range(args.steps):
+                    times[kind].append(one_step(*runs[kind], widths, step + s))
+            step += args.steps
+        # Ranks step in lockstep; report rank 0's clock and the spread.
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out["models"][mname] = {
+            "numel": sum(p.numel() for p in runs["ours"][0].parameters()),
+            "median_step_s": med, "ratio": med["ours"] / med["stock"],
+            "round_ratios": [statistics.median(times["ours"][i:i + args.steps]) /
+                             statistics.median(times["stock"][i:i + args.steps])
+                             for i in range(0, len(times["ours"]), args.steps)],
+        }
+        # same parameters through both (sanity: the comparison is like for like)
+        diff = max((a - b).abs().max().item() for a, b in zip(runs["ours"][0].parameters(),
+                                                               runs["stock"][0].parameters()))
+        out["models"][mname]["max_param_diff"] = diff
+
+    if args.bytes:
+        widths = MODELS["mlp-1.1M"]
+        for cname in COMPRESSIONS:
+            model = _mlp(widths, seed=0)
+            opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(),
+                                       compression=Compression.from_name(cname, args.density))
+            ts = [one_step(model, opt, widths, s) for s in range(args.bytes_steps)]
+            t = dict(opt.last_step_traffic)
+            t["median_step_s"] = statistics.median(ts[1:] or ts)
+            out["bytes"][cname] = t
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    hvd.shutdown()
+
+
+def run_job(P, args, out):
+    bindir = os.path.dirname(sys.executable)
+    exe = os.path.join(bindir, "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun") or "horovodrun"
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
+    cmd = [exe, "-np", str(P), "-H", f"localhost:{P}", "--gloo", sys.executable, "-m",
+           "benchmarks.horovod_overhead", "--worker", "--out", out, "--rounds", str(args.rounds),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+           "--density", str(args.density), "--bytes-steps", str(args.bytes_steps)]
+    if P == max(args.workers):
+        cmd.append("--bytes")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        sys.exit(f"horovodrun -np {P} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
+    with open(out) as f:
+        res = json.load(f)
+    res["job_seconds"] = time.time() - t0
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per optimizer per round")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=32, help="per worker")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--bytes-steps", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--json", default=os.path.join(RESULTS, "horovod_overhead.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bytes", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="gtopk-hvd-bench-") as d:
+        for P in args.workers:
+            print(f"horovodrun -np {P} ...", flush=True)
+            results[P] = run_job(P, args, os.path.join(d, f"P{P}.json"))
+
+    print("\nCompression.none through gtopk_plugin vs stock hvd.DistributedOptimizer "
+          "(median step time, interleaved rounds)")
+    print(f"{'P':>2}  {'model':<9} {'stock ms':>9} {'ours ms':>9} {'ratio':>7}  {'round ratios (min-max)':>22}")
+    for P, res in results.items():
+        for m, r in res["models"].items():
+            rr = r["round_ratios"]
+            print(f"{P:>2}  {m:<9} {1e3 * r['median_step_s']['stock']:9.2f} {1e3 * r['median_step_s']['ours']:9.2f} "
+                  f"{r['ratio']:7.3f}  {min(rr):10.3f} - {max(rr):.3f}")
+    Pmax = max(args.workers)
+    if results[Pmax]["bytes"]:
+        print(f"\nBytes per worker per step at P = {Pmax}, model mlp-1.1M, density {args.density} "
+              "(payload + size headers; control = per-step consistency check)")
+        print(f"{'compression':<11} {'sent B':>10} {'received B':>11} {'dense B':>10} {'dense/sent':>10} "
+              f"{'control B':>9} {'step ms':>8}")
+        for c, t in results[Pmax]["bytes"].items():
+            ratio = t["dense_bytes"] / t["bytes_sent"] if t["bytes_sent"] else float("nan")
+            print(f"{c:<11} {t['bytes_sent']:>10,} {t['bytes_received']:>11,} {t['dense_bytes']:>10,} "
+                  f"{ratio:>9.1f}x {t['control_bytes']:>9} {1e3 * t['median_step_s']:8.1f}")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    doc = {"benchmark": "horovod_overhead", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                       "python": platform.python_version()},
+           "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "bytes", "out")},
+           "results": {str(P): r for P, r in results.items()}}
+    try:
+        import horovod
+        import torch
+        doc["machine"].update(horovod=horovod.__version__, torch=torch.__version__)
+    except ImportError:
+        pass
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
