@@ -157,6 +157,8 @@ SPARSE_CONFIGS = {
     "gtopk_buckets": lambda: Compression.gtopk(0.1, fusion_threshold=100),
     "gtopk_fp16wire": lambda: Compression.gtopk(0.1, value_dtype=torch.float16),
     "topk_warmup": lambda: Compression.topk(0.05, warmup=[0.5, 0.2], fusion_threshold=200),
+    # variable-size sets through alltoall (sizes not known to receivers)
+    "threshold_butterfly": lambda: Compression.threshold(0.1, merge="gtopk", fusion_threshold=300),
 }
 
 
