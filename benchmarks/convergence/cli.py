@@ -1,0 +1,221 @@
+"""Command line of the convergence study (``python -m benchmarks.convergence``
+or ``gtopk-bench convergence``)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from . import report, study
+from .sim import RunSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DOCS = os.path.join(ROOT, "docs", "convergence.md")
+BEGIN, END = "<!-- BEGIN GENERATED: benchmarks.convergence -->", "<!-- END GENERATED: benchmarks.convergence -->"
+QUICK_STEPS = 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gtopk-bench convergence",
+        description="Convergence study of dense, top-k, gTop-k, rTop-k, random-k and threshold "
+                    "reduction with error feedback on three offline tasks (sklearn digits CNN, "
+                    "procedural glyphs CNN, character LSTM on the Python docs). Workers are "
+                    "simulated exactly with gtopk_plugin.testing.Oracle; one configuration per "
+                    "task is rerun on real gloo workers. Writes JSON, PNG plots and markdown.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"small CI configuration: every method once per task, {QUICK_STEPS} steps, one seed")
+    p.add_argument("--json", metavar="OUT.json", default=None,
+                   help="results file; plots and the markdown tables are written next to it "
+                        "(default benchmarks/results/convergence.json, or convergence_quick.json with --quick)")
+    p.add_argument("--tasks", nargs="+", choices=study.ALL_TASKS, default=list(study.ALL_TASKS))
+    p.add_argument("--seeds", type=int, default=len(study.SEEDS), help="seeds per configuration (full study)")
+    p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="simulation processes (one thread each)")
+    p.add_argument("--nice", type=int, default=0, help="niceness added to the simulation processes")
+    p.add_argument("--no-gloo", action="store_true", help="skip the real gloo runs")
+    p.add_argument("--docs", metavar="PATH", default=None,
+                   help=f"markdown file whose generated section is replaced (between the "
+                        f"BEGIN/END GENERATED markers); default {os.path.relpath(DOCS, ROOT)} for the "
+                        f"full study, none with --quick; 'none' to skip")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _strip(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("params", "bytes_per_step_curve")}
+
+
+def _condense_loss(losses: List[float], every: int) -> List[float]:
+    """Mean training loss over each evaluation interval (keeps the JSON small)."""
+    return [sum(losses[i:i + every]) / len(losses[i:i + every]) for i in range(0, len(losses), every)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    json_path = os.path.abspath(args.json or os.path.join(
+        RESULTS, "convergence_quick.json" if args.quick else "convergence.json"))
+    outdir = os.path.dirname(json_path)
+    os.makedirs(outdir, exist_ok=True)
+    prefix = os.path.splitext(os.path.basename(json_path))[0]
+    docs = args.docs if args.docs is not None else (None if args.quick else DOCS)
+    if docs == "none":
+        docs = None
+
+    if args.quick:
+        grid = [(g, s) for g, s in study.quick_grid(args.steps or QUICK_STEPS) if s.task in args.tasks]
+    else:
+        steps = {t: args.steps for t in args.tasks} if args.steps else None
+        grid = study.full_grid(args.tasks, seeds=tuple(range(args.seeds)), steps=steps)
+    specs = study.unique_specs(grid)
+    gloo_specs = {}
+    if not args.no_gloo:
+        for t in (["digits"] if args.quick and "digits" in args.tasks else [] if args.quick else args.tasks):
+            st = (args.steps or QUICK_STEPS) if args.quick else args.steps
+            s = study.canonical(RunSpec(task=t, steps=st, **study.GLOO_CHECK))
+            gloo_specs[t] = s
+            if s not in specs:
+                specs.append(s)
+                grid.append(("gloo", s))
+    print(f"convergence study: {len(specs)} simulated runs on {args.jobs} process(es)"
+          f"{'' if args.no_gloo else f', {len(gloo_specs)} gloo run(s)'}; tasks {', '.join(args.tasks)}",
+          flush=True)
+    t0 = time.perf_counter()
+    results = study.execute(specs, jobs=args.jobs, keep_params=list(gloo_specs.values()),
+                            progress=not args.no_progress, nice=args.nice)
+    sim_wall = time.perf_counter() - t0
+
+    gloo_cmp = {}
+    t1 = time.perf_counter()
+    for t, s in gloo_specs.items():
+        from . import gloo
+
+        print(f"gloo check: {t} {s.label} d={s.density:g} P={s.workers} on real gloo workers ...", flush=True)
+        real = gloo.run(s)
+        c = gloo.compare(results[s], real)
+        c.update(config=f"{s.label}, d={s.density:g}, P={s.workers}, seed {s.seed}", metric=results[s]["metric"])
+        gloo_cmp[t] = c
+        print(f"  max |Δ metric| {c['metric_max_abs_diff']:.3g}, weights bit-identical: "
+              f"{c['params_bitwise_equal']}, bytes formula vs counters max |Δ| "
+              f"{c['bytes_formula_max_abs_diff']:.3g}", flush=True)
+    gloo_wall = time.perf_counter() - t1
+
+    rows = report.summarize(grid, results)
+    goals = report.goals(rows, args.tasks)
+    task_info = {}
+    for t in args.tasks:
+        task = study._task(t)
+        steps = (args.steps or QUICK_STEPS) if args.quick else (args.steps or task.steps)
+        task_info[t] = {"source": task.info.get("source"), "model": task.info.get("model"),
+                        "params": task.n_params(), "steps": steps, "batch_size": task.batch_size, "lr": task.lr,
+                        "metric": task.metric, "eval_every": task.eval_every,
+                        **{k: v for k, v in task.info.items() if k not in ("source", "model")}}
+        if t == "glyphs":
+            from . import glyphs
+            task_info[t]["difficulty"] = glyphs.difficulty_report() if not args.quick else None
+    meta = {"quick": args.quick, "tasks": args.tasks, "argv": list(argv) if argv is not None else sys.argv[1:],
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": __import__("torch").__version__,
+            "machine": platform.machine(), "cpus": os.cpu_count(), "jobs": args.jobs,
+            "grid": {"densities": study.DENSITIES, "workers": study.WORKERS, "r_factors": study.R_FACTORS,
+                     "seeds": args.seeds if not args.quick else 1, "momentum": study.MOMENTUM,
+                     "demo": study.DEMO, "gloo_check": study.GLOO_CHECK},
+            "task_info": task_info, "runs": len(specs),
+            "wall_s": {"simulation": sim_wall, "gloo": gloo_wall}}
+    runs = []
+    for (group, s) in grid:
+        r = results[s]
+        d = _strip(r)
+        d["group"] = group
+        d["train_loss"] = _condense_loss(r["train_loss"], study._task(s.task).eval_every)
+        runs.append(d)
+    plots = report.plot_all(rows, gloo_cmp, args.tasks, outdir, prefix)
+    rel_docs = os.path.dirname(os.path.abspath(docs)) if docs else outdir
+    md = report.markdown(rows, goals, meta, gloo_cmp,
+                         {k: os.path.relpath(v, rel_docs) for k, v in plots.items()})
+    meta["wall_s"]["total"] = time.perf_counter() - t_start
+    md += (f"\n_Generated by `python -m benchmarks.convergence {' '.join(meta['argv'])}` on {meta['date']}: "
+           f"{len(specs)} simulated runs in {sim_wall / 60:.1f} min on {args.jobs} process(es), gloo checks "
+           f"{gloo_wall:.0f} s; torch {meta['torch']}, Python {meta['python']}._\n")
+    out = {"meta": meta, "goals": goals, "summary": [{k: v for k, v in r.items()} for r in rows],
+           "gloo_check": gloo_cmp, "runs": runs, "plots": plots}
+    tmp = json_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1, default=_json_default)
+    os.replace(tmp, json_path)
+    md_path = os.path.join(outdir, prefix + ".md")
+    with open(md_path, "w") as f:
+        f.write(md)
+    if docs:
+        _update_docs(docs, md)
+    print()
+    print(_console_summary(rows, goals))
+    print(f"\nwrote {json_path}, {md_path}, {len(plots)} plot(s){', ' + docs if docs else ''} "
+          f"({meta['wall_s']['total']:.0f} s)")
+    return 0
+
+
+def _json_default(o):
+    if isinstance(o, float):
+        return None
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+def _update_docs(path: str, md: str) -> None:
+    text = open(path).read() if os.path.exists(path) else f"# Convergence study\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n\n{md}\n{END}{tail}")
+
+
+def _console_summary(rows, goals) -> str:
+    lines = []
+    for r in rows:
+        if r["group"] != "main":
+            continue
+        lines.append(f"{r['task']:>7} P={r['workers']} d={r['density']:<6g} {r['label']:<11} "
+                     f"{report.fmt(r['metric'], r['final']):>15}  {report.fmt_bytes(r['bytes_per_step']):>9}/step"
+                     f"  eval loss {r['initial_eval_loss']:.3f} -> {r['final_eval_loss']['mean']:.3f}")
+    for g in goals["gtopk_within_1pp_of_dense"]:
+        lines.append(f"goal 1 {g['task']} P={g['workers']}: gTop-k {100 * g['gtopk']:.1f}% vs dense "
+                     f"{100 * g['dense']:.1f}% (gap {g['gap_pp']:+.1f} pp): {'holds' if g['holds'] else 'does NOT hold'}")
+    return "\n".join(lines)
+
+
+def bench_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``gtopk-bench SUBCOMMAND ...``: ``convergence`` runs this study; any
+    other name runs ``benchmarks.<name>.main`` (e.g. ``bytes_per_step``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gtopk-bench {convergence,bytes_per_step,...} [options]\n"
+              "  convergence     convergence study (this package)\n"
+              "  NAME            python -m benchmarks.NAME")
+        return 0 if argv else 2
+    name, rest = argv[0].replace("-", "_"), argv[1:]
+    if name == "convergence":
+        return main(rest)
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"benchmarks.{name}")
+    except ImportError:
+        print(f"gtopk-bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
+        return 2
+    return int(mod.main(rest) or 0)
