@@ -328,13 +328,40 @@ def mixed_precision():
     return out
 
 
+def grad_scaler():
+    """torch.amp GradScaler with Horovod's pattern and nonfinite="propagate":
+    an overflow on one rank makes every rank skip the step and halve the
+    scale; later steps apply normally."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               compression=Compression.gtopk(0.2, nonfinite="propagate"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    init = flat_params(model)
+    scales, params = [], []
+    for s in range(3):
+        opt.zero_grad()
+        loss = loss_of(model, s)
+        if s == 0 and R == P - 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        params.append(flat_params(model))
+    return {"init": init, "scales": scales, "params": params, "step": opt.reducer.step}
+
+
 JOBS = {
     "main": lambda res: (job_dense(res), job_sparse(res),
                          check(res, "warn", warn_after_synchronize),
                          check(res, "broadcast", broadcast_state),
                          check(res, "elastic", elastic_round_trip),
                          check(res, "bad", bad_inputs),
-                         check(res, "mixed", mixed_precision)),
+                         check(res, "mixed", mixed_precision),
+                         check(res, "grad_scaler", grad_scaler)),
     "sparse": lambda res: job_sparse(res),
 }
 

@@ -288,6 +288,20 @@ def test_fp16_and_bf16_gradients(P):
                             assert torch.allclose(t.double(), ref, atol=0.1, rtol=2e-2), f"{dtype} none {n}"
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_grad_scaler_overflow_skips_the_step_on_every_rank(P):
+    results = job(P)
+    for r, res in enumerate(results):
+        g = ok(res, "grad_scaler")
+        assert g["scales"] == [2.0 ** 15] * 3, g["scales"]
+        for n, t in g["init"].items():
+            assert torch.equal(g["params"][0][n], t), f"rank {r}: overflow step was applied to {n}"
+            assert torch.equal(g["params"][2][n], ok(results[0], "grad_scaler")["params"][2][n])
+        assert any(not torch.equal(g["params"][2][n], t) for n, t in g["init"].items())
+        assert g["step"] == 3
+
+
 @pytest.mark.timeout(300)
 def test_example_trains_under_horovodrun():
     rc, out = horovodrun(2, [os.path.join(ROOT, "examples", "horovod_train.py"), "--compression", "gtopk",
