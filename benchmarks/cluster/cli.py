@@ -1,0 +1,464 @@
+"""Command line of the emulated-cluster benchmark (``gtopk-bench cluster``,
+``python -m benchmarks.cluster``).
+
+    python -m benchmarks.cluster [comm] --workers 2 4 8 --rate 1gbit --numel 1000000 25000000 \\
+        --density 0.001 0.01 --methods dense,topk,gtopk --steps 10 --json OUT.json
+    python -m benchmarks.cluster replay --workers 2 4 8 --models resnet50,vgg16 --selection paper
+    python -m benchmarks.cluster model --comm C.json --replay R.json
+    python -m benchmarks.cluster reproduce          # all three, the issue's settings
+    python -m benchmarks.cluster cleanup [--all]    # leftovers of killed runs (also: --cleanup)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import List
+
+from . import harness, model as abm, netns, report
+from . import shapes as S
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+DEFAULT_MODELS = ["resnet20", "vgg16-cifar", "resnet50", "alexnet", "lstm-ptb", "vgg16"]
+BIG = 10_000_000  # N at or above which --big-steps applies
+
+
+def _list(conv):
+    def parse(s):
+        return [conv(x) for x in s.replace(",", " ").split()]
+    return parse
+
+
+def _flat(xs):
+    out = []
+    for x in xs:
+        out.extend(x if isinstance(x, list) else [x])
+    return out
+
+
+def _net_args(ap):
+    g = ap.add_argument_group("network")
+    g.add_argument("--rate", default="1gbit", help="per-link rate, both directions (tc syntax; default 1gbit)")
+    g.add_argument("--burst", default="128kb", help="tbf burst (default 128kb)")
+    g.add_argument("--tbf-latency", default="50ms", help="tbf queue limit as latency (default 50ms)")
+    g.add_argument("--delay", default="0ms", help="one-way delay per link (netem; default 0ms)")
+    g.add_argument("--jitter", default="0ms", help="delay jitter (netem; default 0ms)")
+    g.add_argument("--no-netns", action="store_true", help="run on plain loopback (results labelled unshaped)")
+    g.add_argument("--max-load", type=float, default=0.0,
+                   help="wait (up to --max-wait s) until the 1-min load average is below this (0: don't wait)")
+    g.add_argument("--max-wait", type=float, default=600.0)
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--echo", action="store_true", help="show the workers' output")
+    g.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker job")
+
+
+def _meta(args, net_desc) -> dict:
+    ok_h, why_h = harness.horovod_status()
+    import torch
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv,
+            "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "horovod": why_h, "network": net_desc,
+            "loadavg_start": harness.loadavg()}
+
+
+def _warm_kernels(progress=None):
+    """Load (compiling once if needed) the CPU kernels in this process, so
+    that P workers do not all compile them at once."""
+    try:
+        from gtopk_plugin import kernels
+        b = kernels.backend("cpu")
+    except Exception as e:  # noqa: BLE001
+        b = f"unavailable ({e})"
+    if progress is not None:
+        progress.note(f"selection kernels: {b}")
+    return b
+
+
+def _engines(spec: str, progress) -> List[str]:
+    want = [e for e in spec.replace(",", " ").split() if e]
+    ok, why = harness.horovod_status()
+    out = []
+    for e in want:
+        if e == "horovod" and not ok:
+            progress.note(f"{why} -> torch.distributed gloo only")
+            continue
+        out.append(e)
+    return out
+
+
+def _describe_net(args, P):
+    net = harness.network(P, args)
+    return net, net.describe()
+
+
+def _summarise_qdisc(stats: dict) -> dict:
+    import re
+    out = {}
+    for dev, text in stats.items():
+        m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
+        if m:
+            out[dev] = {"sent_bytes": int(m.group(1)), "packets": int(m.group(2)),
+                        "dropped": int(m.group(3)), "overlimits": int(m.group(4))}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# measurement 1
+# ---------------------------------------------------------------------------
+def cmd_comm(args) -> dict:
+    workers = _flat(args.workers)
+    numels = _flat(args.numel)
+    steps = {str(N): (args.big_steps if N >= BIG else args.steps) for N in numels}
+    methods = _flat(args.methods)
+    progress = harness.Progress(0, "comm", disable=args.quiet)
+    engines = _engines(args.engines, progress)
+    per_job = sum(len(args.dtypes) * (1 if m == "dense" else len(_flat(args.density))) for m in methods) * len(numels)
+    progress.total = per_job * len(engines) * len(workers)
+    if progress._bar is not None:
+        progress._bar.total = progress.total
+    kern = _warm_kernels(progress)
+    rate_bps = harness.parse_rate(args.rate)
+    out = {"meta": None, "link": [], "rows": [], "qdisc": {}}
+    with harness.signals_as_exceptions():
+        for P in workers:
+            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress)
+            net = harness.network(P, args)
+            desc = net.describe()
+            if out["meta"] is None:
+                out["meta"] = _meta(args, desc)
+                out["meta"]["kernels"] = kern
+                if not desc["shaped"]:
+                    progress.note(f"NOT SHAPED: {desc.get('why')}; falling back to loopback, every result "
+                                  "is labelled 'unshaped'")
+            with net:
+                for ei, engine in enumerate(engines):
+                    payload = dict(numels=numels, densities=_flat(args.density), dtypes=args.dtypes,
+                                   methods=methods, steps=steps, warmup=args.warmup)
+                    if ei == 0 and args.link_mb > 0:
+                        payload["linktest"] = dict(addrs=[net.addr(r) for r in range(P)], port=5201,
+                                                   port_per_rank=not desc["shaped"],
+                                                   nbytes=int(args.link_mb * 1e6), reps=3)
+                    per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:comm_grid", payload, engine,
+                                               progress, timeout=args.timeout, echo=args.echo)
+                    out["rows"] += _merge_comm(per_rank, desc, rate_bps, load)
+                    if per_rank[0]["link"] is not None:
+                        out["link"].append(_merge_link(P, per_rank, rate_bps, desc))
+                out["qdisc"][str(P)] = _summarise_qdisc(net.qdisc_stats())
+    progress.close()
+    out["meta"]["loadavg_end"] = harness.loadavg()
+    return out
+
+
+def _merge_comm(per_rank, desc, rate_bps, load):
+    rows = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        rr = [pr["rows"][i] for pr in per_rank]
+        times = [max(x) for x in zip(*(r["times"] for r in rr))]
+        row = dict(row, times=times, time_s=statistics.median(times),
+                   bytes_sent=max(r["bytes_sent"] for r in rr),
+                   bytes_received=max(r["bytes_received"] for r in rr),
+                   shaped=desc["shaped"], label="shaped" if desc["shaped"] else "unshaped",
+                   rate=desc.get("rate"), loadavg=load)
+        row["achieved_gbit_s"] = row["bytes_sent"] * 8 / row["time_s"] / 1e9
+        if row["method"] == "dense" and rate_bps:
+            row["link_efficiency"] = row["bytes_sent"] * 8 / row["time_s"] / rate_bps
+        rows.append(row)
+    return rows
+
+
+def _merge_link(P, per_rank, rate_bps, desc):
+    gbps = [pr["link"]["nbytes"] * 8 / statistics.median(pr["link"]["times"]) / 1e9 for pr in per_rank]
+    return {"P": P, "per_rank_gbit_s": gbps, "min_gbit_s": min(gbps), "mean_gbit_s": sum(gbps) / len(gbps),
+            "efficiency_min": (min(gbps) * 1e9 / rate_bps) if rate_bps and desc["shaped"] else None,
+            "sndbuf": per_rank[0]["link"]["sndbuf"], "rcvbuf": per_rank[0]["link"]["rcvbuf"],
+            "shaped": desc["shaped"]}
+
+
+# ---------------------------------------------------------------------------
+# measurement 2
+# ---------------------------------------------------------------------------
+def replay_settings(models, selection):
+    compute, select, notes = {}, {}, {}
+    for m in models:
+        compute[m], cnote = S.paper_compute(m)
+        select[m], snote = S.paper_selection(m)
+        notes[m] = {"compute": cnote, "selection": snote if selection == "paper" else selection}
+    return compute, select, notes
+
+
+def cmd_replay(args) -> dict:
+    workers = _flat(args.workers)
+    models = _flat(args.models)
+    methods = _flat(args.methods)
+    for m in models:
+        S.shapes(m)  # validate names early
+    progress = harness.Progress(len(workers) * len(models) * len(methods), "replay", disable=args.quiet)
+    engines = _engines(args.engines, progress)
+    progress.total *= len(engines)
+    if progress._bar is not None:
+        progress._bar.total = progress.total
+    kern = _warm_kernels(progress) if args.selection == "measured" or True else None
+    compute, select, notes = replay_settings(models, args.selection)
+    steps = {m: (args.big_steps if S.numel(m) >= 50_000_000 or compute[m] > 1.0 else args.steps) for m in models}
+    out = {"meta": None, "rows": [], "skipped": [], "settings": {
+        "compute_s": compute, "paper_select_s": select, "notes": notes, "selection": args.selection,
+        "density": args.density, "steps": steps, "batch": S.PAPER_BATCH}}
+    with harness.signals_as_exceptions():
+        for P in workers:
+            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress)
+            fit = []
+            avail = harness.mem_available()
+            for m in models:
+                need = P * 14 * S.numel(m)  # acc + dense copy + densified sum + selection, with margin
+                if avail is not None and need > 0.85 * avail:
+                    out["skipped"].append({"P": P, "model": m, "why": f"needs ~{need / 2**30:.1f} GiB, "
+                                           f"{avail / 2**30:.1f} GiB available"})
+                    progress.note(f"P={P}: skipping {m} (~{need / 2**30:.1f} GiB needed, "
+                                  f"{avail / 2**30:.1f} GiB available)")
+                    for _ in methods * len(engines):
+                        progress.step(f"skip {m}")
+                else:
+                    fit.append(m)
+            if not fit:
+                continue
+            net = harness.network(P, args)
+            desc = net.describe()
+            if out["meta"] is None:
+                out["meta"] = _meta(args, desc)
+                out["meta"]["kernels"] = kern
+                if not desc["shaped"]:
+                    progress.note(f"NOT SHAPED: {desc.get('why')}; falling back to loopback, every result "
+                                  "is labelled 'unshaped'")
+            with net:
+                for engine in engines:
+                    payload = dict(models=fit, methods=methods, density=args.density, selection=args.selection,
+                                   compute=compute, select_s=select, steps=steps, warmup=args.warmup)
+                    per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:replay", payload, engine,
+                                               progress, timeout=args.timeout, echo=args.echo)
+                    out["rows"] += _merge_replay(per_rank, desc, load)
+    progress.close()
+    if out["meta"] is not None:
+        out["meta"]["loadavg_end"] = harness.loadavg()
+    return out
+
+
+def _merge_replay(per_rank, desc, load):
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        rr = [pr[i] for pr in per_rank]
+        its = [max(x) for x in zip(*(r["iter_times"] for r in rr))]
+        comms = [max(x) for x in zip(*(r["comm_times"] for r in rr))]
+        sels = [max(x) for x in zip(*(r["select_times"] for r in rr))]
+        t = statistics.median(its)
+        row = dict(row, iter_times=its, comm_times=comms, select_times=sels, time_s=t,
+                   comm_s=statistics.median(comms), select_s=statistics.median(sels),
+                   efficiency=row["compute_s"] / t, shaped=desc["shaped"],
+                   label="shaped" if desc["shaped"] else "unshaped", loadavg=load)
+        b = S.PAPER_BATCH.get(row["model"])
+        row["throughput_per_worker"] = b / t if b else None
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# measurement 3
+# ---------------------------------------------------------------------------
+def cmd_model(args, comm=None, replay=None) -> dict:
+    if comm is None:
+        with open(args.comm) as f:
+            comm = json.load(f)
+    if replay is None and args.replay and os.path.exists(args.replay):
+        with open(args.replay) as f:
+            replay = json.load(f)
+    feats = tuple(args.features.replace(",", " ").split())
+    groups = abm.points_from_comm(comm["rows"])
+    fits = {key: abm.fit(pts, key[0], key[1], feats) for key, pts in sorted(groups.items())}
+    out = {"features": feats, "fits": [f.to_dict() for f in fits.values()], "replay_check": [],
+           "extrapolation": []}
+    # predictions of measurement 2
+    if replay is not None:
+        for r in replay["rows"]:
+            f = fits.get((r["engine"], r["method"]))
+            if f is None:
+                continue
+            N, K = r["numel"], r.get("k")
+            comm_pred = f.predict(r["P"], N, K)
+            it_pred = r["compute_s"] + r["select_s"] + comm_pred
+            out["replay_check"].append(dict(
+                engine=r["engine"], model=r["model"], method=r["method"], P=r["P"],
+                comm_measured_s=r["comm_s"], comm_predicted_s=comm_pred,
+                iter_measured_s=r["time_s"], iter_predicted_s=it_pred,
+                iter_rel_err=(it_pred - r["time_s"]) / r["time_s"],
+                comm_rel_err=(comm_pred - r["comm_s"]) / r["comm_s"] if r["comm_s"] > 0 else None,
+                efficiency_measured=r["efficiency"], efficiency_predicted=r["compute_s"] / it_pred))
+        settings = replay["settings"]
+        models = sorted({r["model"] for r in replay["rows"]}, key=lambda m: S.numel(m))
+        selection = settings["selection"]
+        for engine in sorted({r["engine"] for r in replay["rows"]}):
+            for m in models:
+                comp = settings["compute_s"][m]
+                sizes = S.sizes(m)
+                from gtopk_plugin.reducer import k_for
+                K = sum(k_for(settings["density"], s) for s in sizes)
+                for method in ("dense", "topk", "gtopk"):
+                    f = fits.get((engine, method))
+                    if f is None:
+                        continue
+                    sel = settings["paper_select_s"][m] if (selection == "paper" and method != "dense") else 0.0
+                    if selection == "measured" and method != "dense":
+                        ms = [r["select_s"] for r in replay["rows"] if r["model"] == m and r["method"] == method]
+                        sel = statistics.median(ms) if ms else 0.0
+                    for P in [2 ** i for i in range(0, 11)]:
+                        c = f.predict(P, S.numel(m), K) if P > 1 else 0.0
+                        s_ = sel if P > 1 else 0.0
+                        out["extrapolation"].append(dict(engine=engine, model=m, method=method, P=P,
+                                                         comm_s=c, iter_s=comp + s_ + c,
+                                                         efficiency=abm.efficiency(comp, s_, c)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+def _write(obj, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def cmd_cleanup(args) -> int:
+    removed = netns.cleanup(all_runs=args.all)
+    print(f"removed {len(removed)} leftover(s)" + (": " + ", ".join(removed) if removed else ""))
+    left = netns.list_namespaces()
+    if left:
+        print(f"still present (runs in progress; --all removes them too): {', '.join(left)}")
+    return 0
+
+
+def _parser_comm(ap):
+    ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
+    ap.add_argument("--numel", "-N", type=_list(int), nargs="+", default=[[1_000_000, 25_000_000]])
+    ap.add_argument("--density", "-d", type=_list(float), nargs="+", default=[[0.001, 0.01]])
+    ap.add_argument("--dtypes", type=lambda s: s.replace(",", " ").split(), default=["fp32", "fp16"])
+    ap.add_argument("--methods", type=_list(str), nargs="+", default=[["dense", "topk", "gtopk"]])
+    ap.add_argument("--steps", "-S", type=int, default=10, help=f"timed steps for N < {BIG:,}")
+    ap.add_argument("--big-steps", type=int, default=3, help=f"timed steps for N >= {BIG:,}")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--engines", default="torch,horovod", help="torch and/or horovod (when importable)")
+    ap.add_argument("--link-mb", type=float, default=50.0, help="MB per raw TCP link test (0: skip)")
+    ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_comm.json"))
+    _net_args(ap)
+
+
+def _parser_replay(ap):
+    ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
+    ap.add_argument("--models", type=_list(str), nargs="+", default=[DEFAULT_MODELS])
+    ap.add_argument("--methods", type=_list(str), nargs="+", default=[["dense", "topk", "gtopk"]])
+    ap.add_argument("--density", type=float, default=0.001)
+    ap.add_argument("--selection", choices=["paper", "measured", "none"], default="paper",
+                    help="selection time: the paper's (sleep), our kernels' (measured), or none")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--big-steps", type=int, default=2, help="steps for models >= 50M parameters or > 1 s compute")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--engines", default="torch")
+    ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_replay.json"))
+    _net_args(ap)
+
+
+def _parser_model(ap):
+    ap.add_argument("--comm", default=os.path.join(RESULTS, "cluster_comm.json"))
+    ap.add_argument("--replay", default=os.path.join(RESULTS, "cluster_replay.json"))
+    ap.add_argument("--features", default="messages,bytes", help="fit features: messages,bytes[,numel]")
+    ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_model.json"))
+    ap.add_argument("--summary", default=os.path.join(RESULTS, "cluster_summary.md"))
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cleanup" in argv:
+        argv.remove("--cleanup")
+        argv = ["cleanup"] + argv
+    cmd = argv[0] if argv and argv[0] in ("comm", "replay", "model", "reproduce", "cleanup") else "comm"
+    if argv and argv[0] == cmd:
+        argv = argv[1:]
+    ap = argparse.ArgumentParser(prog=f"gtopk-bench cluster {cmd}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if cmd == "cleanup":
+        ap.add_argument("--all", action="store_true", help="also namespaces of runs still alive")
+        return cmd_cleanup(ap.parse_args(argv))
+    if cmd == "comm":
+        _parser_comm(ap)
+        args = ap.parse_args(argv)
+        res = cmd_comm(args)
+        _write(res, args.json)
+        report.print_comm(res)
+        png = report.plot_comm(res, os.path.splitext(args.json)[0] + ".png")
+        print(f"wrote {args.json}" + (f" and {png}" if png else ""))
+        return 0
+    if cmd == "replay":
+        _parser_replay(ap)
+        args = ap.parse_args(argv)
+        res = cmd_replay(args)
+        _write(res, args.json)
+        report.print_replay(res)
+        print(f"wrote {args.json}")
+        return 0
+    if cmd == "model":
+        _parser_model(ap)
+        args = ap.parse_args(argv)
+        comm = json.load(open(args.comm))
+        replay = json.load(open(args.replay)) if os.path.exists(args.replay) else None
+        res = cmd_model(args, comm, replay)
+        _write(res, args.json)
+        pngs = report.plot_model(res, replay, os.path.splitext(args.json)[0])
+        md = report.summary(comm, replay, res)
+        with open(args.summary, "w") as f:
+            f.write(md)
+        print(md)
+        print(f"wrote {args.json}, {args.summary}" + "".join(f", {p}" for p in pngs))
+        return 0
+    # reproduce: the three measurements with the issue's settings
+    ap.add_argument("--out-dir", default=RESULTS)
+    ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
+    ap.add_argument("--engines", default="torch,horovod")
+    ap.add_argument("--selection", choices=["paper", "measured", "none"], default="paper")
+    ap.add_argument("--models", type=_list(str), nargs="+", default=[DEFAULT_MODELS])
+    _net_args(ap)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    d = args.out_dir
+    common = ["--rate", args.rate, "--burst", args.burst, "--tbf-latency", args.tbf_latency,
+              "--delay", args.delay, "--jitter", args.jitter, "--max-load", str(args.max_load),
+              "--max-wait", str(args.max_wait), "--timeout", str(args.timeout)]
+    common += (["--no-netns"] if args.no_netns else []) + (["--quiet"] if args.quiet else [])
+    ws = ["--workers"] + [str(w) for w in _flat(args.workers)]
+    rc = main(["comm", *ws, "--engines", args.engines, "--json", os.path.join(d, "cluster_comm.json"), *common])
+    rc = rc or main(["replay", *ws, "--selection", args.selection, "--models", ",".join(_flat(args.models)),
+                     "--json", os.path.join(d, "cluster_replay.json"), *common])
+    rc = rc or main(["model", "--comm", os.path.join(d, "cluster_comm.json"),
+                     "--replay", os.path.join(d, "cluster_replay.json"),
+                     "--json", os.path.join(d, "cluster_model.json"),
+                     "--summary", os.path.join(d, "cluster_summary.md")])
+    print(f"reproduce: done in {(time.time() - t0) / 60:.1f} min")
+    return rc
+
+
+def bench_main(argv=None) -> int:
+    """``gtopk-bench``: ``gtopk-bench cluster ...`` (this benchmark) or
+    ``gtopk-bench bytes-per-step ...`` (benchmarks/bytes_per_step.py)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gtopk-bench {cluster,bytes-per-step} ...\n"
+              "  cluster         emulated 1 GbE cluster (python -m benchmarks.cluster --help)\n"
+              "  bytes-per-step  bytes and time per method on loopback")
+        return 0
+    if argv[0] == "cluster":
+        return main(argv[1:])
+    if argv[0] in ("bytes-per-step", "bytes_per_step"):
+        from benchmarks import bytes_per_step
+        return bytes_per_step.main(argv[1:])
+    print(f"gtopk-bench: unknown benchmark {argv[0]!r} (cluster, bytes-per-step)", file=sys.stderr)
+    return 2

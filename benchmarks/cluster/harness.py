@@ -1,0 +1,208 @@
+"""Runs worker jobs on an emulated cluster (or on loopback when namespaces
+are unavailable): network set-up and tear-down, engine rendezvous, Horovod's
+rendezvous helper, signal handling, progress bars."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, Iterator, List, Optional
+
+from benchmarks import launch
+
+from . import netns
+
+TORCH_PORT = 29500
+HVD_PORT = 29600
+
+
+def parse_rate(rate: Optional[str]) -> Optional[float]:
+    """tc rate string -> bits per second (tc: "bit" units are bits, "bps"
+    units are bytes per second)."""
+    if rate is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise ValueError(f"cannot parse rate {rate!r} (use e.g. 1gbit, 100mbit)")
+    num, mult, binary, unit = m.groups()
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[mult]
+    if binary:
+        scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[mult]
+    bits = float(num) * scale
+    return bits * 8 if unit == "bps" else bits
+
+
+def horovod_status():
+    """(usable, sentence): our Horovod layer exists and imports."""
+    try:
+        import horovod.torch  # noqa: F401
+        from gtopk_plugin.frameworks import horovod as _h  # noqa: F401
+        from horovod.runner.http.http_server import RendezvousHTTPServer  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means: not usable here
+        return False, f"Horovod not used: {type(e).__name__}: {e}"
+    return True, "Horovod with gloo (gtopk_plugin.frameworks.horovod.HorovodTransport)"
+
+
+class Loopback:
+    """Stand-in for NetCluster without namespaces: every worker on 127.0.0.1."""
+
+    def __init__(self, P: int, reason: str):
+        self.P, self.reason = P, reason
+
+    def addr(self, rank):
+        return "127.0.0.1"
+
+    def prefix(self, rank):
+        return []
+
+    iface = "lo"
+
+    def describe(self):
+        return {"shaped": False, "label": "unshaped", "rate": None, "why": self.reason,
+                "topology": f"{self.P} processes on loopback"}
+
+    def qdisc_stats(self):
+        return {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@contextlib.contextmanager
+def signals_as_exceptions() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise SystemExit (Ctrl-C already raises
+    KeyboardInterrupt), so every ``with`` block below tears down."""
+    def _raise(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def network(P: int, opts) -> object:
+    """A NetCluster when namespaces work (and were not declined), else
+    Loopback with the reason.  ``opts``: rate, burst, tbf_latency, delay,
+    jitter, no_netns."""
+    if opts.no_netns:
+        return Loopback(P, "--no-netns given")
+    ok, why = netns.available()
+    if not ok:
+        return Loopback(P, why)
+    return netns.NetCluster(P, rate=opts.rate, burst=opts.burst, tbf_latency=opts.tbf_latency,
+                            delay=opts.delay, jitter=opts.jitter)
+
+
+class Progress:
+    """One bar over a whole command (tqdm when installed, else lines)."""
+
+    def __init__(self, total: int, desc: str, disable: bool = False):
+        self.total, self.n, self.desc, self.disable = total, 0, desc, disable
+        self._bar = None
+        if not disable:
+            try:
+                from tqdm import tqdm
+                self._bar = tqdm(total=total, desc=desc, unit="cfg", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def step(self, what: str = ""):
+        self.n += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(what[-60:])
+            self._bar.update(1)
+        elif not self.disable:
+            print(f"[{self.n}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def note(self, text: str):
+        if self._bar is not None:
+            self._bar.write(text)
+        elif not self.disable:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+
+
+@contextlib.contextmanager
+def _hvd_rendezvous(net, P: int) -> Iterator[Dict[int, Dict[str, str]]]:
+    """Horovod's rendezvous server inside worker 0's namespace."""
+    from .hvd_rdzv import worker_env
+
+    addr = net.addr(0)
+    port = HVD_PORT if net.prefix(0) else launch.free_port()
+    cmd = net.prefix(0) + [sys.executable, "-m", "benchmarks.cluster.hvd_rdzv", addr, str(port), str(P)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [launch.ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=launch.ROOT, env=env, start_new_session=True,
+                            preexec_fn=launch._die_with_parent)
+    try:
+        line = proc.stdout.readline()
+        if line.strip() != "READY":
+            rest = proc.stdout.read() if proc.poll() is not None else ""
+            raise RuntimeError(f"Horovod rendezvous did not start: {line}{rest}")
+        yield {r: worker_env(r, P, addr, port, net.iface) for r in range(P)}
+    finally:
+        try:
+            proc.stdin.close()
+            proc.wait(5)
+        except (subprocess.TimeoutExpired, OSError):
+            launch._stop_all([proc])
+
+
+def run_job(net, P: int, target: str, payload, engine: str, progress: Optional[Progress] = None,
+            timeout: float = 3600.0, echo: bool = False) -> list:
+    """Run one worker job (all ranks) on ``net``; per-rank results."""
+    def on_progress(rank, msg):
+        if progress is not None:
+            progress.step(msg.get("what", ""))
+
+    common = dict(engine=engine, ifname=net.iface, prefix=net.prefix, timeout=timeout,
+                  progress=on_progress, echo=echo)
+    if engine == "horovod":
+        with _hvd_rendezvous(net, P) as envs:
+            return launch.run_workers(P, target, payload, env=lambda r: envs[r], **common)
+    port = TORCH_PORT if net.prefix(0) else launch.free_port()
+    return launch.run_workers(P, target, payload, master_addr=net.addr(0), master_port=port, **common)
+
+
+def loadavg() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def mem_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def wait_for_quiet(max_load: float, max_wait: float, progress: Optional[Progress] = None) -> List[float]:
+    """Wait (up to ``max_wait`` s) for the 1-minute load average to drop
+    below ``max_load``; returns the load seen when starting."""
+    t0 = time.monotonic()
+    warned = False
+    while max_load > 0 and max_wait > 0 and loadavg() and loadavg()[0] > max_load and time.monotonic() - t0 < max_wait:
+        if not warned and progress is not None:
+            progress.note(f"load average {loadavg()} > {max_load}: waiting up to {max_wait:.0f} s")
+            warned = True
+        time.sleep(5)
+    return loadavg()

@@ -1,0 +1,174 @@
+"""The α-β model of each method's exchange, fitted to measurement 1.
+
+For one step of method m on P workers, with N dense elements, K selected
+entries in all, e bytes per sparse entry (8 for int32 index + fp32 value, 6
+with fp16) and s bytes per dense element:
+
+=========  =====================  ===========================================
+method     messages (sequential)  bytes sent by the busiest worker
+=========  =====================  ===========================================
+dense      2(P−1)                 2(P−1)/P · s·N          (ring allreduce)
+topk       P−1                    (P−1) · e·K             (ring allgather)
+gtopk      ⌊log2 P⌋ (+2 folding)  ⌊log2 P⌋·e·K (+ e·K + ⌈K/8⌉ folding)
+=========  =====================  ===========================================
+
+t = α·messages + β·bytes (+ γ·N where a method touches the dense vector in
+the exchange; off by default), fitted per (engine, method) by non-negative
+least squares on relative error (every point counts alike, whether it took
+a millisecond or a second).  α is per message (latency plus per-call
+software cost), β per byte (1/bandwidth plus per-byte compute such as the
+merges' selection), γ per dense element.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Dict, Iterable, List, Optional, Sequence
+
+FEATURES = ("messages", "bytes", "numel")
+
+
+def butterfly_rounds(P: int) -> int:
+    if P <= 1:
+        return 0
+    return (P.bit_length() - 1) + (0 if P & (P - 1) == 0 else 2)
+
+
+def traffic(method: str, P: int, N: int, K: Optional[int], entry_bytes: int = 8,
+            elem_bytes: int = 4) -> Dict[str, float]:
+    """Messages and bytes of the busiest worker for one exchange (the
+    formulas of the table above; they equal the library's counters)."""
+    if P <= 1:
+        return {"messages": 0, "bytes": 0, "numel": N}
+    if method == "dense":
+        return {"messages": 2 * (P - 1), "bytes": 2 * (P - 1) * N * elem_bytes // P, "numel": N}
+    if method == "topk":
+        return {"messages": P - 1, "bytes": (P - 1) * entry_bytes * K, "numel": N}
+    if method == "gtopk":
+        Pp = 1 << (P.bit_length() - 1)
+        r = Pp.bit_length() - 1
+        b = r * entry_bytes * K
+        if P != Pp:  # folded ranks: their partner also sends the result + a bitmask
+            b += entry_bytes * K + math.ceil(K / 8)
+        return {"messages": butterfly_rounds(P), "bytes": b, "numel": N}
+    raise ValueError(f"no traffic model for method {method!r}")
+
+
+def _lstsq(X: List[List[float]], y: List[float]) -> Optional[List[float]]:
+    """Least squares by the normal equations (tiny systems)."""
+    n = len(X[0])
+    A = [[sum(r[i] * r[j] for r in X) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * t for r, t in zip(X, y)) for i in range(n)]
+    # Gaussian elimination with partial pivoting
+    M = [row[:] + [bb] for row, bb in zip(A, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(M[r][c]))
+        if abs(M[p][c]) < 1e-300:
+            return None
+        M[c], M[p] = M[p], M[c]
+        for r in range(n):
+            if r != c:
+                f = M[r][c] / M[c][c]
+                M[r] = [a - f * bb for a, bb in zip(M[r], M[c])]
+    return [M[i][n] / M[i][i] for i in range(n)]
+
+
+def nnls(X: List[List[float]], y: List[float]) -> List[float]:
+    """Non-negative least squares for a handful of columns: the best
+    feasible solution over all column subsets."""
+    n = len(X[0])
+    best, best_err = [0.0] * n, sum(t * t for t in y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sol = _lstsq([[r[c] for c in cols] for r in X], y)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            coef = [0.0] * n
+            for c, v in zip(cols, sol):
+                coef[c] = v
+            err = sum((sum(a * b for a, b in zip(r, coef)) - t) ** 2 for r, t in zip(X, y))
+            if err < best_err - 1e-18:
+                best, best_err = coef, err
+    return best
+
+
+class Fit:
+    """α (s/message), β (s/byte), γ (s/element) of one (engine, method)."""
+
+    def __init__(self, engine: str, method: str, coef: Dict[str, float], points: List[dict]):
+        self.engine, self.method, self.coef, self.points = engine, method, coef, points
+
+    @property
+    def alpha(self) -> float:
+        return self.coef.get("messages", 0.0)
+
+    @property
+    def beta(self) -> float:
+        return self.coef.get("bytes", 0.0)
+
+    @property
+    def gamma(self) -> float:
+        return self.coef.get("numel", 0.0)
+
+    def time(self, feats: Dict[str, float]) -> float:
+        return sum(self.coef.get(f, 0.0) * feats[f] for f in FEATURES if f in feats)
+
+    def predict(self, P: int, N: int, K: Optional[int], entry_bytes: int = 8, elem_bytes: int = 4) -> float:
+        return self.time(traffic(self.method, P, N, K, entry_bytes, elem_bytes))
+
+    def errors(self) -> List[float]:
+        """Relative error of the fit on its own points."""
+        return [(self.time(p) - p["time_s"]) / p["time_s"] for p in self.points]
+
+    def to_dict(self) -> dict:
+        errs = self.errors()
+        return {"engine": self.engine, "method": self.method, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
+                "gamma_s_per_element": self.gamma,
+                "bandwidth_gbit_s": (8 / self.beta / 1e9) if self.beta else None,
+                "points": len(self.points),
+                "median_abs_rel_err": _median([abs(e) for e in errs]) if errs else None,
+                "max_abs_rel_err": max(abs(e) for e in errs) if errs else None}
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def fit(points: Iterable[dict], engine: str, method: str, features: Sequence[str] = ("messages", "bytes")) -> Fit:
+    """Fit t = Σ coef_f · f over ``points`` (dicts with the features and
+    ``time_s``), minimising relative error, coefficients ≥ 0."""
+    pts = [p for p in points if p["time_s"] > 0]
+    if not pts:
+        raise ValueError(f"no points to fit for {engine}/{method}")
+    X = [[p[f] / p["time_s"] for f in features] for p in pts]
+    y = [1.0] * len(pts)
+    # scale columns for conditioning, then undo
+    scale = [max(abs(r[i]) for r in X) or 1.0 for i in range(len(features))]
+    Xs = [[v / s for v, s in zip(r, scale)] for r in X]
+    c = nnls(Xs, y)
+    coef = {f: ci / s for f, ci, s in zip(features, c, scale)}
+    return Fit(engine, method, coef, pts)
+
+
+def points_from_comm(rows: Iterable[dict]) -> Dict[tuple, List[dict]]:
+    """Measurement-1 rows -> fit points per (engine, method), with the
+    features computed from the measured counters (bytes) and the schedule
+    (messages)."""
+    out: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        eb = 6 if r["dtype"] == "fp16" else 8
+        sb = 2 if r["dtype"] == "fp16" else 4
+        f = traffic(r["method"], r["P"], r["numel"], r.get("k"), eb, sb)
+        f["bytes"] = r["bytes_sent"]  # measured (equals the formula; see tests)
+        f["time_s"] = r["time_s"]
+        f.update({k: r[k] for k in ("P", "numel", "dtype", "density")})
+        out.setdefault((r["engine"], r["method"]), []).append(f)
+    return out
+
+
+def efficiency(compute_s: float, select_s: float, comm_s: float) -> float:
+    """Scaling efficiency with weak scaling (same per-worker batch): the
+    single worker runs compute only (no exchange, no selection)."""
+    return compute_s / (compute_s + select_s + comm_s)
