@@ -1,0 +1,214 @@
+"""The emulated-cluster benchmark (benchmarks/cluster, issue #6): namespace
+set-up and tear-down, model shape lists, the α-β fit, and a short smoke run
+of the three measurements.  No test asserts on a timing."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.cluster import cli, harness, model as abm, netns  # noqa: E402
+from benchmarks.cluster import shapes as S  # noqa: E402
+
+NETNS_OK, NETNS_WHY = netns.available()
+needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"NETNS TESTS SKIPPED: {NETNS_WHY}")
+
+
+# ---------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------
+def test_known_parameter_counts():
+    assert S.numel("resnet50") == 25_557_032
+    assert S.numel("vgg16") == 138_357_544
+    for m, n in S.KNOWN_TOTALS.items():
+        assert S.numel(m) == n, m
+        names = [name for name, _ in S.shapes(m)]
+        assert len(names) == len(set(names)), f"{m}: duplicate tensor names"
+
+
+def test_shapes_match_torch_modules():
+    """Independent construction with torch.nn on the meta device (no memory)."""
+    nn = torch.nn
+    with torch.device("meta"):
+        lstm = nn.LSTM(1500, 1500, 2)
+        layers, cin = [], 3
+        for v in [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU()]
+                cin = v
+        vgg = nn.ModuleDict({"features": nn.Sequential(*layers), "classifier": nn.Sequential(
+            nn.Linear(25088, 4096), nn.ReLU(), nn.Dropout(), nn.Linear(4096, 4096), nn.ReLU(), nn.Dropout(),
+            nn.Linear(4096, 1000))})
+    got = dict(S.lstm_ptb())
+    for n, p in lstm.named_parameters():
+        assert got[f"lstm.{n}"] == tuple(p.shape)
+    assert [(n, tuple(p.shape)) for n, p in vgg.named_parameters()] == S.vgg16()
+
+
+def test_paper_data_consistent():
+    # the breakdown (gTop-k, P=32) reproduces the paper's gTop-k throughput at P=32
+    for m, (comp, compr, comm) in S.PAPER_BREAKDOWN.items():
+        thr = S.PAPER_BATCH[m] / (comp + compr + comm)
+        assert thr == pytest.approx(S.PAPER_THROUGHPUT[m]["gtopk"][-1], rel=0.07), m
+        # compression time is linear in the model size (6.0-6.3 ns per parameter)
+        assert compr / S.numel(m) * 1e9 == pytest.approx(S.PAPER_SELECT_NS_PER_ELEMENT, rel=0.05), m
+
+
+# ---------------------------------------------------------------------------
+# α-β model
+# ---------------------------------------------------------------------------
+def test_traffic_formulas():
+    assert abm.traffic("dense", 8, 1000, None)["bytes"] == 2 * 7 * 4000 // 8
+    assert abm.traffic("topk", 8, 1000, 10)["bytes"] == 7 * 80
+    assert abm.traffic("gtopk", 8, 1000, 10) == {"messages": 3, "bytes": 240, "numel": 1000}
+    assert abm.traffic("gtopk", 6, 1000, 10)["messages"] == 4  # 2 rounds + fold in/out
+    assert abm.traffic("gtopk", 1, 1000, 10)["bytes"] == 0
+
+
+@pytest.mark.parametrize("method,alpha,beta", [("dense", 2e-4, 8.5e-9), ("topk", 5e-4, 9e-9),
+                                               ("gtopk", 1e-3, 2e-8)])
+def test_alpha_beta_fit_recovers_known_parameters(method, alpha, beta):
+    g = torch.Generator().manual_seed(0)
+    pts = []
+    for P in (2, 4, 8):
+        for N in (10_000, 1_000_000, 25_000_000):
+            for d in (0.001, 0.01):
+                f = abm.traffic(method, P, N, math.ceil(d * N))
+                noise = 1 + 0.02 * (2 * torch.rand(1, generator=g).item() - 1)
+                pts.append(dict(f, time_s=(alpha * f["messages"] + beta * f["bytes"]) * noise))
+    fit = abm.fit(pts, "torch", method)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.beta == pytest.approx(beta, rel=0.05)
+    assert max(abs(e) for e in fit.errors()) < 0.05
+    # exact data: exact recovery
+    exact = [dict(p, time_s=alpha * p["messages"] + beta * p["bytes"]) for p in pts]
+    f2 = abm.fit(exact, "torch", method)
+    assert f2.alpha == pytest.approx(alpha, rel=1e-6) and f2.beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    # y depends on x0 only; x1 anti-correlated noise would want a negative coef
+    X = [[1.0, 2.0], [2.0, 1.0], [3.0, 0.5]]
+    y = [1.0, 2.0, 3.0]
+    c = abm.nnls(X, y)
+    assert all(v >= 0 for v in c)
+    assert c[0] == pytest.approx(1.0, abs=0.05)
+
+
+def test_parse_rate():
+    assert harness.parse_rate("1gbit") == 1e9
+    assert harness.parse_rate("100mbit") == 1e8
+    assert harness.parse_rate("125mbps") == 1e9
+    with pytest.raises(ValueError):
+        harness.parse_rate("fast")
+
+
+# ---------------------------------------------------------------------------
+# namespaces
+# ---------------------------------------------------------------------------
+def _ours():
+    return set(netns.list_namespaces())
+
+
+@needs_netns
+def test_netns_up_and_down_leaves_nothing_behind():
+    before = _ours()
+    net = netns.NetCluster(3, rate="100mbit", burst="64kb")
+    with net:
+        assert set(net.worker_ns + [net.bridge_ns]) <= _ours()
+        for r in range(3):
+            addr = subprocess.run(["ip", "-n", net.worker_ns[r], "-4", "-o", "addr", "show", "eth0"],
+                                  capture_output=True, text=True).stdout
+            assert f"{net.addr(r)}/24" in addr
+            q = subprocess.run(["tc", "-n", net.worker_ns[r], "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+            assert "tbf" in q and "100Mbit" in q
+            q = subprocess.run(["tc", "-n", net.bridge_ns, "qdisc", "show", "dev", f"p{r}"],
+                               capture_output=True, text=True).stdout
+            assert "tbf" in q and "100Mbit" in q  # incast side shaped too
+            assert os.path.exists(f"/etc/netns/{net.worker_ns[r]}/hosts")
+        # a process inside a worker namespace is ended by the tear-down
+        p = subprocess.Popen(net.prefix(0) + ["sleep", "60"])
+    assert p.wait(10) != 0
+    assert _ours() == before
+    for ns in net.worker_ns + [net.bridge_ns]:
+        assert not os.path.exists(f"/etc/netns/{ns}")
+
+
+@needs_netns
+def test_netns_error_during_setup_removes_partial_state():
+    before = _ours()
+    with pytest.raises(netns.NetnsError):
+        netns.NetCluster(2, rate="not-a-rate").up()
+    assert _ours() == before
+
+
+@needs_netns
+def test_cleanup_removes_only_dead_runs():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{netns.PREFIX}-{dead.pid}-abcdef-w0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+    try:
+        with netns.NetCluster(1) as live:
+            removed = netns.cleanup()
+            assert name in removed
+            assert set(live.worker_ns) <= _ours()  # a live run is left alone
+        assert name not in _ours() and not os.path.exists(f"/etc/netns/{name}")
+    finally:
+        netns.delete_namespace(name)
+
+
+# ---------------------------------------------------------------------------
+# smoke run: the three measurements, tiny
+# ---------------------------------------------------------------------------
+def test_smoke_run(tmp_path, monkeypatch):
+    """P=2, small N, a few steps: measurement 1 (torch, and Horovod when it
+    imports), a ResNet-20 replay, the α-β model and the summary.  Shaped
+    when namespaces work, else on loopback labelled 'unshaped'."""
+    monkeypatch.setenv("GTOPK_KERNELS", "reference")  # the harness, not the kernels, is under test
+    before = _ours() if NETNS_OK else set()
+    comm_json, rep_json = str(tmp_path / "comm.json"), str(tmp_path / "replay.json")
+    hvd_ok, _ = harness.horovod_status()
+    engines = "torch,horovod" if hvd_ok else "torch"
+    assert cli.main(["comm", "--workers", "2", "--numel", "20000", "--density", "0.01", "--dtypes", "fp32,fp16",
+                     "--steps", "2", "--warmup", "1", "--engines", engines, "--link-mb", "2", "--quiet",
+                     "--json", comm_json, "--timeout", "120"]) == 0
+    comm = json.load(open(comm_json))
+    shaped = comm["meta"]["network"]["shaped"]
+    assert shaped == NETNS_OK
+    assert {r["label"] for r in comm["rows"]} == {"shaped" if shaped else "unshaped"}
+    assert len(comm["rows"]) == 2 * 3 * len(engines.split(","))
+    for r in comm["rows"]:
+        eb, sb = (6, 2) if r["dtype"] == "fp16" else (8, 4)
+        want = abm.traffic(r["method"], 2, 20000, r["k"], eb, sb)
+        assert r["bytes_sent"] == want["bytes"], r  # real counters = the model's formulas
+        assert len(r["times"]) == 2 and r["time_s"] > 0
+    assert comm["link"] and comm["link"][0]["min_gbit_s"] > 0
+    assert os.path.exists(os.path.splitext(comm_json)[0] + ".png")
+
+    assert cli.main(["replay", "--workers", "2", "--models", "resnet20", "--selection", "none", "--steps", "1",
+                     "--warmup", "0", "--quiet", "--json", rep_json, "--timeout", "120"]) == 0
+    rep = json.load(open(rep_json))
+    assert {r["method"] for r in rep["rows"]} == {"dense", "topk", "gtopk"}
+    for r in rep["rows"]:
+        assert r["time_s"] >= r["compute_s"] and 0 < r["efficiency"] <= 1
+
+    assert cli.main(["model", "--comm", comm_json, "--replay", rep_json, "--json", str(tmp_path / "m.json"),
+                     "--summary", str(tmp_path / "s.md")]) == 0
+    m = json.load(open(tmp_path / "m.json"))
+    assert {f["method"] for f in m["fits"]} == {"dense", "topk", "gtopk"}
+    assert len(m["replay_check"]) == 3 and m["extrapolation"]
+    assert "α-β" in open(tmp_path / "s.md").read()
+    if NETNS_OK:
+        assert _ours() == before  # every namespace removed
