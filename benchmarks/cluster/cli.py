@@ -20,6 +20,8 @@ import sys
 import time
 from typing import List
 
+from benchmarks import launch
+
 from . import harness, model as abm, netns, report
 from . import shapes as S
 
@@ -202,7 +204,7 @@ def cmd_replay(args) -> dict:
     progress.total *= len(engines)
     if progress._bar is not None:
         progress._bar.total = progress.total
-    kern = _warm_kernels(progress) if args.selection == "measured" or True else None
+    kern = _warm_kernels(progress)  # selection runs in every mode (once per model in paper/none)
     compute, select, notes = replay_settings(models, args.selection)
     steps = {m: (args.big_steps if S.numel(m) >= 50_000_000 or compute[m] > 1.0 else args.steps) for m in models}
     out = {"meta": None, "rows": [], "skipped": [], "settings": {
@@ -377,6 +379,20 @@ def _parser_model(ap):
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except netns.NetnsError as e:
+        print(f"gtopk-bench cluster: {e}", file=sys.stderr)
+        return 2
+    except launch.WorkerFailed as e:
+        print(f"gtopk-bench cluster: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gtopk-bench cluster: interrupted; namespaces and workers removed", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--cleanup" in argv:
         argv.remove("--cleanup")
