@@ -8,12 +8,18 @@ they call the functions below, which dispatch on the tensor's device and the
 
 Fixed public names: ``select_topk(x, offsets, k)``,
 ``select_threshold(x, offsets, k)``, ``merge_select(...)``,
-``scatter_update(...)``, ``residual_update(...)``, ``backend(device)``.
+``scatter_update(...)``, ``residual_update(...)``,
+``scatter_residual_update(...)``, ``backend(device)``.
+
+On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
+docs/kernels.md) is used automatically once it loads; it is compiled at
+install or on first use, and without a compiler the reference serves.
 """
 from __future__ import annotations
 
+import threading
 from types import ModuleType
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -24,11 +30,38 @@ from .reference import index_dtype, INT32_LIMIT  # noqa: F401  (re-exported)
 # device type -> back-end module with the reference signatures.  Fast back
 # ends add themselves here once they load; until then the reference serves.
 _FAST_BACKENDS: Dict[str, ModuleType] = {}
+# device type -> loader run once, on first use: returns the back-end module,
+# or None when it is unavailable (it has then warned once).
+_LOADERS: Dict[str, Callable[[], Optional[ModuleType]]] = {}
+_LOAD_LOCK = threading.Lock()
 
 
-def register_backend(device_type: str, module: ModuleType) -> None:
-    """Register a fast back end for ``device_type`` ("cpu" or "cuda")."""
-    _FAST_BACKENDS[device_type] = module
+def register_backend(device_type: str, module: Optional[ModuleType] = None, *,
+                     loader: Optional[Callable[[], Optional[ModuleType]]] = None) -> None:
+    """Register a fast back end for ``device_type`` ("cpu" or "cuda"): a
+    module with the reference signatures, or a ``loader`` called on first use
+    (compiling is slow, and not every program needs the kernels)."""
+    if (module is None) == (loader is None):
+        raise ValueError("register_backend: pass exactly one of module or loader")
+    if module is not None:
+        _FAST_BACKENDS[device_type] = module
+        _LOADERS.pop(device_type, None)
+    else:
+        _FAST_BACKENDS.pop(device_type, None)
+        _LOADERS[device_type] = loader
+
+
+def _fast(dev_type: str) -> Optional[ModuleType]:
+    mod = _FAST_BACKENDS.get(dev_type)
+    if mod is None and dev_type in _LOADERS:
+        with _LOAD_LOCK:
+            loader = _LOADERS.pop(dev_type, None)
+            if loader is not None:
+                mod = loader()
+                if mod is not None:
+                    _FAST_BACKENDS[dev_type] = mod
+        mod = _FAST_BACKENDS.get(dev_type)
+    return mod
 
 
 def _module(device: torch.device, choice: Optional[str] = None) -> ModuleType:
@@ -38,7 +71,7 @@ def _module(device: torch.device, choice: Optional[str] = None) -> ModuleType:
     dev_type = torch.device(device).type
     if choice in ("cpu", "cuda") and choice != dev_type:
         raise ValueError(f"GTOPK_KERNELS={choice!r} cannot run tensors on device {dev_type!r}")
-    mod = _FAST_BACKENDS.get(dev_type)
+    mod = _fast(dev_type)
     if mod is None and choice in ("cpu", "cuda"):
         raise RuntimeError(
             f"kernels back end {choice!r} was forced but is not available in this build; "
@@ -72,5 +105,19 @@ def residual_update(acc, idx, sent, *, kernels: Optional[str] = None):
     return _module(acc.device, kernels).residual_update(acc, idx, sent)
 
 
+def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor, *,
+                            kernels: Optional[str] = None):
+    """``(scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
+    residual_update(acc, sent_idx, sent))`` in one pass where the back end can."""
+    return _module(acc.device, kernels).scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
+
+
+# The CPU back end compiles (or loads) csrc/cpu on first use; see kernels/cpu.py.
+from . import cpu as _cpu  # noqa: E402
+
+register_backend("cpu", loader=_cpu.load)
+
+
 __all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
-           "residual_update", "backend", "register_backend", "reference", "index_dtype"]
+           "residual_update", "scatter_residual_update", "backend", "register_backend",
+           "reference", "index_dtype"]

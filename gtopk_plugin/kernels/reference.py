@@ -185,3 +185,12 @@ def residual_update(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
         i = idx.long()
         res[i] = acc[i] - sent.to(acc.dtype)
     return res
+
+
+def scatter_residual_update(acc: Tensor, sent_idx: Tensor, sent: Tensor, idx: Tensor, vals: Tensor,
+                            divisor: int) -> Tuple[Tensor, Tensor]:
+    """``(scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
+    residual_update(acc, sent_idx, sent))`` -- the dense update and the new
+    residual of one step; fast back ends write both in one pass."""
+    return (scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
+            residual_update(acc, sent_idx, sent))

@@ -1,0 +1,211 @@
+// Shared pieces of the CPU kernels (csrc/cpu); csrc/cuda mirrors the names.
+//
+// Ordering (DESIGN.md §3): larger |value| first, then smaller index.  Every
+// comparison of magnitudes goes through an unsigned integer *key*: the bits of
+// |x| (sign cleared), which for IEEE floats order exactly like the
+// magnitudes, -0.0 == +0.0, denormals included.  NaN keys are clamped to the
+// +inf key, so NaN ranks as +inf and ties with it (smaller index wins), as in
+// the pure-torch reference (gtopk_plugin/kernels/reference.py).
+#pragma once
+
+// Light ATen headers only (compile time): Tensor, dispatch macros,
+// at::parallel_for and the few factory functions the kernels call.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace gtopk {
+namespace cpu {
+
+// Mag<scalar_t>: storage bits and magnitude key of one element.
+//   bits_t  the raw storage word,
+//   key_t   the magnitude key (kBits significant bits: the sign bit is 0),
+//   kInf    the key of +inf (NaN keys are clamped to it).
+template <typename scalar_t>
+struct Mag;
+
+template <>
+struct Mag<float> {
+  using bits_t = uint32_t;
+  using key_t = uint32_t;
+  static constexpr int kBits = 31;
+  static constexpr key_t kInf = 0x7F800000u;
+  static inline key_t key(bits_t b) {
+    const key_t m = b & 0x7FFFFFFFu;
+    return m < kInf ? m : kInf;
+  }
+};
+
+template <>
+struct Mag<double> {
+  using bits_t = uint64_t;
+  using key_t = uint64_t;
+  static constexpr int kBits = 63;
+  static constexpr key_t kInf = 0x7FF0000000000000ull;
+  static inline key_t key(bits_t b) {
+    const key_t m = b & 0x7FFFFFFFFFFFFFFFull;
+    return m < kInf ? m : kInf;
+  }
+};
+
+template <>
+struct Mag<c10::Half> {
+  using bits_t = uint16_t;
+  using key_t = uint16_t;
+  static constexpr int kBits = 15;
+  static constexpr key_t kInf = 0x7C00u;
+  static inline key_t key(bits_t b) {
+    const key_t m = static_cast<key_t>(b & 0x7FFFu);
+    return m < kInf ? m : kInf;
+  }
+};
+
+template <>
+struct Mag<c10::BFloat16> {
+  using bits_t = uint16_t;
+  using key_t = uint16_t;
+  static constexpr int kBits = 15;
+  static constexpr key_t kInf = 0x7F80u;
+  static inline key_t key(bits_t b) {
+    const key_t m = static_cast<key_t>(b & 0x7FFFu);
+    return m < kInf ? m : kInf;
+  }
+};
+
+// Scan<M>::mask16(p, L): bit j set when p[j] (j < 16) may have key >= L
+// (L <= M::kInf).  Exact for 16- and 32-bit keys; for doubles a superset
+// (the high words only), so callers re-check every set bit.  The SSE2 paths
+// (baseline x86-64) compare the sign-cleared bits as signed integers, which
+// is exact because keys stay below 2^(bits-1); a NaN's bits exceed kInf >= L,
+// so the +inf clamp is not needed here.
+template <typename M>
+struct Scan {
+  static inline uint32_t mask16(const typename M::bits_t* p, typename M::key_t L) {
+    uint32_t m = 0;
+    for (int j = 0; j < 16; ++j) m |= static_cast<uint32_t>(M::key(p[j]) >= L) << j;
+    return m;
+  }
+};
+
+#if defined(__SSE2__)
+template <>
+struct Scan<Mag<float>> {
+  static inline uint32_t mask16(const uint32_t* p, uint32_t L) {
+    const __m128i abs = _mm_set1_epi32(0x7FFFFFFF);
+    const __m128i lm1 = _mm_set1_epi32(static_cast<int32_t>(L) - 1);
+    const __m128i c0 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), abs), lm1);
+    const __m128i c1 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)), abs), lm1);
+    const __m128i c2 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)), abs), lm1);
+    const __m128i c3 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), abs), lm1);
+    if (!_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(c0, c1), _mm_or_si128(c2, c3)))) return 0;
+    return static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c0))) |
+           static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c1))) << 4 |
+           static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c2))) << 8 |
+           static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c3))) << 12;
+  }
+};
+
+template <typename M16>
+struct Scan16 {
+  static inline uint32_t mask16(const uint16_t* p, uint16_t L) {
+    const __m128i abs = _mm_set1_epi16(0x7FFF);
+    const __m128i lm1 = _mm_set1_epi16(static_cast<int16_t>(static_cast<int>(L) - 1));
+    const __m128i c0 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), abs), lm1);
+    const __m128i c1 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)), abs), lm1);
+    return static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(c0, c1)));
+  }
+};
+template <>
+struct Scan<Mag<c10::Half>> : Scan16<Mag<c10::Half>> {};
+template <>
+struct Scan<Mag<c10::BFloat16>> : Scan16<Mag<c10::BFloat16>> {};
+
+template <>
+struct Scan<Mag<double>> {
+  // High words of 4 doubles (p[0..4)) >= high word of L, as a 4-bit mask.
+  static inline uint32_t quad(const uint64_t* p, __m128i abs, __m128i lm1) {
+    const __m128 a = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128 b = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)));
+    const __m128i hi = _mm_castps_si128(_mm_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return static_cast<uint32_t>(
+        _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(_mm_and_si128(hi, abs), lm1))));
+  }
+  static inline uint32_t mask16(const uint64_t* p, uint64_t L) {
+    const __m128i abs = _mm_set1_epi32(0x7FFFFFFF);
+    const __m128i lm1 = _mm_set1_epi32(static_cast<int32_t>(L >> 32) - 1);
+    return quad(p, abs, lm1) | quad(p + 4, abs, lm1) << 4 | quad(p + 8, abs, lm1) << 8 |
+           quad(p + 12, abs, lm1) << 12;
+  }
+};
+#endif
+
+template <typename scalar_t>
+inline typename Mag<scalar_t>::key_t key_of(const scalar_t& v) {
+  typename Mag<scalar_t>::bits_t b;
+  static_assert(sizeof(b) == sizeof(scalar_t), "storage size");
+  std::memcpy(&b, &v, sizeof(b));
+  return Mag<scalar_t>::key(b);
+}
+
+// Index dtype of a buffer (DESIGN.md §3 wire format): int32 unless it has more
+// elements than int32 holds.
+constexpr int64_t kInt32Limit = 2147483647LL;
+
+inline at::ScalarType index_type_for(int64_t numel) {
+  return numel <= kInt32Limit ? at::kInt : at::kLong;
+}
+
+// Runs `f` with index_t = int32_t or int64_t matching `t`'s dtype.
+#define GTOPK_DISPATCH_INDEX(TYPE, NAME, ...)                                   \
+  [&] {                                                                         \
+    if ((TYPE) == at::kInt) {                                                   \
+      using index_t = int32_t;                                                  \
+      return __VA_ARGS__();                                                     \
+    } else if ((TYPE) == at::kLong) {                                           \
+      using index_t = int64_t;                                                  \
+      return __VA_ARGS__();                                                     \
+    }                                                                           \
+    TORCH_CHECK(false, NAME, ": indices must be int32 or int64, got ", (TYPE)); \
+  }()
+
+// The four value dtypes every kernel supports.
+#define GTOPK_DISPATCH_VALUES(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+// Checks shared by the segmented kernels: x is 1-D, offsets holds S+1
+// non-decreasing boundaries within x, k holds S counts.
+inline void check_segments(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& k,
+                           const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": x must be a CPU tensor");
+  TORCH_CHECK(x.dim() == 1, name, ": x must be 1-D, got shape ", x.sizes());
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              name, ": offsets must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(k.dim() == 1 && k.scalar_type() == at::kLong && k.is_contiguous(), name,
+              ": k must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(offsets.numel() == k.numel() + 1, name, ": offsets must have len(k) + 1 = ",
+              k.numel() + 1, " entries, got ", offsets.numel());
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t S = k.numel();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(o[s] >= 0 && o[s] <= o[s + 1] && o[s + 1] <= x.numel(), name,
+                ": offsets must be non-decreasing within [0, x.numel()]");
+  }
+}
+
+}  // namespace cpu
+}  // namespace gtopk

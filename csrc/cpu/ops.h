@@ -1,0 +1,36 @@
+// Entry points of the CPU kernels; bound to Python in bindings.cpp.  Same
+// names and semantics as gtopk_plugin/kernels/reference.py (the oracle).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace gtopk {
+namespace cpu {
+
+// select.cpp
+std::tuple<at::Tensor, at::Tensor> select_topk(const at::Tensor& x, const at::Tensor& offsets,
+                                               const at::Tensor& k);
+std::tuple<at::Tensor, at::Tensor> select_threshold(const at::Tensor& x, const at::Tensor& offsets,
+                                                    const at::Tensor& k);
+
+// merge.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_select(
+    const at::Tensor& idx_a, const at::Tensor& val_a, const at::Tensor& idx_b,
+    const at::Tensor& val_b, const at::Tensor& offsets, const at::Tensor& k);
+bool strictly_increasing(const at::Tensor& idx);
+
+// scatter.cpp
+at::Tensor scatter_update(int64_t numel, const at::Tensor& idx, const at::Tensor& vals,
+                          int64_t divisor);
+at::Tensor residual_update(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent);
+std::tuple<at::Tensor, at::Tensor> scatter_residual_update(const at::Tensor& acc,
+                                                           const at::Tensor& sent_idx,
+                                                           const at::Tensor& sent,
+                                                           const at::Tensor& idx,
+                                                           const at::Tensor& vals,
+                                                           int64_t divisor);
+
+}  // namespace cpu
+}  // namespace gtopk

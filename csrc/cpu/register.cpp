@@ -1,0 +1,32 @@
+// Registers the CPU kernels as torch operators in the namespace gtopk_cpu
+// (torch.ops.gtopk_cpu.*), the way pytorch_scatter does: no pybind11 headers
+// (they triple the compile time), and the library is loaded with
+// torch.ops.load_library from gtopk_plugin/kernels/cpu.py.
+#include <torch/library.h>
+
+#include <string>
+
+#include "ops.h"
+
+#define GTOPK_STR2(x) #x
+#define GTOPK_STR(x) GTOPK_STR2(x)
+#ifdef GTOPK_SOURCE_HASH
+#define GTOPK_SOURCE_HASH_STR GTOPK_STR(GTOPK_SOURCE_HASH)
+#else
+#define GTOPK_SOURCE_HASH_STR "unknown"
+#endif
+
+namespace {
+std::string source_hash() { return GTOPK_SOURCE_HASH_STR; }
+}  // namespace
+
+TORCH_LIBRARY(gtopk_cpu, m) {
+  m.def("source_hash", &source_hash);
+  m.def("select_topk", &gtopk::cpu::select_topk);
+  m.def("select_threshold", &gtopk::cpu::select_threshold);
+  m.def("merge_select", &gtopk::cpu::merge_select);
+  m.def("strictly_increasing", &gtopk::cpu::strictly_increasing);
+  m.def("scatter_update", &gtopk::cpu::scatter_update);
+  m.def("residual_update", &gtopk::cpu::residual_update);
+  m.def("scatter_residual_update", &gtopk::cpu::scatter_residual_update);
+}

@@ -1,0 +1,556 @@
+// Segmented exact top-k and threshold selection on CPU.
+//
+// x is a flat buffer cut into S segments by `offsets`; segment s selects
+// k[s] entries.  Results are global indices (int32 unless x.numel() exceeds
+// int32), ascending, and the selected values.  The result of each kernel is
+// uniquely defined (exact top-k under the tie rule; the threshold rule of
+// reference.py), so it does not depend on the number of threads or on the
+// internal path taken.
+//
+// Exact top-k of one segment (n entries, 0 < k < n) in three steps:
+//   1. a lower bound L on the k-th largest key T with count(key >= L) a little
+//      over k: from a strided sample (no pass over x), or, when the sample
+//      cannot give one (dense k, heavy ties, a failed estimate), from a radix
+//      histogram of the top 16 key bits (one pass; refined by the next 16
+//      bits while the bucket holding T is large);
+//   2. one streaming pass collecting the candidates key >= L (positions and
+//      keys, per thread range, in index order);
+//   3. T and the number of ties at T that fit, by nth_element over the
+//      candidates; then every candidate above T and the first ties in index
+//      order are written out.
+// Work is split across segments (small ones, balanced by size) and within
+// segments (large ones) with at::parallel_for.
+#include "common.h"
+#include "ops.h"
+
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <mutex>
+
+namespace gtopk {
+namespace cpu {
+namespace {
+
+constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cache pass
+constexpr int64_t kBlock = 1 << 14;      // elements per collect block
+constexpr int64_t kSampleMin = 1 << 15;  // smallest segment that uses the sampled bound
+constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
+constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
+
+// Candidates: positions (segment-local, ascending) and the raw bits of their
+// values (the key is recomputed from them, and the value is written out
+// without a second, random, read of x).
+template <typename M>
+struct Cands {
+  using K = typename M::key_t;
+  std::vector<int64_t> pos;
+  std::vector<typename M::bits_t> bits;
+  int64_t size() const { return static_cast<int64_t>(pos.size()); }
+  K key(int64_t j) const { return M::key(bits[j]); }
+};
+
+// Candidates of p[0, n) with key >= L, in position order, into `out`.  With
+// kTies, L is the exact k-th key and at most `eq_cap` entries equal to L are
+// kept per thread range (only the first eq_cap of them, in index order, can be
+// selected).  Gives up (returns false) once more than `cap` were collected.
+template <typename M, bool kTies>
+bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_t eq_cap,
+             int64_t cap, Cands<M>& out) {
+  using K = typename M::key_t;
+  const int64_t nblk = (n + kBlock - 1) / kBlock;
+  std::vector<Cands<M>> part(nblk);  // one slot per thread range, keyed by its first block
+  std::atomic<int64_t> total{0};
+  std::atomic<bool> stop{false};
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    Cands<M>& c = part[b0];
+    int64_t eq_seen = 0;
+    auto take = [&](int64_t i, K kk) {
+      if (kTies && kk == L) {
+        if (eq_seen++ >= eq_cap) return;
+      }
+      c.pos.push_back(i);
+      c.bits.push_back(p[i]);
+    };
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      if (stop.load(std::memory_order_relaxed)) return;
+      const int64_t s = blk * kBlock, e = std::min(n, s + kBlock);
+      const size_t before = c.pos.size();
+      int64_t i = s;
+      for (; i + 16 <= e; i += 16) {
+        uint32_t mk = Scan<M>::mask16(p + i, L);  // SIMD test; usually 0
+        while (mk) {
+          const int j = __builtin_ctz(mk);
+          mk &= mk - 1;
+          const K kk = M::key(p[i + j]);
+          if (kk >= L) take(i + j, kk);
+        }
+      }
+      for (; i < e; ++i) {
+        const K kk = M::key(p[i]);
+        if (kk >= L) take(i, kk);
+      }
+      const int64_t added = static_cast<int64_t>(c.pos.size() - before);
+      if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap) {
+        stop.store(true, std::memory_order_relaxed);
+        return;
+      }
+    }
+  });
+  if (stop.load()) return false;
+  std::vector<int64_t> start(nblk + 1, 0);
+  for (int64_t b = 0; b < nblk; ++b) start[b + 1] = start[b] + part[b].size();
+  out.pos.resize(start[nblk]);
+  out.bits.resize(start[nblk]);
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      std::copy(part[b].pos.begin(), part[b].pos.end(), out.pos.begin() + start[b]);
+      std::copy(part[b].bits.begin(), part[b].bits.end(), out.bits.begin() + start[b]);
+    }
+  });
+  return true;
+}
+
+// The k-th largest key T and the number of entries equal to T that the top-k
+// takes, from candidates holding every entry with key >= T.  Candidates with
+// key >= U (`above` of them) are known to rank above T; T is the r-th largest
+// of the others.
+template <typename M, typename K = typename M::key_t>
+std::pair<K, int64_t> resolve(const Cands<M>& c, K U, int64_t above, int64_t r, int64_t k) {
+  std::vector<K> mk;
+  mk.reserve(c.size() - above);
+  for (int64_t j = 0; j < c.size(); ++j) {
+    const K kk = c.key(j);
+    if (kk < U) mk.push_back(kk);
+  }
+  TORCH_INTERNAL_ASSERT(r >= 1 && r <= static_cast<int64_t>(mk.size()), "gtopk resolve: rank ", r,
+                        " of ", mk.size());
+  std::nth_element(mk.begin(), mk.begin() + (r - 1), mk.end(), std::greater<K>());
+  const K T = mk[r - 1];
+  int64_t gt = above;
+  for (K kk : mk) gt += kk > T;
+  return {T, k - gt};
+}
+
+// Writes lo + position of every candidate with key > T and of the first
+// `ties` candidates with key == T (index order), ascending, to out.
+template <typename M, typename I, typename K = typename M::key_t>
+void emit(const Cands<M>& c, int64_t lo, K T, int64_t ties, I* out,
+          typename M::bits_t* vout) {
+  const int64_t m = c.size();
+  constexpr int64_t B = 1 << 16;
+  const int64_t nb = (m + B - 1) / B;
+  if (nb <= 1) {
+    int64_t o = 0, taken = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const K kk = c.key(j);
+      if (kk > T || (kk == T && taken++ < ties)) {
+        out[o] = static_cast<I>(lo + c.pos[j]);
+        vout[o++] = c.bits[j];
+      }
+    }
+    return;
+  }
+  std::vector<int64_t> gt(nb, 0), eq(nb, 0), start(nb, 0), take(nb, 0);
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t g = 0, q = 0;
+      for (int64_t j = b * B, e = std::min(m, j + B); j < e; ++j) {
+        const K kk = c.key(j);
+        g += kk > T;
+        q += kk == T;
+      }
+      gt[b] = g;
+      eq[b] = q;
+    }
+  });
+  int64_t o = 0, left = ties;
+  for (int64_t b = 0; b < nb; ++b) {
+    take[b] = std::min(eq[b], left);
+    left -= take[b];
+    start[b] = o;
+    o += gt[b] + take[b];
+  }
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t w = start[b], taken = 0;
+      const int64_t t = take[b];
+      for (int64_t j = b * B, e = std::min(m, j + B); j < e; ++j) {
+        const K kk = c.key(j);
+        if (kk > T || (kk == T && taken++ < t)) {
+          out[w] = static_cast<I>(lo + c.pos[j]);
+          vout[w++] = c.bits[j];
+        }
+      }
+    }
+  });
+}
+
+template <typename B, typename I>
+void fill_all(const B* p, int64_t lo, int64_t n, I* out, B* vout) {
+  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out[i] = static_cast<I>(lo + i);
+    std::copy(p + b, p + e, vout + b);
+  });
+}
+
+// Small segment: keys in cache, nth_element, one more pass.
+template <typename M, typename I>
+void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I* out,
+                typename M::bits_t* vout) {
+  using K = typename M::key_t;
+  std::vector<K> keys(n);
+  for (int64_t i = 0; i < n; ++i) keys[i] = M::key(p[i]);
+  std::vector<K> sel(keys);
+  std::nth_element(sel.begin(), sel.begin() + (k - 1), sel.end(), std::greater<K>());
+  const K T = sel[k - 1];
+  int64_t gt = 0;
+  for (K kk : keys) gt += kk > T;
+  const int64_t ties = k - gt;
+  int64_t o = 0, taken = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const K kk = keys[i];
+    if (kk > T || (kk == T && taken++ < ties)) {
+      out[o] = static_cast<I>(lo + i);
+      vout[o++] = p[i];
+    }
+  }
+}
+
+// A bound L from a strided sample such that count(key >= L) is, with high
+// probability, at least k and about k + 4 sqrt(k)-ish; `est` estimates that
+// count.  False when the sample cannot give a useful bound.
+template <typename M>
+bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
+                  int64_t& est) {
+  using K = typename M::key_t;
+  if (n < kSampleMin) return false;
+  const int64_t target = std::min<int64_t>(16384, std::max<int64_t>(1024, n / 16));
+  const int64_t stride = n / target;
+  const int64_t m = (n + stride - 1) / stride;
+  const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
+  const int64_t R = static_cast<int64_t>(std::ceil(q + 4.0 * std::sqrt(q) + 8.0));
+  if (R * 16 > m) return false;  // dense k: the histogram bound is cheaper
+  std::vector<K> s(m);
+  for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
+  std::nth_element(s.begin(), s.begin() + (R - 1), s.end(), std::greater<K>());
+  L = s[R - 1];
+  int64_t ge = 0;
+  for (K kk : s) ge += kk >= L;
+  if (ge > 2 * R + 16) return false;  // heavy ties at L: the candidate set would be large
+  est = static_cast<int64_t>(static_cast<double>(ge) * static_cast<double>(n) /
+                             static_cast<double>(m)) +
+        1;
+  return true;
+}
+
+// Histogram of digit (key >> sh) & (2^nb - 1) over the entries whose higher
+// bits (key >> (sh + nb)) equal `prefix`.
+template <typename M>
+void histogram(const typename M::bits_t* p, int64_t n, typename M::key_t prefix, int sh, int nb,
+               std::vector<int64_t>& h) {
+  using K = typename M::key_t;
+  const int64_t bins = int64_t(1) << nb;
+  const K mask = static_cast<K>(bins - 1);
+  const int up = sh + nb;
+  h.assign(bins, 0);
+  std::mutex mu;
+  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> loc(bins, 0);
+    std::vector<int64_t> acc(bins, 0);
+    for (int64_t s = b; s < e; s += (int64_t(1) << 30)) {  // uint32 counts never overflow
+      const int64_t t = std::min(e, s + (int64_t(1) << 30));
+      for (int64_t i = s; i < t; ++i) {
+        const K kk = M::key(p[i]);
+        if (static_cast<K>(kk >> up) == prefix) ++loc[(kk >> sh) & mask];
+      }
+      for (int64_t j = 0; j < bins; ++j) {
+        acc[j] += loc[j];
+        loc[j] = 0;
+      }
+    }
+    std::lock_guard<std::mutex> g(mu);
+    for (int64_t j = 0; j < bins; ++j) h[j] += acc[j];
+  });
+}
+
+template <typename K>
+struct Bound {
+  K L, U;         // T lies in [L, U)
+  int64_t above;  // entries with key >= U
+  int64_t r;      // T is the r-th largest key in [L, U)
+  bool exact;     // L == T
+};
+
+template <typename M>
+Bound<typename M::key_t> hist_bound(const typename M::bits_t* p, int64_t n, int64_t k) {
+  using K = typename M::key_t;
+  const int64_t limit = std::max<int64_t>(int64_t(1) << 16, k / 4);
+  K prefix = 0;
+  int64_t r = k, above = 0;
+  int shift = M::kBits;
+  std::vector<int64_t> h;
+  while (true) {
+    const int nb = std::min(16, shift), sh = shift - nb;
+    histogram<M>(p, n, prefix, sh, nb, h);
+    int64_t cum = 0, b = (int64_t(1) << nb) - 1;
+    for (; b > 0; --b) {
+      if (cum + h[b] >= r) break;
+      cum += h[b];
+    }
+    above += cum;
+    r -= cum;
+    prefix = static_cast<K>((static_cast<uint64_t>(prefix) << nb) | static_cast<uint64_t>(b));
+    shift = sh;
+    if (sh == 0 || h[b] <= limit) {
+      Bound<K> B;
+      B.L = static_cast<K>(static_cast<uint64_t>(prefix) << sh);
+      B.U = static_cast<K>((static_cast<uint64_t>(prefix) + 1) << sh);
+      B.above = above;
+      B.r = r;
+      B.exact = sh == 0;
+      return B;
+    }
+  }
+}
+
+// Exact top-k through the histogram bound (robust for any data).
+template <typename M, typename I>
+void topk_hist(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I* out,
+               typename M::bits_t* vout) {
+  using K = typename M::key_t;
+  const Bound<K> B = hist_bound<M>(p, n, k);
+  Cands<M> c;
+  if (B.exact) {
+    collect<M, true>(p, n, B.L, B.r, std::numeric_limits<int64_t>::max(), c);
+    emit(c, lo, B.L, B.r, out, vout);
+  } else {
+    collect<M, false>(p, n, B.L, 0, std::numeric_limits<int64_t>::max(), c);
+    const auto tr = resolve(c, B.U, B.above, B.r, k);
+    emit(c, lo, tr.first, tr.second, out, vout);
+  }
+}
+
+// Exact top-k of one segment: writes min(k, n) ascending global indices.
+template <typename M, typename I>
+void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I* out,
+                  typename M::bits_t* vout, bool try_sample = true) {
+  using K = typename M::key_t;
+  if (k <= 0 || n == 0) return;
+  if (k >= n) {
+    fill_all(p, lo, n, out, vout);
+    return;
+  }
+  if (n <= kSmall) {
+    topk_small<M>(p, lo, n, k, out, vout);
+    return;
+  }
+  K L;
+  int64_t est = 0;
+  if (try_sample && sample_bound<M>(p, n, k, L, est)) {
+    Cands<M> c;
+    const int64_t cap = std::max(4 * est, 4 * k) + 4096;
+    if (collect<M, false>(p, n, L, 0, cap, c) && c.size() >= k) {
+      const auto tr = resolve(c, std::numeric_limits<K>::max(), 0, k, k);
+      emit(c, lo, tr.first, tr.second, out, vout);
+      return;
+    }
+  }
+  topk_hist<M>(p, lo, n, k, out, vout);
+}
+
+// Threshold selection of one segment, exactly reference._threshold_segment:
+// t = the ks-th largest magnitude of a strided sample (stride n // 4096);
+// every entry >= t when that count lies within +-10% of k, otherwise the exact
+// top-k.  One pass collects the entries >= min(t, L) (L: the exact path's own
+// sampled bound), which serves the in-tolerance result and both corrections.
+template <typename M, typename I>
+struct Selected {
+  std::vector<I> idx;
+  std::vector<typename M::bits_t> bits;
+  void resize(int64_t n) {
+    idx.resize(n);
+    bits.resize(n);
+  }
+};
+
+template <typename M, typename I>
+void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
+                       Selected<M, I>& out) {
+  using K = typename M::key_t;
+  if (k >= n) {
+    out.resize(n);
+    fill_all(p, lo, n, out.idx.data(), out.bits.data());
+    return;
+  }
+  if (k <= 0) return;
+  const int64_t stride = std::max<int64_t>(1, n / kRefSample);
+  const int64_t m = (n + stride - 1) / stride;
+  // Python: max(1, min(m, round(k * m / n))) -- int product, true division,
+  // round half to even (nearbyint under the default rounding mode).
+  int64_t ks = static_cast<int64_t>(
+      std::nearbyint(static_cast<double>(k * m) / static_cast<double>(n)));
+  ks = std::max<int64_t>(1, std::min(m, ks));
+  std::vector<K> s(m);
+  for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
+  std::nth_element(s.begin(), s.begin() + (ks - 1), s.end(), std::greater<K>());
+  const K t = s[ks - 1];
+  const double lo_tol = (1.0 - kTolerance) * static_cast<double>(k);
+  const double hi_tol = (1.0 + kTolerance) * static_cast<double>(k);
+
+  K L = t;
+  int64_t est = 0;
+  const bool have = sample_bound<M>(p, n, k, L, est);
+  const K Lc = have ? std::min(t, L) : t;
+  Cands<M> c;
+  auto within = [&](int64_t cnt) {
+    return lo_tol <= static_cast<double>(cnt) && static_cast<double>(cnt) <= hi_tol;
+  };
+  auto take_ge_t = [&](int64_t cnt) {  // the candidates >= t (cnt of them)
+    out.resize(cnt);
+    int64_t o = 0;
+    for (int64_t j = 0; j < c.size(); ++j) {
+      if (c.key(j) >= t) {
+        out.idx[o] = static_cast<I>(lo + c.pos[j]);
+        out.bits[o++] = c.bits[j];
+      }
+    }
+  };
+  auto exact = [&](bool try_sample) {
+    out.resize(k);
+    topk_segment<M>(p, lo, n, k, out.idx.data(), out.bits.data(), try_sample);
+  };
+  if (collect<M, false>(p, n, Lc, 0, std::max(4 * est, 4 * k) + 65536, c)) {
+    int64_t ct = 0;
+    for (int64_t j = 0; j < c.size(); ++j) ct += c.key(j) >= t;
+    if (within(ct)) {
+      take_ge_t(ct);
+      return;
+    }
+    if (c.size() >= k) {  // holds every entry >= T: the exact top-k is among them
+      const auto tr = resolve(c, std::numeric_limits<K>::max(), 0, k, k);
+      out.resize(k);
+      emit(c, lo, tr.first, tr.second, out.idx.data(), out.bits.data());
+      return;
+    }
+    exact(!have);  // too few, and the sampled bound failed
+    return;
+  }
+  // Far more than k entries reach Lc.  If Lc == t that is "too many";
+  // otherwise count the entries >= t, giving up once past the tolerance.
+  if (Lc != t && collect<M, false>(p, n, t, 0, static_cast<int64_t>(std::floor(hi_tol)), c)) {
+    if (within(c.size())) {
+      take_ge_t(c.size());
+      return;
+    }
+  }
+  exact(false);
+}
+
+// Runs f(s) for every segment: large segments one after the other (f
+// parallelises inside), the others spread over the threads in contiguous
+// groups of about equal size (f runs serially inside a parallel region).
+template <typename F>
+void for_segments(const int64_t* o, int64_t S, const F& f) {
+  const int64_t total = o[S] - o[0];
+  const int64_t nt = at::get_num_threads();
+  if (nt <= 1 || S <= 1 || total < (int64_t(1) << 16)) {
+    for (int64_t s = 0; s < S; ++s) f(s);
+    return;
+  }
+  const int64_t big = std::max<int64_t>(int64_t(1) << 20, total / (2 * nt));
+  std::vector<int64_t> small;
+  int64_t small_total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = o[s + 1] - o[s];
+    if (n >= big) {
+      f(s);
+    } else {
+      small.push_back(s);
+      small_total += n;
+    }
+  }
+  if (small.empty()) return;
+  const int64_t parts = std::min<int64_t>(static_cast<int64_t>(small.size()), nt);
+  std::vector<int64_t> first(parts + 1, static_cast<int64_t>(small.size()));
+  first[0] = 0;
+  int64_t cum = 0, part = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(small.size()) && part < parts; ++i) {
+    cum += o[small[i] + 1] - o[small[i]];
+    while (part < parts && cum * parts >= small_total * part) first[part++] = i + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
+    for (int64_t q = a; q < b; ++q)
+      for (int64_t i = first[q]; i < first[q + 1]; ++i) f(small[i]);
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> select_topk(const at::Tensor& x_, const at::Tensor& offsets,
+                                               const at::Tensor& k) {
+  check_segments(x_, offsets, k, "select_topk");
+  const at::Tensor x = x_.contiguous();
+  const int64_t S = k.numel();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* ks = k.data_ptr<int64_t>();
+  std::vector<int64_t> out_off(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = o[s + 1] - o[s];
+    out_off[s + 1] = out_off[s] + std::max<int64_t>(0, std::min(ks[s], n));
+  }
+  const int64_t total = out_off[S];
+  at::Tensor idx = at::empty({total}, x.options().dtype(index_type_for(x.numel())));
+  at::Tensor vals = at::empty({total}, x.options());
+  GTOPK_DISPATCH_VALUES(x.scalar_type(), "select_topk", [&] {
+    using M = Mag<scalar_t>;
+    const auto* p = reinterpret_cast<const typename M::bits_t*>(x.data_ptr<scalar_t>());
+    auto* v = reinterpret_cast<typename M::bits_t*>(vals.data_ptr<scalar_t>());
+    GTOPK_DISPATCH_INDEX(idx.scalar_type(), "select_topk", [&] {
+      index_t* out = idx.data_ptr<index_t>();
+      for_segments(o, S, [&](int64_t s) {
+        topk_segment<M>(p + o[s], o[s], o[s + 1] - o[s], ks[s], out + out_off[s],
+                        v + out_off[s]);
+      });
+    });
+  });
+  return {idx, vals};
+}
+
+std::tuple<at::Tensor, at::Tensor> select_threshold(const at::Tensor& x_,
+                                                    const at::Tensor& offsets,
+                                                    const at::Tensor& k) {
+  check_segments(x_, offsets, k, "select_threshold");
+  const at::Tensor x = x_.contiguous();
+  const int64_t S = k.numel();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* ks = k.data_ptr<int64_t>();
+  const auto itype = index_type_for(x.numel());
+  at::Tensor idx, vals;
+  GTOPK_DISPATCH_VALUES(x.scalar_type(), "select_threshold", [&] {
+    using M = Mag<scalar_t>;
+    const auto* p = reinterpret_cast<const typename M::bits_t*>(x.data_ptr<scalar_t>());
+    GTOPK_DISPATCH_INDEX(itype, "select_threshold", [&] {
+      std::vector<Selected<M, index_t>> part(S);
+      for_segments(o, S, [&](int64_t s) {
+        threshold_segment<M>(p + o[s], o[s], o[s + 1] - o[s], ks[s], part[s]);
+      });
+      std::vector<int64_t> start(S + 1, 0);
+      for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + part[s].idx.size();
+      idx = at::empty({start[S]}, x.options().dtype(itype));
+      vals = at::empty({start[S]}, x.options());
+      index_t* out = idx.data_ptr<index_t>();
+      auto* v = reinterpret_cast<typename M::bits_t*>(vals.data_ptr<scalar_t>());
+      at::parallel_for(0, S, 1, [&](int64_t a, int64_t b) {
+        for (int64_t s = a; s < b; ++s) {
+          std::copy(part[s].idx.begin(), part[s].idx.end(), out + start[s]);
+          std::copy(part[s].bits.begin(), part[s].bits.end(), v + start[s]);
+        }
+      });
+    });
+  });
+  return {idx, vals};
+}
+
+}  // namespace cpu
+}  // namespace gtopk
