@@ -22,7 +22,6 @@ import horovod.torch as hvd
 torch.set_num_threads(1)
 hvd.init()
 
-import gtopk_plugin as gp  # noqa: E402
 from gtopk_plugin.horovod import Compression, DistributedOptimizer  # noqa: E402
 
 R, P = hvd.rank(), hvd.size()

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import pickle
+import time
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -123,14 +123,25 @@ class HorovodTransport(Transport):
 
     # Errors are left as Horovod raises them (HorovodInternalError): elastic
     # training recognises a lost peer by that type.
+    @staticmethod
+    def _wait(handle):
+        """``hvd.synchronize`` after polling with short sleeps: Horovod's own
+        wait spins on a core, which would take CPU from the backward pass
+        that this thread overlaps with.  The sleep (≤ 0.5 ms) stays below
+        Horovod's 1 ms cycle, so it adds almost no latency."""
+        pause = 2e-5
+        while not _ops.poll(handle):
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-4)
+        return _ops.synchronize(handle)
+
     def _alltoall(self, t: Tensor, splits: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
         h = _ops.alltoall_async(t, splits=splits, name=self._name(kind), process_set=self.process_set)
-        out, got = _ops.synchronize(h)
+        out, got = self._wait(h)
         return out, got
 
     def _allgather(self, t: Tensor, kind: str) -> Tensor:
-        return _ops.synchronize(_ops.allgather_async(t, name=self._name(kind),
-                                                     process_set=self.process_set))
+        return self._wait(_ops.allgather_async(t, name=self._name(kind), process_set=self.process_set))
 
     # -- counted operations, Horovod style --------------------------------
     def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
@@ -218,12 +229,10 @@ class HorovodTransport(Transport):
             "collective steps through phase()")
 
     def _raw_allreduce_sum_(self, t):
-        _ops.synchronize(_ops.allreduce_async_(t, name=self._name("sum"), op=hvd.Sum,
-                                               process_set=self.process_set))
+        self._wait(_ops.allreduce_async_(t, name=self._name("sum"), op=hvd.Sum, process_set=self.process_set))
 
     def _raw_allreduce_max_(self, t):
-        _ops.synchronize(_ops.allreduce_async_(t, name=self._name("max"), op=hvd.Max,
-                                               process_set=self.process_set))
+        self._wait(_ops.allreduce_async_(t, name=self._name("max"), op=hvd.Max, process_set=self.process_set))
 
     def _raw_allgather_object(self, obj):
         # hvd.allgather_object has no process_set argument in 0.28.1: pickle
