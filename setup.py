@@ -1,6 +1,18 @@
 """gtopk_plugin: sparse gradient reduction (gTop-k, rTop-k, elastic consistency)
-for torch.distributed/DDP, Horovod and BytePS."""
+for torch.distributed/DDP, Horovod and BytePS.
+
+Install with ``pip install --no-build-isolation .`` (or ``-e .``): the build
+then sees the torch already installed and compiles the CPU kernels
+(csrc/cpu) against it.  With build isolation (pip's default) the build
+environment has no torch -- and nothing here asks for one, so pip never
+downloads another torch -- and the kernels compile on first use instead
+(cached under ~/.cache/gtopk_plugin).  A failed or impossible compile never
+fails the install.  ``GTOPK_BUILD_EXT=0`` skips the compile at install.
+"""
+import importlib.util
 import os
+import shutil
+import sys
 
 from setuptools import find_packages, setup
 
@@ -10,6 +22,72 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _long_description():
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         return f.read()
+
+
+def _note(msg):
+    print(f"gtopk_plugin setup: {msg}", file=sys.stderr)
+
+
+def _build_helper():
+    """gtopk_plugin/kernels/_build.py, loaded by path (no package import)."""
+    path = os.path.join(HERE, "gtopk_plugin", "kernels", "_build.py")
+    spec = importlib.util.spec_from_file_location("_gtopk_build", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cpu_extension():
+    """(ext_modules, cmdclass) for the CPU kernels, or nothing when they
+    cannot be built here (they then compile on first use)."""
+    if os.environ.get("GTOPK_BUILD_EXT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception:
+        _note("torch is not importable in this build environment (build isolation?); the CPU "
+              "kernels will compile on first use. `pip install --no-build-isolation .` builds them now.")
+        return [], {}
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        _note("no C++ compiler found; the CPU kernels are not built (the reference kernels serve).")
+        return [], {}
+    helper = _build_helper()
+    files = helper.source_files(os.path.join(HERE, "csrc", "cpu"))
+    src_hash = helper.source_hash(files)
+    ext = CppExtension(
+        # The source hash in the name: the loader only picks up a library
+        # built from the sources it ships (an edited checkout recompiles).
+        name=f"gtopk_plugin.{helper.INSTALLED_STEM}_{src_hash}",
+        sources=[os.path.relpath(str(f), HERE) for f in files if f.suffix == ".cpp"],
+        include_dirs=[os.path.join(HERE, "csrc", "cpu")],
+        extra_compile_args=helper.cflags(torch, src_hash),
+        extra_link_args=helper.ldflags(torch),
+    )
+
+    class build_ext(BuildExtension):
+        """Never fails the install: without the library the kernels compile
+        on first use, or the reference kernels serve."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as e:  # noqa: BLE001 - any compiler/toolchain failure
+                _note(f"building the CPU kernels failed ({e}); they will compile on first use "
+                      "(or the reference kernels serve).")
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as e:  # noqa: BLE001
+                _note(f"building {ext.name} failed ({e}); it will compile on first use.")
+
+        def copy_extensions_to_source(self):  # editable installs: skip what did not build
+            self.extensions = [e for e in self.extensions
+                               if os.path.exists(self.get_ext_fullpath(e.name))]
+            super().copy_extensions_to_source()
+
+    return [ext], {"build_ext": build_ext}
 
 
 EXTRAS = {
@@ -24,17 +102,26 @@ EXTRAS = {
 }
 EXTRAS["all"] = sorted({r for k in ("dev", "demo", "bench") for r in EXTRAS[k]})
 
+EXT_MODULES, CMDCLASS = _cpu_extension()
+
 setup(
     name="gtopk-plugin",
     version="0.1.0",
     description="Sparse gradient reduction (gTop-k, rTop-k, elastic consistency) for slow networks",
     long_description=_long_description(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"]),
-    package_data={"gtopk_plugin": ["csrc/**/*"]},
+    # csrc/ (the kernel sources, compiled at install or on first use) ships
+    # inside the package as gtopk_plugin/csrc/.
+    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"]) + ["gtopk_plugin.csrc"],
+    package_dir={"gtopk_plugin.csrc": "csrc"},
+    package_data={"gtopk_plugin.csrc": ["cpu/*.cpp", "cpu/*.h", "cuda/*.cu", "cuda/*.cuh",
+                                        "cuda/*.h", "cuda/*.cpp"]},
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     python_requires=">=3.9",
     # A range that an installed CPU build satisfies; never a bare "torch"
-    # (which would pull a multi-GB CUDA build on a fresh machine).
+    # (which would pull a multi-GB CUDA build on a fresh machine).  No
+    # build-time requirement on torch either (see the module docstring).
     install_requires=["torch>=2.1", "numpy>=1.24"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["gtopk-demo=gtopk_plugin.demo:main"]},

@@ -1,0 +1,545 @@
+"""The compiled CPU back end (csrc/cpu) against the pure-torch reference and
+the brute-force numpy oracles: bit-identical results for every kernel, on
+random data (hypothesis), ties, duplicates, -0.0, denormals, NaN/Inf, k = 1,
+k = n, tiny and empty segments, every internal path of the selection (sampled
+bound, radix histogram with and without refinement, exact ties), 1 and 2
+threads; plus the loader (build at install, compile on first use, fallback)
+and the reducer's choice of back end."""
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import gtopk_plugin as gp
+from gtopk_plugin import kernels
+from gtopk_plugin.kernels import _build, cpu, reference
+from oracles import mag_np, merge_np, topk_np
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64,
+            torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_backend():
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels could not be built here (no C++ compiler?)")
+    return cpu
+
+
+@pytest.fixture
+def threads():
+    """Run a block under 1 and 2 threads and restore the setting."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.dtype]) if t.dtype in INT_VIEW else t
+
+
+def assert_same(a, b):
+    """Same dtype, same shape, same bits (any NaN equals any NaN)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype.is_floating_point:
+        na, nb = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(na, nb)
+        assert torch.equal(bits(a)[~na], bits(b)[~nb])
+    else:
+        assert torch.equal(a, b)
+
+
+def assert_all_same(xs, ys):
+    assert len(xs) == len(ys)
+    for a, b in zip(xs, ys):
+        assert_same(a, b)
+
+
+def seg(offsets, ks):
+    return torch.tensor(offsets, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
+
+
+def check_selection(x, offsets, ks, *, oracle=True):
+    """select_topk and select_threshold equal the reference (and the oracle)."""
+    off_t, k_t = seg(offsets, ks)
+    got = cpu.select_topk(x, off_t, k_t)
+    assert_all_same(got, reference.select_topk(x, off_t, k_t))
+    assert got[0].dtype == torch.int32
+    if oracle:
+        np.testing.assert_array_equal(got[0].long().numpy(), topk_np(x, offsets, [max(0, k) for k in ks]))
+    assert_same(got[1], x[got[0].long()])
+    thr = cpu.select_threshold(x, off_t, k_t)
+    assert_all_same(thr, reference.select_threshold(x, off_t, k_t))
+    return got, thr
+
+
+# ---------------------------------------------------------------------------
+# Selection: random small cases
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 2.0, 1e-45, -1e-40, 6e-8, float("inf"), float("-inf"), float("nan")]
+
+
+@st.composite
+def segmented(draw):
+    sizes = draw(st.lists(st.integers(0, 60), min_size=1, max_size=6))
+    dtype = draw(st.sampled_from(DTYPES))
+    n = sum(sizes)
+    kind = draw(st.sampled_from(["ties", "specials", "normal", "denormal"]))
+    if kind == "ties":
+        x = torch.tensor(draw(st.lists(st.integers(-3, 3), min_size=n, max_size=n)), dtype=torch.float64)
+    elif kind == "specials":
+        x = torch.tensor(draw(st.lists(st.sampled_from(SPECIAL), min_size=n, max_size=n)), dtype=torch.float64)
+    else:
+        seed = draw(st.integers(0, 2**31 - 1))
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        if kind == "denormal":  # tiny magnitudes: denormal in every dtype
+            x = x * {torch.float32: 1e-40, torch.float64: 1e-310,
+                     torch.float16: 1e-6, torch.bfloat16: 1e-40}[dtype]
+    x = x.to(dtype)
+    ks = [draw(st.integers(0, s + 1)) for s in sizes]
+    return x, list(np.cumsum([0] + sizes)), ks
+
+
+@settings(max_examples=400, deadline=None)
+@given(segmented())
+def test_selection_matches_reference_and_oracle(case):
+    x, offsets, ks = case
+    check_selection(x, offsets, ks)
+
+
+def test_tie_rule_negative_zero_and_nan_as_inf():
+    x = torch.tensor([1.0, -2.0, 2.0, -0.0, 0.0, 2.0, -2.0])
+    idx, vals = cpu.select_topk(x, *seg([0, 7], [3]))
+    assert idx.tolist() == [1, 2, 5] and vals.tolist() == [-2.0, 2.0, 2.0]
+    idx, _ = cpu.select_topk(torch.tensor([-0.0, 0.0, 0.0]), *seg([0, 3], [2]))
+    assert idx.tolist() == [0, 1]
+    # NaN ranks as +inf: NaN and +-inf tie, the smaller index wins
+    x = torch.tensor([1.0, float("inf"), float("nan"), -float("inf"), float("nan")])
+    idx, vals = cpu.select_topk(x, *seg([0, 5], [2]))
+    assert idx.tolist() == [1, 2]
+    idx, _ = cpu.select_topk(x, *seg([0, 5], [3]))
+    assert idx.tolist() == [1, 2, 3]
+    assert torch.isnan(cpu.select_topk(x, *seg([0, 5], [4]))[1]).sum() == 2
+
+
+def test_k_edge_cases_and_empty_segments():
+    x = torch.arange(10, dtype=torch.float32) - 4.5
+    for ks in ([1, 1, 1], [0, 0, 0], [3, 0, 5], [3, 2, 5], [9, 9, 9]):
+        check_selection(x, [0, 3, 3, 10], [ks[0], ks[1], ks[2]])
+    # k = n and k > n: everything, in order
+    idx, vals = cpu.select_topk(x, *seg([0, 10], [10]))
+    assert idx.tolist() == list(range(10)) and torch.equal(vals, x)
+    idx, _ = cpu.select_topk(x, *seg([0, 10], [25]))
+    assert idx.tolist() == list(range(10))
+    # no segments at all, an empty tensor
+    for f in (cpu.select_topk, cpu.select_threshold):
+        idx, vals = f(torch.zeros(0), *seg([0], []))
+        assert idx.numel() == 0 and idx.dtype == torch.int32 and vals.dtype == torch.float32
+        idx, vals = f(torch.zeros(0, dtype=torch.float16), *seg([0, 0], [1]))
+        assert idx.numel() == 0 and vals.dtype == torch.float16
+
+
+def test_bad_segments_raise():
+    x = torch.randn(10)
+    with pytest.raises(RuntimeError, match="offsets"):
+        cpu.select_topk(x, *seg([0, 11], [1]))
+    with pytest.raises(RuntimeError, match="offsets"):
+        cpu.select_topk(x, *seg([0, 6, 4, 10], [1, 1, 1]))
+    with pytest.raises(RuntimeError, match="len"):
+        cpu.select_topk(x, torch.tensor([0, 10]), torch.tensor([1, 1]))
+
+
+# ---------------------------------------------------------------------------
+# Selection: large inputs through every internal path, 1 and 2 threads
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _large_cases():
+    n = 300_000
+    g = _gen(1)
+    yield "randn-sampled", torch.randn(n, generator=g), [1, 30, 300, 3000]
+    yield "randn-dense-hist", torch.randn(n, generator=g), [30_000, 150_000, n - 1]
+    yield "ties", torch.randint(-3, 4, (n,), generator=g).float(), [1, 300, 3000, 100_000]
+    yield "zeros", torch.zeros(n), [1, 1000, n - 1]
+    z = torch.zeros(n)
+    z[::7] = -0.0
+    z[5::1000] = 1e-45
+    yield "signed-zeros-denormals", z, [10, 400, 1000]
+    x = torch.randn(n, generator=g)
+    x[::97] = float("nan")
+    x[3::89] = float("inf")
+    x[5::83] = -float("inf")
+    yield "nan-inf", x, [1, 3000, 20_000]
+    # one 16-bit bucket: the histogram refines to the last bits (exact ties)
+    yield "one-bucket-f32", 1 + torch.randint(0, 2**12, (n,), generator=g).float() * 2**-23, [1, 50_000]
+    yield "one-bucket-f64", (1 + torch.randint(0, 2**20, (n,), generator=g).double() * 2**-52), [7, 60_000]
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        yield f"randn-{dt}", torch.randn(n, generator=g).to(dt), [1, 300, 3000, 90_000]
+    # many candidates: the parallel emit (> 65536 candidates)
+    yield "randn-2M", torch.randn(2_000_000, generator=g), [20_000, 100_000]
+
+
+@pytest.mark.parametrize("name,x,ks", list(_large_cases()), ids=[c[0] for c in _large_cases()])
+def test_large_single_segment_paths(name, x, ks, threads):
+    n = x.numel()
+    for k in ks:
+        results = []
+        for t in (1, 2):
+            threads(t)
+            results.append(check_selection(x, [0, n], [k], oracle=(n <= 300_000)))
+        # deterministic across thread counts
+        assert_all_same(results[0][0], results[1][0])
+        assert_all_same(results[0][1], results[1][1])
+        idx = results[0][0][0]
+        assert idx.numel() == k
+
+
+def test_many_segments_mixed_sizes_and_threads(threads):
+    g = _gen(2)
+    sizes = [0, 1, 2, 5, 64, 1000, 0, 4097, 40_000, 33_000, 3, 250_000, 70_000, 1, 1_200_000, 17]
+    sizes += list(torch.randint(1, 5000, (60,), generator=g).tolist())
+    offsets = list(np.cumsum([0] + sizes))
+    x = torch.randn(offsets[-1], generator=g)
+    x[torch.randint(0, offsets[-1], (500,), generator=g)] = 0.5  # duplicate magnitudes
+    for density in (0.001, 0.01, 0.3):
+        ks = [gp.k_for(density, s) if s else 1 for s in sizes]
+        out = []
+        for t in (1, 2):
+            threads(t)
+            out.append(check_selection(x, offsets, ks, oracle=False))
+        assert_all_same(out[0][0], out[1][0])
+        assert_all_same(out[0][1], out[1][1])
+        np.testing.assert_array_equal(out[0][0][0].long().numpy(), topk_np(x, offsets, ks))
+
+
+def test_results_are_deterministic_across_runs():
+    x = torch.randn(1_000_000, generator=_gen(3))
+    off_t, k_t = seg([0, 400_000, 1_000_000], [400, 6000])
+    first = cpu.select_topk(x, off_t, k_t), cpu.select_threshold(x, off_t, k_t)
+    for _ in range(3):
+        assert_all_same(cpu.select_topk(x, off_t, k_t), first[0])
+        assert_all_same(cpu.select_threshold(x, off_t, k_t), first[1])
+
+
+# ---------------------------------------------------------------------------
+# Threshold selection: the three outcomes of reference._threshold_segment
+
+def test_threshold_within_tolerance_too_many_and_too_few():
+    n, k = 409_600, 400  # sample stride n // 4096 = 100: the sample is x[::100]
+    # within tolerance: plain random data, a large k
+    x = torch.randn(n, generator=_gen(4))
+    kk = 40_000
+    idx, _ = check_selection(x, [0, n], [kk], oracle=False)[1]
+    assert 0.9 * kk <= idx.numel() <= 1.1 * kk
+    # too many: every sampled entry is large -> exact top-k among them
+    x = torch.zeros(n)
+    x[::100] = 10.0
+    x[50::100] = 1.0
+    idx, _ = check_selection(x, [0, n], [k])[1]
+    assert idx.numel() == k and idx[:3].tolist() == [0, 100, 200]
+    # too few: the sample sees only 8 large entries -> exact top-k of the segment
+    x = torch.full((n,), 0.25)
+    x[1::2] = 5.0
+    x[0:800:100] = 10.0
+    idx, _ = check_selection(x, [0, n], [k])[1]
+    assert idx.numel() == k and idx.tolist()[:9] == [0, 1, 3, 5, 7, 9, 11, 13, 15]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 17, 100, 1000]), st.sampled_from(DTYPES))
+def test_threshold_never_leaves_a_larger_entry_behind(seed, k, dtype):
+    n = 50_000
+    x = torch.randn(n, generator=_gen(seed)).to(dtype)
+    idx, vals = cpu.select_threshold(x, *seg([0, n], [k]))
+    assert_all_same((idx, vals), reference.select_threshold(x, *seg([0, n], [k])))
+    m = mag_np(x)
+    chosen = np.zeros(n, dtype=bool)
+    chosen[idx.long().numpy()] = True
+    assert m[~chosen].max() <= m[chosen].min()
+    assert 0.9 * k <= idx.numel() <= 1.1 * k or idx.numel() == k
+
+
+# ---------------------------------------------------------------------------
+# Merge-and-select
+
+POOL = [-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 1e-45, 2049.0, 1.0009765625, 65504.0,
+        float("inf"), float("nan")]
+
+
+@st.composite
+def sparse_pair(draw):
+    sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=5))
+    offsets = list(np.cumsum([0] + sizes))
+    n = int(offsets[-1])
+    ks = [draw(st.integers(0, s + 1)) for s in sizes]
+    dtype = draw(st.sampled_from(DTYPES))
+    idtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    finite = draw(st.booleans())
+    pool = POOL[:-2] if finite else POOL
+
+    def one():
+        chosen = sorted(draw(st.sets(st.integers(0, max(0, n - 1)), max_size=n))) if n else []
+        vals = draw(st.lists(st.sampled_from(pool), min_size=len(chosen), max_size=len(chosen)))
+        return torch.tensor(chosen, dtype=idtype), torch.tensor(vals, dtype=torch.float64).to(dtype)
+
+    return one(), one(), offsets, ks
+
+
+@settings(max_examples=400, deadline=None)
+@given(sparse_pair())
+def test_merge_select_matches_reference_oracle_and_is_symmetric(case):
+    (ia, va), (ib, vb), offsets, ks = case
+    off_t, k_t = seg(offsets, ks)
+    got = cpu.merge_select(ia, va, ib, vb, off_t, k_t)
+    assert_all_same(got, reference.merge_select(ia, va, ib, vb, off_t, k_t))
+    idx2, vals2, keep_b2, keep_a2 = cpu.merge_select(ib, vb, ia, va, off_t, k_t)
+    assert_all_same((idx2, vals2, keep_a2, keep_b2), got)
+    if not any(torch.isnan(v).any() for v in (va, vb)):
+        np.testing.assert_array_equal(
+            got[0].long().numpy(), merge_np(ia, va.double(), ib, vb.double(), offsets, [max(0, k) for k in ks]))
+
+
+def test_merge_select_large_and_threads(threads):
+    offsets = [0, 100_000, 100_000, 900_000, 1_000_000]
+    ks = [1000, 5, 8000, 1000]
+
+    def one(seed):
+        idx, vals = cpu.select_topk(torch.randn(1_000_000, generator=_gen(seed)), *seg(offsets, ks))
+        return idx, vals
+
+    ia, va = one(6)
+    ib, vb = one(7)
+    vb[::3] = -va[: vb[::3].numel()]  # some cancellation
+    ib[::5] = ia[::5]  # shared indices
+    ib = torch.unique(ib).to(torch.int32)
+    vb = vb[: ib.numel()]
+    off_t, k_t = seg(offsets, ks)
+    ref = reference.merge_select(ia, va, ib, vb, off_t, k_t)
+    for t in (1, 2):
+        threads(t)
+        assert_all_same(cpu.merge_select(ia, va, ib, vb, off_t, k_t), ref)
+
+
+def test_merge_select_unsorted_operands_use_the_reference():
+    ia, va = torch.tensor([5, 1, 3], dtype=torch.int32), torch.tensor([1.0, 2.0, 3.0])
+    ib, vb = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([1.0, -4.0])
+    off_t, k_t = seg([0, 8], [2])
+    assert_all_same(cpu.merge_select(ia, va, ib, vb, off_t, k_t),
+                    reference.merge_select(ia, va, ib, vb, off_t, k_t))
+
+
+# ---------------------------------------------------------------------------
+# Scatter and residual update
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3000), st.sampled_from(DTYPES),
+       st.sampled_from([1, 2, 3, 5, 7, 8]), st.booleans(), st.sampled_from([torch.int32, torch.int64]))
+def test_scatter_and_residual_match_reference(seed, numel, dtype, divisor, ordered, idtype):
+    g = _gen(seed)
+    acc = (torch.randn(numel, generator=g) * 3).to(dtype)
+    acc[:: max(1, numel // 7)] = -0.0
+    nsel = int(torch.randint(0, numel + 1, (1,), generator=g))
+    idx = torch.randperm(numel, generator=g)[:nsel]
+    idx = (torch.sort(idx).values if ordered else idx).to(idtype)
+    wire = torch.float16 if dtype != torch.float16 else torch.bfloat16
+    sent = acc[idx.long()].to(wire)  # as it travelled
+    vals = (torch.randn(nsel, generator=g) * 100).to(wire)
+    assert_same(cpu.scatter_update(numel, idx, vals, divisor, dtype),
+                reference.scatter_update(numel, idx, vals, divisor, dtype))
+    assert_same(cpu.residual_update(acc, idx, sent), reference.residual_update(acc, idx, sent))
+    assert_all_same(cpu.scatter_residual_update(acc, idx, sent, idx, vals, divisor),
+                    reference.scatter_residual_update(acc, idx, sent, idx, vals, divisor))
+
+
+def test_scatter_residual_large_and_input_untouched(threads):
+    g = _gen(8)
+    acc = torch.randn(3_000_000, generator=g)
+    keep = acc.clone()
+    idx = torch.sort(torch.randperm(acc.numel(), generator=g)[:30_000]).values.to(torch.int32)
+    sent = acc[idx.long()].half().float()
+    vals = torch.randn(idx.numel(), generator=g)
+    for t in (1, 2):
+        threads(t)
+        assert_same(cpu.residual_update(acc, idx, sent), reference.residual_update(acc, idx, sent))
+        assert_same(cpu.scatter_update(acc.numel(), idx, vals, 3, torch.float32),
+                    reference.scatter_update(acc.numel(), idx, vals, 3, torch.float32))
+    assert torch.equal(acc, keep)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.scatter_update(10, torch.tensor([10]), torch.tensor([1.0]), 1, torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# int64 indices past 2^31 - 1 elements (4 GiB of fp16; opt-in)
+
+@pytest.mark.skipif(os.environ.get("GTOPK_TEST_BIG") != "1", reason="set GTOPK_TEST_BIG=1 (needs ~6 GiB)")
+def test_int64_indices_past_int32():
+    n = 2**31 + 1000
+    x = torch.zeros(n, dtype=torch.float16)
+    x[n - 3] = 5.0
+    x[7] = -6.0
+    x[n - 900] = 2.0
+    idx, vals = cpu.select_topk(x, *seg([0, 100, n], [1, 2]))
+    assert idx.dtype == torch.int64 and idx.tolist() == [7, n - 900, n - 3]
+    assert vals.tolist() == [-6.0, 2.0, 5.0]
+
+
+# ---------------------------------------------------------------------------
+# Dispatch: the reducer picks the CPU back end; GTOPK_KERNELS forces one
+
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def wrapped(*a, **kw):
+        calls.append(name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["topk", "threshold", "gtopk"])
+def test_reducer_uses_cpu_kernels_by_default(monkeypatch, method):
+    monkeypatch.delenv("GTOPK_KERNELS", raising=False)
+    assert kernels.backend("cpu") == "cpu"
+    name = "select_threshold" if method == "threshold" else "select_topk"
+    fast = _count_calls(monkeypatch, cpu, name)
+    ref = _count_calls(monkeypatch, reference, name)
+    red = gp.GradientReducer(method=method, density=0.01, transport=gp.SingleProcessTransport())
+    grads = {"a": torch.randn(300, 40), "b": torch.randn(77)}
+    out = red.reduce(grads)
+    assert fast and not ref
+    # same answer as the reference reducer
+    red_ref = gp.GradientReducer(method=method, density=0.01, transport=gp.SingleProcessTransport(),
+                                 kernels="reference")
+    for n, u in red_ref.reduce(grads).items():
+        assert torch.equal(u, out[n])
+
+
+def test_gtopk_kernels_env_forces_a_backend(monkeypatch):
+    monkeypatch.setenv("GTOPK_KERNELS", "reference")
+    assert kernels.backend("cpu") == "reference"
+    fast = _count_calls(monkeypatch, cpu, "select_topk")
+    ref = _count_calls(monkeypatch, reference, "select_topk")
+    gp.GradientReducer(method="topk", density=0.1,
+                       transport=gp.SingleProcessTransport()).reduce({"w": torch.randn(100)})
+    assert ref and not fast
+    monkeypatch.setenv("GTOPK_KERNELS", "cpu")
+    assert kernels.backend("cpu") == "cpu"
+    gp.GradientReducer(method="topk", density=0.1,
+                       transport=gp.SingleProcessTransport()).reduce({"w": torch.randn(100)})
+    assert fast
+    monkeypatch.setenv("GTOPK_KERNELS", "auto")
+    assert kernels.backend("cpu") == "cpu"
+
+
+def test_dtypes_the_kernels_do_not_take_go_to_the_reference():
+    # a 2-D residual, float index arguments: the reference handles them
+    acc = torch.randn(4, 3)
+    res = cpu.residual_update(acc, torch.tensor([1]), torch.zeros(1, 3))
+    assert torch.equal(res, reference.residual_update(acc, torch.tensor([1]), torch.zeros(1, 3)))
+    out = cpu.scatter_update(4, torch.tensor([1]), torch.tensor([3.0]), 2.0, torch.float32)
+    assert out.tolist() == [0.0, 1.5, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------
+# Loader: package data, build at install, compile on first use, fallback
+
+def test_sources_are_found_next_to_the_package():
+    d = _build.source_dir("cpu")
+    assert d is not None and (d / "select.cpp").is_file()
+    names = {p.name for p in _build.source_files(d)}
+    assert {"common.h", "ops.h", "select.cpp", "merge.cpp", "scatter.cpp", "register.cpp"} <= names
+    assert torch.ops.gtopk_cpu.source_hash() == _build.source_hash(_build.source_files(d))
+    assert cpu.origin() in ("installed", "jit")
+
+
+@pytest.mark.timeout(600)
+def test_wheel_ships_the_sources_and_an_installed_package_finds_them(tmp_path):
+    # Build from a copy of the project (no build/ or egg-info in the tree),
+    # without compiling (GTOPK_BUILD_EXT=0) and without build isolation.
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("setup.py", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    shutil.copytree(ROOT / "gtopk_plugin", src / "gtopk_plugin",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(ROOT / "csrc", src / "csrc")
+    env = dict(os.environ, GTOPK_BUILD_EXT="0", PIP_NO_INDEX="1")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                    "-w", str(tmp_path / "w"), str(src)], check=True, env=env, cwd=tmp_path)
+    whl = next((tmp_path / "w").glob("gtopk_plugin-*.whl"))
+    names = set(zipfile.ZipFile(whl).namelist())
+    for f in _build.source_files(ROOT / "csrc" / "cpu"):
+        assert f"gtopk_plugin/csrc/cpu/{f.name}" in names
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(target), str(whl)], check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import gtopk_plugin, gtopk_plugin.kernels._build as b; "
+         "print(gtopk_plugin.__file__); print(b.source_dir('cpu'))"],
+        env=dict(os.environ, PYTHONPATH=str(target)), cwd=tmp_path, capture_output=True, text=True,
+        check=True)
+    pkg_file, srcdir = out.stdout.split()
+    assert pkg_file.startswith(str(target)) and srcdir == str(target / "gtopk_plugin" / "csrc" / "cpu")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader state as in a new process, with an empty compile cache."""
+    monkeypatch.setattr(cpu, "_ext", None)
+    monkeypatch.setattr(cpu, "_origin", None)
+    monkeypatch.setattr(cpu, "_failed", False)
+    monkeypatch.setattr(_build, "installed_library", lambda h: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_first_use_compiles_once_with_one_log_line(fresh_loader, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw))  # library already loaded
+    with caplog.at_level(logging.INFO, logger="gtopk_plugin.kernels"):
+        assert cpu.load() is cpu
+        assert cpu.load() is cpu
+    assert cpu.origin() == "jit" and len(seen) == 1
+    kw = seen[0]
+    assert kw["build_directory"].startswith(str(fresh_loader / "cache" / "gtopk_plugin" / "cpu_kernels"))
+    assert kw["is_python_module"] is False
+    assert sorted(Path(s).name for s in kw["sources"]) == ["merge.cpp", "register.cpp", "scatter.cpp",
+                                                            "select.cpp"]
+    lines = [r for r in caplog.records if "compiling the CPU kernels" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_no_compiler_falls_back_to_the_reference_with_one_warning(fresh_loader, monkeypatch):
+    monkeypatch.setenv("CXX", str(fresh_loader / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "_FAST_BACKENDS", {})
+    monkeypatch.setattr(kernels, "_LOADERS", {"cpu": cpu.load})
+    monkeypatch.delenv("GTOPK_KERNELS", raising=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert kernels.backend("cpu") == "reference"
+        assert kernels.backend("cpu") == "reference"
+        idx, _ = kernels.select_topk(torch.tensor([1.0, -3.0, 2.0]), *seg([0, 3], [1]))
+    assert idx.tolist() == [1]
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "no C++ compiler" in msgs[0] and "reference" in msgs[0]
+    monkeypatch.setenv("GTOPK_KERNELS", "cpu")
+    with pytest.raises(RuntimeError, match="not available"):
+        kernels.backend("cpu")
