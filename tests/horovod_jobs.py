@@ -76,7 +76,7 @@ def run_sparse(comp, op=hvd.Sum, steps=STEPS, bpps=1, lr=0.05, skip_sync=False):
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
                                named_parameters=model.named_parameters(), compression=comp, op=op,
                                backward_passes_per_step=bpps)
-    raws, outs, traffic, stats = [], [], [], []
+    raws, outs, traffic, stats, launched = [], [], [], [], []
     for s in range(steps):
         opt.zero_grad()
         acc = {}
@@ -84,6 +84,8 @@ def run_sparse(comp, op=hvd.Sum, steps=STEPS, bpps=1, lr=0.05, skip_sync=False):
             loss_of(model, s * bpps + k).backward()
             for n, g in raw.take().items():
                 acc[n] = g  # p.grad accumulates: the last pass holds the sum
+        # buckets whose reduction the hooks started during backward
+        launched.append(sum(f is not None for f in opt._futures))
         raws.append(acc)
         if skip_sync:
             opt.synchronize()
@@ -101,7 +103,7 @@ def run_sparse(comp, op=hvd.Sum, steps=STEPS, bpps=1, lr=0.05, skip_sync=False):
         stats.append(opt.last_stats.as_dict())
     return {"raw": raws, "out": outs, "params": flat_params(model),
             "state": opt.state_dict()["gtopk_plugin"], "traffic": traffic, "stats": stats,
-            "buckets": opt.buckets}
+            "buckets": opt.buckets, "launched_in_backward": launched}
 
 
 def run_dense(make_opt, steps=STEPS, bpps=1, momentum=0.9):

@@ -209,6 +209,10 @@ def test_sparse_traffic_matches_design(P):
                 assert t["payload_bytes_sent"] == int(math.log2(P)) * K * 6
     assert len(ok(results[0], "sparse/gtopk_buckets")["buckets"]) > 1
     assert len(ok(results[0], "sparse/gtopk")["buckets"]) == 1
+    # every bucket's exchange was started by the gradient hooks, during backward
+    for name in ("gtopk_buckets", "gtopk_bpps2", "gtopk"):
+        run = ok(results[0], f"sparse/{name}")
+        assert run["launched_in_backward"] == [len(run["buckets"])] * len(run["out"]), name
 
 
 @pytest.mark.timeout(400)
