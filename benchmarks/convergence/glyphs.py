@@ -114,3 +114,29 @@ def difficulty_report(seed: int = 0, **kw) -> Dict[str, float]:
     clf.fit(d["x_train"].flatten(1).numpy(), d["y_train"].numpy())
     acc = float(clf.score(d["x_test"].flatten(1).numpy(), d["y_test"].numpy()))
     return {"chance": 1.0 / CLASSES, "logistic_regression": acc}
+
+
+def sample_figure(path: str, n: int = 30, seed: int = 5) -> str:
+    """The ten clean class glyphs and ``n`` training-style samples."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = generate(n, seed)
+    clean = _render(_templates(), torch.full((CLASSES,), 0.08), torch.ones(CLASSES, STROKES))
+    rows = 1 + (n + CLASSES - 1) // CLASSES
+    fig, ax = plt.subplots(rows, CLASSES, figsize=(CLASSES, rows * 1.1))
+    for i in range(CLASSES):
+        ax[0][i].imshow(clean[i], cmap="gray")
+        ax[0][i].set_title(f"class {i}", fontsize=7)
+    for i in range(n):
+        a = ax[1 + i // CLASSES][i % CLASSES]
+        a.imshow(d["x"][i, 0], cmap="gray")
+        a.set_title(str(int(d["y"][i])), fontsize=7)
+    for r in ax:
+        for a in r:
+            a.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return path

@@ -160,6 +160,9 @@ def markdown(rows: List[dict], goal: dict, meta: dict, gloo: Dict[str, dict], pl
           f"{meta['task_info'][t]['params']:,}", str(meta["task_info"][t]["steps"]),
           str(meta["task_info"][t]["batch_size"]), f"{meta['task_info'][t]['lr']:g}",
           meta["task_info"][t]["metric"]] for t in tasks]))
+    if "glyph_samples" in plots:
+        parts.append(f"Glyphs: the ten clean class glyphs (top row) and training samples "
+                     f"(label above each):\n\n![glyph samples]({plots['glyph_samples']})")
     cols = [(P, d) for P in WORKERS for d in DENSITIES]
     for t in tasks:
         tr = [r for r in rows if r["task"] == t and r["group"] == "main"]
@@ -281,10 +284,10 @@ def markdown(rows: List[dict], goal: dict, meta: dict, gloo: Dict[str, dict], pl
         body = []
         for t, c in gloo.items():
             body.append([t, c["config"], f"{c['metric_max_abs_diff']:.3g}", f"{c['train_loss_max_abs_diff']:.3g}",
-                         "yes" if c["params_bitwise_equal"] else f"no (max |Δ| {c['params_max_abs_diff']:.3g})",
+                         "yes" if c["params_bitwise_equal"] else f"no (max abs Δ {c['params_max_abs_diff']:.3g})",
                          f"{c['bytes_formula_max_abs_diff']:.3g}", f"{c['real_wall_s']:.0f} s"])
-        parts.append(_table(["task", "configuration", "max |Δ metric|", "max |Δ train loss|",
-                             "final weights bit-identical", "max |formula − counted bytes|/step",
+        parts.append(_table(["task", "configuration", "max abs Δ metric", "max abs Δ train loss",
+                             "final weights bit-identical", "max abs (formula − counted) bytes/step",
                              "gloo wall time"], body))
         if "gloo" in plots:
             parts.append(f"![gloo]({plots['gloo']})")
@@ -300,6 +303,10 @@ def plot_all(rows: List[dict], gloo: Dict[str, dict], tasks: Sequence[str], outd
     import matplotlib.pyplot as plt
 
     paths = {}
+    if "glyphs" in tasks:
+        from .glyphs import sample_figure
+
+        paths["glyph_samples"] = sample_figure(os.path.join(outdir, f"{prefix}_glyph_samples.png"))
     colors = {"dense": "k", "topk": "C0", "gtopk": "C3", "rtopk(r=2)": "C4", "rtopk(r=4)": "C1",
               "rtopk(r=8)": "C5", "randomk": "C2", "threshold": "C7"}
     cols = [(P, d) for P in WORKERS for d in DENSITIES]

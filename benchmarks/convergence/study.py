@@ -145,11 +145,18 @@ def _init_worker(nice: int) -> None:
             pass
 
 
-def _run_one(args) -> dict:
+def _run_one(args):
+    """(spec, result); a run that raises gives ``{"error": traceback}``
+    instead of ending the whole study."""
     spec, keep = args
     from . import sim
 
-    return spec, sim.run(_task(spec.task), spec, keep_params=keep)
+    try:
+        return spec, sim.run(_task(spec.task), spec, keep_params=keep)
+    except Exception:  # noqa: BLE001 - reported by the caller
+        import traceback
+
+        return spec, {"error": traceback.format_exc()}
 
 
 def cost(spec: RunSpec) -> float:
