@@ -161,9 +161,12 @@ def _merge_comm(per_rank, desc, rate_bps, load):
     for i, row in enumerate(per_rank[0]["rows"]):
         rr = [pr["rows"][i] for pr in per_rank]
         times = [max(x) for x in zip(*(r["times"] for r in rr))]
-        row = dict(row, times=times, time_s=statistics.median(times),
+        wire = [max(x) for x in zip(*(r["wire_times"] for r in rr))]
+        row = dict(row, times=times, time_s=statistics.median(times), wire_times=wire,
+                   wire_s=statistics.median(wire),
                    bytes_sent=max(r["bytes_sent"] for r in rr),
                    bytes_received=max(r["bytes_received"] for r in rr),
+                   proc_cpu_s=max(r["proc_cpu_s"] for r in rr),
                    shaped=desc["shaped"], label="shaped" if desc["shaped"] else "unshaped",
                    rate=desc.get("rate"), loadavg=load)
         row["achieved_gbit_s"] = row["bytes_sent"] * 8 / row["time_s"] / 1e9
@@ -216,7 +219,7 @@ def cmd_replay(args) -> dict:
             fit = []
             avail = harness.mem_available()
             for m in models:
-                need = P * 14 * S.numel(m)  # acc + dense copy + densified sum + selection, with margin
+                need = P * 12 * S.numel(m)  # measured peak RSS: ~9.4 bytes per parameter (vgg16, P=2)
                 if avail is not None and need > 0.85 * avail:
                     out["skipped"].append({"P": P, "model": m, "why": f"needs ~{need / 2**30:.1f} GiB, "
                                            f"{avail / 2**30:.1f} GiB available"})
@@ -256,9 +259,11 @@ def _merge_replay(per_rank, desc, load):
         its = [max(x) for x in zip(*(r["iter_times"] for r in rr))]
         comms = [max(x) for x in zip(*(r["comm_times"] for r in rr))]
         sels = [max(x) for x in zip(*(r["select_times"] for r in rr))]
+        wires = [max(x) for x in zip(*(r["wire_times"] for r in rr))]
         t = statistics.median(its)
         row = dict(row, iter_times=its, comm_times=comms, select_times=sels, time_s=t,
                    comm_s=statistics.median(comms), select_s=statistics.median(sels),
+                   wire_s=statistics.median(wires),
                    efficiency=row["compute_s"] / t, shaped=desc["shaped"],
                    label="shaped" if desc["shaped"] else "unshaped", loadavg=load)
         b = S.PAPER_BATCH.get(row["model"])

@@ -22,6 +22,7 @@ long as its slowest worker) and then the median over steps.
 from __future__ import annotations
 
 import math
+import resource
 import socket
 import threading
 import time
@@ -70,13 +71,70 @@ def _selection(method, acc, offsets, k, dtype, cache):
                      idx_dtype=kernels.index_dtype(acc.numel()), sum_dtype=acc.dtype, static_count=True)
 
 
+_WIRE_METHODS = ("exchange", "send", "recv", "phase", "allgather_blobs", "allreduce_sum_")
+
+
+class WireClock:
+    """Time spent inside the transport's counted operations (on the wire,
+    waiting for peers included), as opposed to the aggregation's own
+    compute around them (the butterfly's merges, Top-k's dense sum).  Wraps
+    the transport instance's methods; nested calls count once."""
+
+    def __init__(self, transport):
+        self.seconds = 0.0
+        self._depth = 0
+        for name in _WIRE_METHODS:
+            if hasattr(transport, name):
+                setattr(transport, name, self._wrap(getattr(transport, name)))
+
+    def _wrap(self, fn):
+        def timed(*a, **kw):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def _clock(ctx):
+    if getattr(ctx, "_wire_clock", None) is None:
+        ctx._wire_clock = WireClock(ctx.transport)
+    return ctx._wire_clock
+
+
 def _timed_exchange(ctx, agg, sel):
+    """(seconds, traffic delta, rounds, seconds on the wire) of one aggregation."""
     tr = ctx.transport
-    before = tr.counters.copy()
+    clock = _clock(ctx)
+    before, w0 = tr.counters.copy(), clock.seconds
     t0 = time.perf_counter()
     out = agg(sel, tr)
     dt = time.perf_counter() - t0
-    return dt, tr.counters.copy().minus(before), out.rounds
+    return dt, tr.counters.copy().minus(before), out.rounds, clock.seconds - w0
+
+
+def _cpu_jiffies():
+    """Machine-wide CPU time split from /proc/stat (user, system, softirq, idle...)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        keys = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+        return dict(zip(keys, v))
+    except (OSError, ValueError):
+        return None
+
+
+def _busy(a, b):
+    """Fractions of all CPUs busy, and in softirq (network stack), between two samples."""
+    if not a or not b:
+        return None, None
+    d = {k: b[k] - a[k] for k in a}
+    tot = sum(d.values()) or 1
+    return 1 - (d["idle"] + d["iowait"]) / tot, d["softirq"] / tot
 
 
 def comm_grid(ctx, p):
@@ -108,17 +166,23 @@ def comm_grid(ctx, p):
                     agg = collectives.get(_aggregation(method))
                     if ctx.engine == "horovod":
                         ctx.transport.set_scope(f"{N}.{dtype}.{method}.{d}")
-                    times = []
+                    times, wire = [], []
                     for s in range(p["warmup"] + steps):
                         ctx.barrier()
-                        dt, delta, rounds = _timed_exchange(ctx, agg, sel)
+                        if s == p["warmup"]:
+                            cpu0, j0 = time.process_time(), _cpu_jiffies()
+                        dt, delta, rounds, w = _timed_exchange(ctx, agg, sel)
                         if s >= p["warmup"]:
                             times.append(dt)
+                            wire.append(w)
+                    busy, softirq = _busy(j0, _cpu_jiffies())
+                    proc_cpu = (time.process_time() - cpu0) / steps
                     rows.append(dict(engine=ctx.engine, P=ctx.size, numel=N, dtype=dtype, method=method,
                                      density=d, k=int(k.sum()) if d is not None else None,
-                                     times=times, bytes_sent=delta.payload_bytes_sent + delta.header_bytes_sent,
+                                     times=times, wire_times=wire, bytes_sent=delta.payload_bytes_sent + delta.header_bytes_sent,
                                      bytes_received=delta.payload_bytes_received + delta.header_bytes_received,
-                                     messages=delta.messages_sent, rounds=rounds))
+                                     messages=delta.messages_sent, rounds=rounds,
+                                     proc_cpu_s=proc_cpu, machine_busy=busy, machine_softirq=softirq))
                     del sel
                     done += 1
                     ctx.progress(done=done, total=len(todo), what=f"P={ctx.size} {ctx.engine} N={N:,} "
@@ -157,29 +221,33 @@ def replay(ctx, p):
                 agg = collectives.get(_aggregation(method))
             if ctx.engine == "horovod":
                 ctx.transport.set_scope(f"{model}.{method}")
-            its, comms, sels = [], [], []
+            its, comms, sels, wires = [], [], [], []
             for s in range(p["warmup"] + steps):
                 ctx.barrier()
                 t0 = time.perf_counter()
                 time.sleep(compute)
                 if red is not None:
+                    w0 = _clock(ctx).seconds
                     red.reduce(grads)
                     sec = red.last_stats.seconds
                     comm, sel_t = sec.get("communicate", 0.0), sec.get("select", 0.0)
+                    wire = _clock(ctx).seconds - w0
                 else:
                     if select_s:
                         time.sleep(select_s)
-                    comm = _timed_exchange(ctx, agg, sel)[0]
+                    comm, _, _, wire = _timed_exchange(ctx, agg, sel)
                     sel_t = select_s
                 it = time.perf_counter() - t0
                 if s >= p["warmup"]:
                     its.append(it)
                     comms.append(comm)
                     sels.append(sel_t)
+                    wires.append(wire)
             rows.append(dict(engine=ctx.engine, P=ctx.size, model=model, numel=N, method=method,
                              density=None if dense else p["density"], k=None if dense else int(k.sum()),
                              selection=p["selection"], compute_s=compute, iter_times=its, comm_times=comms,
-                             select_times=sels))
+                             select_times=sels, wire_times=wires,
+                             maxrss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
             del red, grads, sel
             done += 1
             ctx.progress(done=done, total=todo, what=f"P={ctx.size} {model} {method}")
