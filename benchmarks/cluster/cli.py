@@ -275,6 +275,29 @@ def _merge_replay(per_rank, desc, load):
 # ---------------------------------------------------------------------------
 # measurement 3
 # ---------------------------------------------------------------------------
+DEFAULT_FEATURES = "dense=messages,bytes;topk=messages,bytes,numel;gtopk=messages,bytes"
+
+
+def parse_features(spec: str) -> dict:
+    """"dense=messages,bytes;topk=..." -> {method: features}; a spec without
+    "=" applies to every method."""
+    out = {}
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        if "=" in part:
+            m, f = part.split("=", 1)
+            out[m.strip()] = tuple(x for x in f.replace(",", " ").split())
+        else:
+            f = tuple(x for x in part.replace(",", " ").split())
+            out.update({m: f for m in ("dense", "topk", "gtopk")})
+    for fs in out.values():
+        bad = [x for x in fs if x not in abm.FEATURES]
+        if bad:
+            raise SystemExit(f"unknown fit feature(s) {bad}; known: {', '.join(abm.FEATURES)}")
+    return out
+
+
 def cmd_model(args, comm=None, replay=None) -> dict:
     if comm is None:
         with open(args.comm) as f:
@@ -282,9 +305,10 @@ def cmd_model(args, comm=None, replay=None) -> dict:
     if replay is None and args.replay and os.path.exists(args.replay):
         with open(args.replay) as f:
             replay = json.load(f)
-    feats = tuple(args.features.replace(",", " ").split())
+    feats = parse_features(args.features)
     groups = abm.points_from_comm(comm["rows"])
-    fits = {key: abm.fit(pts, key[0], key[1], feats) for key, pts in sorted(groups.items())}
+    fits = {key: abm.fit(pts, key[0], key[1], feats.get(key[1], ("messages", "bytes")))
+            for key, pts in sorted(groups.items())}
     out = {"features": feats, "fits": [f.to_dict() for f in fits.values()], "replay_check": [],
            "extrapolation": []}
     # predictions of measurement 2
@@ -378,7 +402,9 @@ def _parser_replay(ap):
 def _parser_model(ap):
     ap.add_argument("--comm", default=os.path.join(RESULTS, "cluster_comm.json"))
     ap.add_argument("--replay", default=os.path.join(RESULTS, "cluster_replay.json"))
-    ap.add_argument("--features", default="messages,bytes", help="fit features: messages,bytes[,numel]")
+    ap.add_argument("--features", default=DEFAULT_FEATURES,
+                    help="fit features per method (messages, bytes, numel); default: " + DEFAULT_FEATURES +
+                    " (the allgather aggregation builds the dense sum: a cost per element)")
     ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_model.json"))
     ap.add_argument("--summary", default=os.path.join(RESULTS, "cluster_summary.md"))
 
