@@ -45,7 +45,7 @@ def _flat(xs):
 
 def _net_args(ap):
     g = ap.add_argument_group("network")
-    g.add_argument("--rate", default="1gbit", help="per-link rate, both directions (tc syntax; default 1gbit)")
+    g.add_argument("--rate", default="1gbit", help="per-link rate, both directions (tc syntax; default 1gbit; 'none': namespaces without shaping)")
     g.add_argument("--burst", default="128kb", help="tbf burst (default 128kb)")
     g.add_argument("--tbf-latency", default="50ms", help="tbf queue limit as latency (default 50ms)")
     g.add_argument("--delay", default="0ms", help="one-way delay per link (netem; default 0ms)")
@@ -124,7 +124,7 @@ def cmd_comm(args) -> dict:
     if progress._bar is not None:
         progress._bar.total = progress.total
     kern = _warm_kernels(progress)
-    rate_bps = harness.parse_rate(args.rate)
+    rate_bps = None if str(args.rate).lower() in ("none", "0", "off") else harness.parse_rate(args.rate)
     out = {"meta": None, "link": [], "rows": [], "qdisc": {}}
     with harness.signals_as_exceptions():
         for P in workers:

@@ -62,7 +62,7 @@ class Loopback:
     iface = "lo"
 
     def describe(self):
-        return {"shaped": False, "label": "unshaped", "rate": None, "why": self.reason,
+        return {"shaped": False, "label": "unshaped", "rate": None, "why": f"plain loopback: {self.reason}",
                 "topology": f"{self.P} processes on loopback"}
 
     def qdisc_stats(self):
@@ -99,7 +99,8 @@ def network(P: int, opts) -> object:
     ok, why = netns.available()
     if not ok:
         return Loopback(P, why)
-    return netns.NetCluster(P, rate=opts.rate, burst=opts.burst, tbf_latency=opts.tbf_latency,
+    rate = None if str(opts.rate).lower() in ("none", "0", "off") else opts.rate
+    return netns.NetCluster(P, rate=rate, burst=opts.burst, tbf_latency=opts.tbf_latency,
                             delay=opts.delay, jitter=opts.jitter)
 
 

@@ -202,7 +202,9 @@ class NetCluster:
         return IFACE
 
     def describe(self) -> Dict:
-        return {"shaped": self.rate is not None, "rate": self.rate, "burst": self.burst,
+        return {"shaped": self.rate is not None, "label": "shaped" if self.rate else "unshaped",
+                "why": None if self.rate else "namespaces and bridge without tc shaping (--rate none)",
+                "rate": self.rate, "burst": self.burst,
                 "tbf_latency": self.tbf_latency, "delay": self.delay, "jitter": self.jitter,
                 "mtu": self.mtu, "topology": f"{self.P} namespaces on one bridge (own namespace)",
                 "namespaces": [self.bridge_ns] + self.worker_ns}

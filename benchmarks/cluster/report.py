@@ -25,7 +25,7 @@ def _ms(t):
 def _label(meta):
     net = (meta or {}).get("network", {})
     if not net.get("shaped"):
-        return f"UNSHAPED (loopback: {net.get('why', '?')})"
+        return f"UNSHAPED ({net.get('why', '?')})"
     extra = f", delay {net['delay']}" if net.get("delay") else ""
     return f"shaped: {net['rate']} per link both directions, tbf burst {net['burst']}{extra}"
 
