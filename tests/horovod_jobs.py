@@ -20,7 +20,9 @@ import torch
 import horovod.torch as hvd
 
 torch.set_num_threads(1)
-hvd.init()
+# The "procset" job reduces over a process set of ranks 0 and 1 only.
+PROCSET = hvd.ProcessSet([0, 1]) if sys.argv[1:2] == ["procset"] else None
+hvd.init(process_sets=[PROCSET] if PROCSET is not None else None)
 
 from gtopk_plugin.horovod import Compression, DistributedOptimizer  # noqa: E402
 
@@ -355,6 +357,27 @@ def grad_scaler():
     return {"init": init, "scales": scales, "params": params, "step": opt.reducer.step}
 
 
+def process_set_run():
+    """Sparse and dense reduction over the process set {0, 1}; rank 2 is not
+    in it and must not block (its optimizer does not communicate)."""
+    out = {"included": PROCSET.included()}
+    for cname, comp in (("gtopk", Compression.gtopk(0.1)), ("topk", Compression.topk(0.1)),
+                        ("none", Compression.none)):
+        model = make_model()
+        raw = RawGrads(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                   compression=comp, op=hvd.Sum, process_set=PROCSET)
+        raws, outs = [], []
+        for s in range(3):
+            opt.zero_grad()
+            loss_of(model, s).backward()
+            raws.append(raw.take())
+            opt.step()
+            outs.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        out[cname] = {"raw": raws, "out": outs}
+    return out
+
+
 JOBS = {
     "main": lambda res: (job_dense(res), job_sparse(res),
                          check(res, "warn", warn_after_synchronize),
@@ -364,6 +387,7 @@ JOBS = {
                          check(res, "mixed", mixed_precision),
                          check(res, "grad_scaler", grad_scaler)),
     "sparse": lambda res: job_sparse(res),
+    "procset": lambda res: check(res, "procset", process_set_run),
 }
 
 
@@ -372,6 +396,9 @@ def main():
     res = {"rank": R, "size": P}
     JOBS[job](res)
     torch.save(res, os.path.join(outdir, f"rank{R}.pt"))
+    # A rank that shuts Horovod down ends it for everyone (rank 2 of the
+    # procset job finishes first): leave together.
+    hvd.barrier()
     hvd.shutdown()
 
 

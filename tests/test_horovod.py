@@ -307,6 +307,28 @@ def test_grad_scaler_overflow_skips_the_step_on_every_rank(P):
 
 
 @pytest.mark.timeout(300)
+def test_process_set_of_two_out_of_three_ranks(tmp_path):
+    rc, out = horovodrun(3, [os.path.join(HERE, "horovod_jobs.py"), "procset", str(tmp_path)], timeout=240)
+    assert rc == 0, out[-6000:]
+    res = [ok(torch.load(tmp_path / f"rank{r}.pt", weights_only=False), "procset") for r in range(3)]
+    assert [r["included"] for r in res] == [True, True, False]
+    for cname in ("gtopk", "topk", "none"):
+        runs = [res[0][cname], res[1][cname]]
+        oracle = Oracle(2, method=cname, density=0.1, op="sum") if cname != "none" else None
+        for s in range(3):
+            raws = [runs[0]["raw"][s], runs[1]["raw"][s]]
+            expect = oracle.step(raws) if oracle else {n: raws[0][n] + raws[1][n] for n in raws[0]}
+            for r in range(2):
+                for n, t in runs[r]["out"][s].items():
+                    good = same_bits(t, expect[n]) if oracle else torch.allclose(t, expect[n], atol=1e-6)
+                    assert good, f"{cname} step {s} rank {r} {n}"
+        # rank 2 is outside the set: its gradients stay local
+        for s in range(3):
+            for n, t in res[2][cname]["out"][s].items():
+                assert torch.equal(t, res[2][cname]["raw"][s][n])
+
+
+@pytest.mark.timeout(300)
 def test_example_trains_under_horovodrun():
     rc, out = horovodrun(2, [os.path.join(ROOT, "examples", "horovod_train.py"), "--compression", "gtopk",
                              "--density", "0.05", "--epochs", "2"], timeout=240)
