@@ -63,6 +63,14 @@ if [ "${GTOPK_HOROVOD_FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")
     exit 0
 fi
 
+# One build at a time per cache (two `make test` runs started together wait
+# here; the second then finds the wheel).
+mkdir -p "$CACHE_ROOT"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$CACHE_ROOT/.lock"
+    flock 9
+fi
+
 WHEEL="$(ls "$CACHE_DIR"/horovod-"$HVD_VERSION"-*.whl 2>/dev/null | head -n1 || true)"
 if [ "${GTOPK_HOROVOD_FORCE:-0}" = 1 ]; then WHEEL=""; fi
 

@@ -202,6 +202,18 @@ def test_sparse_traffic_matches_design(P):
                 if P == Pp:
                     assert t["payload_bytes_sent"] == int(math.log2(P)) * K * 8
                     assert t["payload_bytes_received"] == int(math.log2(P)) * K * 8
+        if P != Pp:  # folded ranks: set in, result + survivor bitmask out (as test_distributed)
+            log, mask = int(math.log2(Pp)), (K + 7) // 8
+            t = ok(res, "sparse/gtopk")["traffic"][-1]
+            if r >= Pp:
+                want = (K * 8, K * 8 + mask)
+            elif r < P - Pp:
+                want = (log * K * 8 + K * 8 + mask, log * K * 8 + K * 8)
+            else:
+                want = (log * K * 8, log * K * 8)
+            assert (t["payload_bytes_sent"], t["payload_bytes_received"]) == want, (r, t)
+        for t in ok(res, "sparse/threshold_butterfly")["traffic"]:
+            assert t["header_bytes_sent"] > 0  # variable counts: sizes travel
         for t in ok(res, "sparse/topk")["traffic"]:
             assert t["payload_bytes_received"] == (P - 1) * K * 8
         for t in ok(res, "sparse/gtopk_fp16wire")["traffic"]:
