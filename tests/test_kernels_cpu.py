@@ -307,7 +307,8 @@ def test_merge_select_matches_reference_oracle_and_is_symmetric(case):
     assert_all_same(got, reference.merge_select(ia, va, ib, vb, off_t, k_t))
     idx2, vals2, keep_b2, keep_a2 = cpu.merge_select(ib, vb, ia, va, off_t, k_t)
     assert_all_same((idx2, vals2, keep_a2, keep_b2), got)
-    if not any(torch.isnan(v).any() for v in (va, vb)):
+    # the oracle sums in float64: it models the other dtypes' rounding only there
+    if va.dtype == torch.float64 and not any(torch.isnan(v).any() for v in (va, vb)):
         np.testing.assert_array_equal(
             got[0].long().numpy(), merge_np(ia, va.double(), ib, vb.double(), offsets, [max(0, k) for k in ks]))
 

@@ -34,7 +34,7 @@ namespace {
 
 constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cache pass
 constexpr int64_t kBlock = 1 << 14;      // elements per collect block
-constexpr int64_t kSampleMin = 1 << 15;  // smallest segment that uses the sampled bound
+constexpr int64_t kSampleRun = 32;      // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
 
@@ -132,6 +132,26 @@ std::pair<K, int64_t> resolve(const Cands<M>& c, K U, int64_t above, int64_t r, 
   return {T, k - gt};
 }
 
+// The r-th largest (1-based) of s; s is reordered.
+template <typename K>
+K kth_largest(std::vector<K>& s, int64_t r) {
+  const int64_t m = static_cast<int64_t>(s.size());
+  if (r * 8 > m) {
+    std::nth_element(s.begin(), s.begin() + (r - 1), s.end(), std::greater<K>());
+    return s[r - 1];
+  }
+  // small r: a min-heap of the r largest so far (most entries fail one compare)
+  std::make_heap(s.begin(), s.begin() + r, std::greater<K>());
+  for (int64_t i = r; i < m; ++i) {
+    if (s[i] > s[0]) {
+      std::pop_heap(s.begin(), s.begin() + r, std::greater<K>());
+      s[r - 1] = s[i];
+      std::push_heap(s.begin(), s.begin() + r, std::greater<K>());
+    }
+  }
+  return s[0];
+}
+
 // Writes lo + position of every candidate with key > T and of the first
 // `ties` candidates with key == T (index order), ascending, to out.
 template <typename M, typename I, typename K = typename M::key_t>
@@ -202,8 +222,7 @@ void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I
   std::vector<K> keys(n);
   for (int64_t i = 0; i < n; ++i) keys[i] = M::key(p[i]);
   std::vector<K> sel(keys);
-  std::nth_element(sel.begin(), sel.begin() + (k - 1), sel.end(), std::greater<K>());
-  const K T = sel[k - 1];
+  const K T = kth_largest(sel, k);
   int64_t gt = 0;
   for (K kk : keys) gt += kk > T;
   const int64_t ties = k - gt;
@@ -217,24 +236,30 @@ void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I
   }
 }
 
-// A bound L from a strided sample such that count(key >= L) is, with high
-// probability, at least k and about k + 4 sqrt(k)-ish; `est` estimates that
-// count.  False when the sample cannot give a useful bound.
+// A bound L such that count(key >= L) is, with high probability, at least k
+// and not much more (k + ~4 sqrt(k) scaled): the R-th largest key of a sample
+// of runs of kSampleRun contiguous entries spread evenly over the segment
+// (whole cache lines: a sample costs a few hundred cache misses, not
+// thousands).  `est` estimates count(key >= L).  False when the sample gives
+// no useful bound (dense k, heavy ties); a bound that fails (fewer than k
+// entries reach it) is detected by the caller.
 template <typename M>
 bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
                   int64_t& est) {
   using K = typename M::key_t;
-  if (n < kSampleMin) return false;
-  const int64_t target = std::min<int64_t>(16384, std::max<int64_t>(1024, n / 16));
-  const int64_t stride = n / target;
-  const int64_t m = (n + stride - 1) / stride;
+  const int64_t runs = std::min<int64_t>(16384, std::max<int64_t>(256, n / 16)) / kSampleRun;
+  if (runs * kSampleRun * 4 > n) return false;  // small segment: the histogram is as cheap
+  const int64_t step = n / runs;
+  const int64_t m = runs * kSampleRun;
   const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
   const int64_t R = static_cast<int64_t>(std::ceil(q + 4.0 * std::sqrt(q) + 8.0));
   if (R * 16 > m) return false;  // dense k: the histogram bound is cheaper
   std::vector<K> s(m);
-  for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
-  std::nth_element(s.begin(), s.begin() + (R - 1), s.end(), std::greater<K>());
-  L = s[R - 1];
+  for (int64_t r = 0; r < runs; ++r) {
+    const typename M::bits_t* q0 = p + r * step;
+    for (int64_t j = 0; j < kSampleRun; ++j) s[r * kSampleRun + j] = M::key(q0[j]);
+  }
+  L = kth_largest(s, R);
   int64_t ge = 0;
   for (K kk : s) ge += kk >= L;
   if (ge > 2 * R + 16) return false;  // heavy ties at L: the candidate set would be large
@@ -257,20 +282,16 @@ void histogram(const typename M::bits_t* p, int64_t n, typename M::key_t prefix,
   std::mutex mu;
   at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
     std::vector<uint32_t> loc(bins, 0);
-    std::vector<int64_t> acc(bins, 0);
     for (int64_t s = b; s < e; s += (int64_t(1) << 30)) {  // uint32 counts never overflow
       const int64_t t = std::min(e, s + (int64_t(1) << 30));
       for (int64_t i = s; i < t; ++i) {
         const K kk = M::key(p[i]);
         if (static_cast<K>(kk >> up) == prefix) ++loc[(kk >> sh) & mask];
       }
-      for (int64_t j = 0; j < bins; ++j) {
-        acc[j] += loc[j];
-        loc[j] = 0;
-      }
+      std::lock_guard<std::mutex> g(mu);
+      for (int64_t j = 0; j < bins; ++j) h[j] += loc[j];
+      std::fill(loc.begin(), loc.end(), 0u);
     }
-    std::lock_guard<std::mutex> g(mu);
-    for (int64_t j = 0; j < bins; ++j) h[j] += acc[j];
   });
 }
 
@@ -289,9 +310,13 @@ Bound<typename M::key_t> hist_bound(const typename M::bits_t* p, int64_t n, int6
   K prefix = 0;
   int64_t r = k, above = 0;
   int shift = M::kBits;
+  // digits of up to 16 bits; fewer for small segments (a histogram much
+  // larger than the segment costs more to clear than to fill)
+  int width = 8;
+  while (width < 16 && (int64_t(1) << (width + 3)) < n) ++width;
   std::vector<int64_t> h;
   while (true) {
-    const int nb = std::min(16, shift), sh = shift - nb;
+    const int nb = std::min(width, shift), sh = shift - nb;
     histogram<M>(p, n, prefix, sh, nb, h);
     int64_t cum = 0, b = (int64_t(1) << nb) - 1;
     for (; b > 0; --b) {
@@ -393,8 +418,7 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
   ks = std::max<int64_t>(1, std::min(m, ks));
   std::vector<K> s(m);
   for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
-  std::nth_element(s.begin(), s.begin() + (ks - 1), s.end(), std::greater<K>());
-  const K t = s[ks - 1];
+  const K t = kth_largest(s, ks);
   const double lo_tol = (1.0 - kTolerance) * static_cast<double>(k);
   const double hi_tol = (1.0 + kTolerance) * static_cast<double>(k);
 
