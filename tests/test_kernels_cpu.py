@@ -239,11 +239,18 @@ def test_results_are_deterministic_across_runs():
 
 def test_threshold_within_tolerance_too_many_and_too_few():
     n, k = 409_600, 400  # sample stride n // 4096 = 100: the sample is x[::100]
-    # within tolerance: plain random data, a large k
+    # within tolerance: a ramp, which the sample sees exactly: ks = ceil(q + 2 sqrt(q))
+    # = 1064 sampled entries -> the 106400 largest magnitudes
+    x = torch.arange(n, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n // 2)
+    kk = 100_000
+    idx, _ = check_selection(x, [0, n], [kk])[1]
+    assert idx.numel() == 106_400 and idx[0] == n - 106_400
+    # plain random data: the whole exact top-k, within the tolerance
     x = torch.randn(n, generator=_gen(4))
-    kk = 40_000
-    idx, _ = check_selection(x, [0, n], [kk], oracle=False)[1]
-    assert 0.9 * kk <= idx.numel() <= 1.1 * kk
+    for kk in (400, 4000, 40_000):
+        idx, _ = check_selection(x, [0, n], [kk], oracle=False)[1]
+        assert 0.9 * kk <= idx.numel() <= 1.1 * kk
+        assert torch.isin(cpu.select_topk(x, *seg([0, n], [kk]))[0], idx).all()
     # too many: every sampled entry is large -> exact top-k among them
     x = torch.zeros(n)
     x[::100] = 10.0

@@ -37,6 +37,7 @@ constexpr int64_t kBlock = 1 << 14;      // elements per collect block
 constexpr int64_t kSampleRun = 32;      // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
+constexpr double kBias = 2.0;            // reference.THRESHOLD_BIAS
 
 // Candidates: positions (segment-local, ascending) and the raw bits of their
 // values (the key is recomputed from them, and the value is written out
@@ -385,7 +386,8 @@ void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
 }
 
 // Threshold selection of one segment, exactly reference._threshold_segment:
-// t = the ks-th largest magnitude of a strided sample (stride n // 4096);
+// t = the ks-th largest magnitude of a strided sample (stride n // 4096, ks
+// two standard deviations above the expected rank of the k-th magnitude);
 // every entry >= t when that count lies within +-10% of k, otherwise the exact
 // top-k.  One pass collects the entries >= min(t, L) (L: the exact path's own
 // sampled bound), which serves the in-tolerance result and both corrections.
@@ -411,10 +413,11 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
   if (k <= 0) return;
   const int64_t stride = std::max<int64_t>(1, n / kRefSample);
   const int64_t m = (n + stride - 1) / stride;
-  // Python: max(1, min(m, round(k * m / n))) -- int product, true division,
-  // round half to even (nearbyint under the default rounding mode).
-  int64_t ks = static_cast<int64_t>(
-      std::nearbyint(static_cast<double>(k * m) / static_cast<double>(n)));
+  // Python: q = k * m / n (int product, correctly rounded true division);
+  // ks = max(1, min(m, ceil(q + THRESHOLD_BIAS * sqrt(q)))) -- the same IEEE
+  // operations here, so the same rank.
+  const double q = static_cast<double>(k * m) / static_cast<double>(n);
+  int64_t ks = static_cast<int64_t>(std::ceil(q + kBias * std::sqrt(q)));
   ks = std::max<int64_t>(1, std::min(m, ks));
   std::vector<K> s(m);
   for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);

@@ -12,6 +12,7 @@ gradients before selection; this only makes the kernels total functions).
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -72,6 +73,11 @@ def select_topk(x: Tensor, offsets: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
 #: corrects the threshold (DGC-style adaptive threshold).
 THRESHOLD_TOLERANCE = 0.10
 THRESHOLD_SAMPLE = 4096
+#: The sample rank sits this many standard deviations (sqrt of the expected
+#: rank) above the expected rank of the k-th magnitude, so the threshold falls
+#: at or below it with ~98% probability: the selected set then holds the whole
+#: exact top-k (recall 1) and a count past the tolerance is cut to exactly k.
+THRESHOLD_BIAS = 2.0
 
 
 def _threshold_segment(mag: Tensor, k: int) -> Tensor:
@@ -82,7 +88,9 @@ def _threshold_segment(mag: Tensor, k: int) -> Tensor:
     #    samples 0.1-1% of the entries; a fixed stride keeps ranks reproducible).
     stride = max(1, n // THRESHOLD_SAMPLE)
     sample = mag[::stride]
-    ks = max(1, min(sample.numel(), round(k * sample.numel() / n)))
+    m = sample.numel()
+    q = k * m / n  # expected rank of the k-th magnitude in the sample
+    ks = max(1, min(m, math.ceil(q + THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
     t = torch.topk(sample, ks, sorted=False).values.min()
     sel = torch.nonzero(mag >= t).squeeze(1)
     lo, hi = (1 - THRESHOLD_TOLERANCE) * k, (1 + THRESHOLD_TOLERANCE) * k
