@@ -112,27 +112,6 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
   return true;
 }
 
-// The k-th largest key T and the number of entries equal to T that the top-k
-// takes, from candidates holding every entry with key >= T.  Candidates with
-// key >= U (`above` of them) are known to rank above T; T is the r-th largest
-// of the others.
-template <typename M, typename K = typename M::key_t>
-std::pair<K, int64_t> resolve(const Cands<M>& c, K U, int64_t above, int64_t r, int64_t k) {
-  std::vector<K> mk;
-  mk.reserve(c.size() - above);
-  for (int64_t j = 0; j < c.size(); ++j) {
-    const K kk = c.key(j);
-    if (kk < U) mk.push_back(kk);
-  }
-  TORCH_INTERNAL_ASSERT(r >= 1 && r <= static_cast<int64_t>(mk.size()), "gtopk resolve: rank ", r,
-                        " of ", mk.size());
-  std::nth_element(mk.begin(), mk.begin() + (r - 1), mk.end(), std::greater<K>());
-  const K T = mk[r - 1];
-  int64_t gt = above;
-  for (K kk : mk) gt += kk > T;
-  return {T, k - gt};
-}
-
 // The r-th largest (1-based) of s; s is reordered.
 template <typename K>
 K kth_largest(std::vector<K>& s, int64_t r) {
@@ -151,6 +130,61 @@ K kth_largest(std::vector<K>& s, int64_t r) {
     }
   }
   return s[0];
+}
+
+// The r-th largest key (1-based) of a large key array: MSD radix histograms
+// (parallel) narrow the array to the bucket holding it, then kth_largest.
+// keys is consumed.
+template <typename M>
+typename M::key_t kth_key(std::vector<typename M::key_t>& keys, int64_t r) {
+  using K = typename M::key_t;
+  int shift = M::kBits;  // keys agree on every bit from `shift` up
+  while (static_cast<int64_t>(keys.size()) > (int64_t(1) << 16) && shift > 0) {
+    const int nb = std::min(16, shift), sh = shift - nb;
+    const int64_t bins = int64_t(1) << nb;
+    const K mask = static_cast<K>(bins - 1);
+    const int64_t m = static_cast<int64_t>(keys.size());
+    std::vector<int64_t> h(bins, 0);
+    std::mutex mu;
+    at::parallel_for(0, m, 1 << 15, [&](int64_t b, int64_t e) {
+      std::vector<uint32_t> loc(bins, 0);
+      for (int64_t i = b; i < e; ++i) ++loc[(keys[i] >> sh) & mask];
+      std::lock_guard<std::mutex> g(mu);
+      for (int64_t j = 0; j < bins; ++j) h[j] += loc[j];
+    });
+    int64_t cum = 0, d = bins - 1;
+    for (; d > 0; --d) {
+      if (cum + h[d] >= r) break;
+      cum += h[d];
+    }
+    r -= cum;
+    std::vector<K> next;
+    next.reserve(h[d]);
+    for (K kk : keys)
+      if (static_cast<int64_t>((kk >> sh) & mask) == d) next.push_back(kk);
+    keys.swap(next);
+    shift = sh;
+  }
+  return kth_largest(keys, r);
+}
+
+// The k-th largest key T and the number of entries equal to T that the top-k
+// takes, from candidates holding every entry with key >= T.  Candidates with
+// key >= U rank above T; T is the r-th largest of the others.
+template <typename M, typename K = typename M::key_t>
+std::pair<K, int64_t> resolve(const Cands<M>& c, K U, int64_t r, int64_t k) {
+  std::vector<K> mk;
+  mk.reserve(c.size());
+  for (int64_t j = 0; j < c.size(); ++j) {
+    const K kk = c.key(j);
+    if (kk < U) mk.push_back(kk);
+  }
+  TORCH_INTERNAL_ASSERT(r >= 1 && r <= static_cast<int64_t>(mk.size()), "gtopk resolve: rank ", r,
+                        " of ", mk.size());
+  const K T = kth_key<M>(mk, r);
+  int64_t gt = 0;
+  for (int64_t j = 0; j < c.size(); ++j) gt += c.key(j) > T;
+  return {T, k - gt};
 }
 
 // Writes lo + position of every candidate with key > T and of the first
@@ -298,9 +332,8 @@ void histogram(const typename M::bits_t* p, int64_t n, typename M::key_t prefix,
 
 template <typename K>
 struct Bound {
-  K L, U;         // T lies in [L, U)
-  int64_t above;  // entries with key >= U
-  int64_t r;      // T is the r-th largest key in [L, U)
+  K L, U;      // T lies in [L, U)
+  int64_t r;   // T is the r-th largest key in [L, U)
   bool exact;     // L == T
 };
 
@@ -309,7 +342,7 @@ Bound<typename M::key_t> hist_bound(const typename M::bits_t* p, int64_t n, int6
   using K = typename M::key_t;
   const int64_t limit = std::max<int64_t>(int64_t(1) << 16, k / 4);
   K prefix = 0;
-  int64_t r = k, above = 0;
+  int64_t r = k;
   int shift = M::kBits;
   // digits of up to 16 bits; fewer for small segments (a histogram much
   // larger than the segment costs more to clear than to fill)
@@ -324,7 +357,6 @@ Bound<typename M::key_t> hist_bound(const typename M::bits_t* p, int64_t n, int6
       if (cum + h[b] >= r) break;
       cum += h[b];
     }
-    above += cum;
     r -= cum;
     prefix = static_cast<K>((static_cast<uint64_t>(prefix) << nb) | static_cast<uint64_t>(b));
     shift = sh;
@@ -332,7 +364,6 @@ Bound<typename M::key_t> hist_bound(const typename M::bits_t* p, int64_t n, int6
       Bound<K> B;
       B.L = static_cast<K>(static_cast<uint64_t>(prefix) << sh);
       B.U = static_cast<K>((static_cast<uint64_t>(prefix) + 1) << sh);
-      B.above = above;
       B.r = r;
       B.exact = sh == 0;
       return B;
@@ -352,7 +383,7 @@ void topk_hist(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I*
     emit(c, lo, B.L, B.r, out, vout);
   } else {
     collect<M, false>(p, n, B.L, 0, std::numeric_limits<int64_t>::max(), c);
-    const auto tr = resolve(c, B.U, B.above, B.r, k);
+    const auto tr = resolve(c, B.U, B.r, k);
     emit(c, lo, tr.first, tr.second, out, vout);
   }
 }
@@ -377,7 +408,7 @@ void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
     Cands<M> c;
     const int64_t cap = std::max(4 * est, 4 * k) + 4096;
     if (collect<M, false>(p, n, L, 0, cap, c) && c.size() >= k) {
-      const auto tr = resolve(c, std::numeric_limits<K>::max(), 0, k, k);
+      const auto tr = resolve(c, std::numeric_limits<K>::max(), k, k);
       emit(c, lo, tr.first, tr.second, out, vout);
       return;
     }
@@ -455,7 +486,7 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
       return;
     }
     if (c.size() >= k) {  // holds every entry >= T: the exact top-k is among them
-      const auto tr = resolve(c, std::numeric_limits<K>::max(), 0, k, k);
+      const auto tr = resolve(c, std::numeric_limits<K>::max(), k, k);
       out.resize(k);
       emit(c, lo, tr.first, tr.second, out.idx.data(), out.bits.data());
       return;
