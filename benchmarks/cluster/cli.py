@@ -50,6 +50,9 @@ def _net_args(ap):
     g.add_argument("--tbf-latency", default="50ms", help="tbf queue limit as latency (default 50ms)")
     g.add_argument("--delay", default="0ms", help="one-way delay per link (netem; default 0ms)")
     g.add_argument("--jitter", default="0ms", help="delay jitter (netem; default 0ms)")
+    g.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                   help="sysctl set inside every worker namespace (repeatable), e.g. "
+                   "net.ipv4.tcp_notsent_lowat=131072")
     g.add_argument("--no-netns", action="store_true", help="run on plain loopback (results labelled unshaped)")
     g.add_argument("--max-load", type=float, default=0.0,
                    help="wait (up to --max-wait s) until the 1-min load average is below this (0: don't wait)")

@@ -100,8 +100,9 @@ def network(P: int, opts) -> object:
     if not ok:
         return Loopback(P, why)
     rate = None if str(opts.rate).lower() in ("none", "0", "off") else opts.rate
+    sysctls = dict(kv.split("=", 1) for kv in (getattr(opts, "sysctl", None) or []))
     return netns.NetCluster(P, rate=rate, burst=opts.burst, tbf_latency=opts.tbf_latency,
-                            delay=opts.delay, jitter=opts.jitter)
+                            delay=opts.delay, jitter=opts.jitter, sysctls=sysctls)
 
 
 class Progress:

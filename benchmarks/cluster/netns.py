@@ -175,7 +175,7 @@ class NetCluster:
 
     def __init__(self, P: int, rate: Optional[str] = "1gbit", burst: str = "128kb",
                  tbf_latency: str = "50ms", delay: Optional[str] = None, jitter: Optional[str] = None,
-                 subnet: str = "10.213.0", mtu: int = 1500):
+                 subnet: str = "10.213.0", mtu: int = 1500, sysctls: Optional[Dict[str, str]] = None):
         if not 1 <= P <= 250:
             raise ValueError(f"P must be in 1..250; got {P}")
         self.P, self.rate, self.burst, self.tbf_latency = P, rate, burst, tbf_latency
@@ -184,6 +184,7 @@ class NetCluster:
         if self.jitter and not self.delay:
             raise ValueError("--jitter needs a --delay")
         self.subnet, self.mtu = subnet, mtu
+        self.sysctls = dict(sysctls or {})  # applied inside each worker namespace only
         self.tag = secrets.token_hex(3)
         base = f"{PREFIX}-{os.getpid()}-{self.tag}"
         self.bridge_ns = f"{base}-br"
@@ -206,7 +207,7 @@ class NetCluster:
                 "why": None if self.rate else "namespaces and bridge without tc shaping (--rate none)",
                 "rate": self.rate, "burst": self.burst,
                 "tbf_latency": self.tbf_latency, "delay": self.delay, "jitter": self.jitter,
-                "mtu": self.mtu, "topology": f"{self.P} namespaces on one bridge (own namespace)",
+                "mtu": self.mtu, "sysctls": self.sysctls, "topology": f"{self.P} namespaces on one bridge (own namespace)",
                 "namespaces": [self.bridge_ns] + self.worker_ns}
 
     # -- life cycle -------------------------------------------------------
@@ -251,6 +252,8 @@ class NetCluster:
                 _run(["ip", "-n", w, "link", "set", IFACE, "up"])
                 _run(["ip", "-n", w, "link", "set", "lo", "up"])
                 self._hosts_file(w, i)
+                for k, v in self.sysctls.items():
+                    _run(["ip", "netns", "exec", w, "sysctl", "-q", "-w", f"{k}={v}"])
                 if self.rate:
                     if self.delay:
                         netem = ["netem", "delay", self.delay] + ([self.jitter, "distribution", "normal"]
