@@ -231,8 +231,11 @@ def _plot(grid: List[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except Exception:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, t in zip(axes, sorted({r["threads"] for r in grid})):
+    threads = sorted({r["threads"] for r in grid})
+    fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.5), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, t in zip(axes, threads):
         for d, ls in zip(sorted({r["density"] for r in grid}), ["-", "--"]):
             rows = sorted((r for r in grid if r["threads"] == t and r["density"] == d), key=lambda r: r["n"])
             ns = [r["n"] for r in rows]

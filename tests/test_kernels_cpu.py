@@ -551,3 +551,20 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(fresh_loader, 
     monkeypatch.setenv("GTOPK_KERNELS", "cpu")
     with pytest.raises(RuntimeError, match="not available"):
         kernels.backend("cpu")
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/selection.py runs (a tiny grid) and its ResNet-50 layout is right
+
+def test_selection_benchmark_smoke(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import selection
+
+    shapes = selection.resnet50_shapes()
+    assert len(shapes) == 161 and sum(selection._numel(s) for _, s in shapes) == 25_557_032
+    res = selection.main(["--sizes", "100000", "--reps", "1", "--threads", "1", "--no-resnet",
+                          "--out", str(tmp_path)])
+    assert (tmp_path / "selection.json").is_file()
+    rows = res["grid"]
+    assert len(rows) == 2 and all(r["threshold_recall"] >= 0.9 for r in rows)
+    assert "torch.topk" in capsys.readouterr().out
