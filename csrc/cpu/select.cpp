@@ -9,15 +9,16 @@
 //
 // Exact top-k of one segment (n entries, 0 < k < n) in three steps:
 //   1. a lower bound L on the k-th largest key T with count(key >= L) a little
-//      over k: from a strided sample (no pass over x), or, when the sample
-//      cannot give one (dense k, heavy ties, a failed estimate), from a radix
-//      histogram of the top 16 key bits (one pass; refined by the next 16
-//      bits while the bucket holding T is large);
+//      over k: from a sample of whole cache lines (no pass over x), or, when
+//      the sample cannot give one (dense k, heavy ties, a failed estimate),
+//      from a radix histogram of the top key bits (one pass; refined by the
+//      next bits while the bucket holding T is large);
 //   2. one streaming pass collecting the candidates key >= L (positions and
-//      keys, per thread range, in index order);
-//   3. T and the number of ties at T that fit, by nth_element over the
-//      candidates; then every candidate above T and the first ties in index
-//      order are written out.
+//      value bits, per thread range, in index order; SIMD compares);
+//   3. T and the number of ties at T that fit, by selection over the
+//      candidates only (heap / nth_element, or radix histograms when there
+//      are many); then every candidate above T and the first ties in index
+//      order are written out, with their values.
 // Work is split across segments (small ones, balanced by size) and within
 // segments (large ones) with at::parallel_for.
 #include "common.h"
