@@ -56,6 +56,8 @@ def _net_args(ap):
     g.add_argument("--no-netns", action="store_true", help="run on plain loopback (results labelled unshaped)")
     g.add_argument("--max-load", type=float, default=0.0,
                    help="wait (up to --max-wait s) until the 1-min load average is below this (0: don't wait)")
+    g.add_argument("--max-busy", type=float, default=0.0,
+                   help="wait until normal-priority CPU use is below this fraction (0: don't wait)")
     g.add_argument("--max-wait", type=float, default=600.0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--echo", action="store_true", help="show the workers' output")
@@ -131,7 +133,7 @@ def cmd_comm(args) -> dict:
     out = {"meta": None, "link": [], "rows": [], "qdisc": {}}
     with harness.signals_as_exceptions():
         for P in workers:
-            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress)
+            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress, args.max_busy)
             net = harness.network(P, args)
             desc = net.describe()
             if out["meta"] is None:
@@ -218,7 +220,7 @@ def cmd_replay(args) -> dict:
         "density": args.density, "steps": steps, "batch": S.PAPER_BATCH}}
     with harness.signals_as_exceptions():
         for P in workers:
-            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress)
+            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress, args.max_busy)
             fit = []
             avail = harness.mem_available()
             for m in models:
@@ -482,8 +484,11 @@ def _main(argv=None) -> int:
     d = args.out_dir
     common = ["--rate", args.rate, "--burst", args.burst, "--tbf-latency", args.tbf_latency,
               "--delay", args.delay, "--jitter", args.jitter, "--max-load", str(args.max_load),
+              "--max-busy", str(args.max_busy),
               "--max-wait", str(args.max_wait), "--timeout", str(args.timeout)]
     common += (["--no-netns"] if args.no_netns else []) + (["--quiet"] if args.quiet else [])
+    for kv in args.sysctl:
+        common += ["--sysctl", kv]
     ws = ["--workers"] + [str(w) for w in _flat(args.workers)]
     rc = main(["comm", *ws, "--engines", args.engines, "--json", os.path.join(d, "cluster_comm.json"), *common])
     rc = rc or main(["replay", *ws, "--selection", args.selection, "--models", ",".join(_flat(args.models)),

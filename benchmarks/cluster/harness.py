@@ -127,9 +127,10 @@ class Progress:
             print(f"[{self.n}/{self.total}] {what}", file=sys.stderr, flush=True)
 
     def note(self, text: str):
+        """Messages that matter (fallbacks, skips, waits) print even with --quiet."""
         if self._bar is not None:
             self._bar.write(text)
-        elif not self.disable:
+        else:
             print(text, file=sys.stderr, flush=True)
 
     def close(self):
@@ -197,14 +198,47 @@ def mem_available() -> Optional[int]:
     return None
 
 
-def wait_for_quiet(max_load: float, max_wait: float, progress: Optional[Progress] = None) -> List[float]:
-    """Wait (up to ``max_wait`` s) for the 1-minute load average to drop
-    below ``max_load``; returns the load seen when starting."""
+def busy_fraction(seconds: float = 3.0) -> Optional[float]:
+    """Share of all CPUs busy at normal priority over ``seconds`` (user,
+    system, irq, softirq; niced processes excluded: they yield to us)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return v  # user nice system idle iowait irq softirq steal
+    try:
+        a = sample()
+        time.sleep(seconds)
+        b = sample()
+    except (OSError, ValueError):
+        return None
+    d = [y - x for x, y in zip(a, b)]
+    tot = sum(d) or 1
+    return (d[0] + d[2] + d[5] + d[6]) / tot
+
+
+def wait_for_quiet(max_load: float, max_wait: float, progress: Optional[Progress] = None,
+                   max_busy: float = 0.0) -> List[float]:
+    """Wait (up to ``max_wait`` s) until the 1-minute load average is below
+    ``max_load`` and the normal-priority CPU use below ``max_busy`` (each
+    check off when 0); returns the load average when starting."""
     t0 = time.monotonic()
     warned = False
-    while max_load > 0 and max_wait > 0 and loadavg() and loadavg()[0] > max_load and time.monotonic() - t0 < max_wait:
+
+    def busy():
+        if max_load > 0 and loadavg() and loadavg()[0] > max_load:
+            return f"load average {loadavg()} > {max_load}"
+        if max_busy > 0:
+            b = busy_fraction()
+            if b is not None and b > max_busy:
+                return f"CPUs {b:.0%} busy at normal priority > {max_busy:.0%}"
+        return None
+
+    while max_wait > 0 and time.monotonic() - t0 < max_wait:
+        why = busy()
+        if why is None:
+            break
         if not warned and progress is not None:
-            progress.note(f"load average {loadavg()} > {max_load}: waiting up to {max_wait:.0f} s")
+            progress.note(f"{why}: waiting up to {max_wait:.0f} s")
             warned = True
         time.sleep(5)
     return loadavg()
