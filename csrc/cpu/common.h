@@ -23,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -160,6 +161,28 @@ inline typename Mag<scalar_t>::key_t key_of(const scalar_t& v) {
   static_assert(sizeof(b) == sizeof(scalar_t), "storage size");
   std::memcpy(&b, &v, sizeof(b));
   return Mag<scalar_t>::key(b);
+}
+
+// Runs body(tid, i) for every i in [0, n) on torch's intra-op threads,
+// handing indices out one at a time in increasing order (tid in [0, threads)
+// names the worker, e.g. for per-thread scratch).  Unlike the static split of
+// at::parallel_for, a thread that falls behind -- descheduled on a busy
+// machine, or given the heavy items -- does not hold up the others.  Inside a
+// parallel region it runs serially.  Returns the number of workers used.
+template <typename F>
+int64_t parallel_dynamic(int64_t n, const F& body) {
+  if (n <= 0) return 0;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  if (nt <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) body(0, i);
+    return 1;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) body(t0, i);
+    (void)t1;
+  });
+  return nt;
 }
 
 // Index dtype of a buffer (DESIGN.md §3 wire format): int32 unless it has more

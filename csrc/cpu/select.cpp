@@ -34,7 +34,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cache pass
-constexpr int64_t kBlock = 1 << 14;      // elements per collect block
+constexpr int64_t kBlock = 1 << 16;      // elements per collect block
 constexpr int64_t kSampleRun = 32;      // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
@@ -61,12 +61,11 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
              int64_t cap, Cands<M>& out) {
   using K = typename M::key_t;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
-  std::vector<Cands<M>> part(nblk);  // one slot per thread range, keyed by its first block
+  std::vector<Cands<M>> part(nblk);  // candidates of each block (or thread range)
   std::atomic<int64_t> total{0};
   std::atomic<bool> stop{false};
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    Cands<M>& c = part[b0];
-    int64_t eq_seen = 0;
+  // Appends the candidates of p[s, e) to c; false once past `cap` in all.
+  auto scan = [&](int64_t s, int64_t e, Cands<M>& c, int64_t& eq_seen) {
     auto take = [&](int64_t i, K kk) {
       if (kTies && kk == L) {
         if (eq_seen++ >= eq_cap) return;
@@ -74,43 +73,62 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
       c.pos.push_back(i);
       c.bits.push_back(p[i]);
     };
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      if (stop.load(std::memory_order_relaxed)) return;
-      const int64_t s = blk * kBlock, e = std::min(n, s + kBlock);
-      const size_t before = c.pos.size();
-      int64_t i = s;
-      for (; i + 16 <= e; i += 16) {
-        uint32_t mk = Scan<M>::mask16(p + i, L);  // SIMD test; usually 0
-        while (mk) {
-          const int j = __builtin_ctz(mk);
-          mk &= mk - 1;
-          const K kk = M::key(p[i + j]);
-          if (kk >= L) take(i + j, kk);
-        }
-      }
-      for (; i < e; ++i) {
-        const K kk = M::key(p[i]);
-        if (kk >= L) take(i, kk);
-      }
-      const int64_t added = static_cast<int64_t>(c.pos.size() - before);
-      if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap) {
-        stop.store(true, std::memory_order_relaxed);
-        return;
+    const size_t before = c.pos.size();
+    int64_t i = s;
+    for (; i + 16 <= e; i += 16) {
+      uint32_t mk = Scan<M>::mask16(p + i, L);  // SIMD test; usually 0
+      while (mk) {
+        const int j = __builtin_ctz(mk);
+        mk &= mk - 1;
+        const K kk = M::key(p[i + j]);
+        if (kk >= L) take(i + j, kk);
       }
     }
-  });
+    for (; i < e; ++i) {
+      const K kk = M::key(p[i]);
+      if (kk >= L) take(i, kk);
+    }
+    const int64_t added = static_cast<int64_t>(c.pos.size() - before);
+    if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap) {
+      stop.store(true, std::memory_order_relaxed);
+      return false;
+    }
+    return true;
+  };
+  if (!kTies) {
+    // blocks handed out dynamically, each into its own slot
+    parallel_dynamic(nblk, [&](int64_t, int64_t blk) {
+      if (stop.load(std::memory_order_relaxed)) return;
+      int64_t unused = 0;
+      scan(blk * kBlock, std::min(n, (blk + 1) * kBlock), part[blk], unused);
+    });
+  } else {
+    // ties capped per contiguous thread range (bounded memory: at most
+    // eq_cap equal keys per range, and ranges are in index order)
+    at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+      int64_t eq_seen = 0;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        if (!scan(blk * kBlock, std::min(n, (blk + 1) * kBlock), part[b0], eq_seen)) return;
+      }
+    });
+  }
   if (stop.load()) return false;
   std::vector<int64_t> start(nblk + 1, 0);
   for (int64_t b = 0; b < nblk; ++b) start[b + 1] = start[b] + part[b].size();
   out.pos.resize(start[nblk]);
   out.bits.resize(start[nblk]);
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      std::copy(part[b].pos.begin(), part[b].pos.end(), out.pos.begin() + start[b]);
-      std::copy(part[b].bits.begin(), part[b].bits.end(), out.bits.begin() + start[b]);
-    }
+  parallel_dynamic(nblk, [&](int64_t, int64_t b) {
+    std::copy(part[b].pos.begin(), part[b].pos.end(), out.pos.begin() + start[b]);
+    std::copy(part[b].bits.begin(), part[b].bits.end(), out.bits.begin() + start[b]);
   });
   return true;
+}
+
+inline void prefetch(const void* q) {
+#if defined(__GNUC__)
+  __builtin_prefetch(q, 0, 0);
+#endif
 }
 
 // The r-th largest (1-based) of s; s is reordered.
@@ -283,13 +301,18 @@ template <typename M>
 bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
                   int64_t& est) {
   using K = typename M::key_t;
-  const int64_t runs = std::min<int64_t>(16384, std::max<int64_t>(256, n / 16)) / kSampleRun;
+  const int64_t runs = std::min<int64_t>(16384, std::max<int64_t>(256, n / 32)) / kSampleRun;
   if (runs * kSampleRun * 4 > n) return false;  // small segment: the histogram is as cheap
   const int64_t step = n / runs;
   const int64_t m = runs * kSampleRun;
   const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
   const int64_t R = static_cast<int64_t>(std::ceil(q + 4.0 * std::sqrt(q) + 8.0));
   if (R * 16 > m) return false;  // dense k: the histogram bound is cheaper
+  // prefetch every run first: the misses overlap instead of queueing
+  for (int64_t r = 0; r < runs; ++r) {
+    prefetch(p + r * step);
+    prefetch(p + r * step + kSampleRun - 1);
+  }
   std::vector<K> s(m);
   for (int64_t r = 0; r < runs; ++r) {
     const typename M::bits_t* q0 = p + r * step;
@@ -315,20 +338,32 @@ void histogram(const typename M::bits_t* p, int64_t n, typename M::key_t prefix,
   const K mask = static_cast<K>(bins - 1);
   const int up = sh + nb;
   h.assign(bins, 0);
+  // per-worker uint32 counts (flushed before they could overflow), blocks
+  // handed out dynamically
+  const int64_t nblk = (n + kBlock - 1) / kBlock;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblk));
+  std::vector<std::vector<uint32_t>> cnt(nt);
+  std::vector<int64_t> seen(nt, 0);
   std::mutex mu;
-  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
-    std::vector<uint32_t> loc(bins, 0);
-    for (int64_t s = b; s < e; s += (int64_t(1) << 30)) {  // uint32 counts never overflow
-      const int64_t t = std::min(e, s + (int64_t(1) << 30));
-      for (int64_t i = s; i < t; ++i) {
-        const K kk = M::key(p[i]);
-        if (static_cast<K>(kk >> up) == prefix) ++loc[(kk >> sh) & mask];
-      }
-      std::lock_guard<std::mutex> g(mu);
-      for (int64_t j = 0; j < bins; ++j) h[j] += loc[j];
-      std::fill(loc.begin(), loc.end(), 0u);
+  auto flush = [&](int64_t tid) {
+    std::lock_guard<std::mutex> g(mu);
+    for (int64_t j = 0; j < bins; ++j) h[j] += cnt[tid][j];
+    std::fill(cnt[tid].begin(), cnt[tid].end(), 0u);
+    seen[tid] = 0;
+  };
+  parallel_dynamic(nblk, [&](int64_t tid, int64_t blk) {
+    std::vector<uint32_t>& c = cnt[tid];
+    if (c.empty()) c.assign(bins, 0u);
+    if (seen[tid] > (int64_t(1) << 31)) flush(tid);
+    const int64_t s = blk * kBlock, e = std::min(n, s + kBlock);
+    for (int64_t i = s; i < e; ++i) {
+      const K kk = M::key(p[i]);
+      if (static_cast<K>(kk >> up) == prefix) ++c[(kk >> sh) & mask];
     }
+    seen[tid] += e - s;
   });
+  for (int64_t t = 0; t < nt; ++t)
+    if (!cnt[t].empty()) flush(t);
 }
 
 template <typename K>
@@ -451,6 +486,8 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
   const double q = static_cast<double>(k * m) / static_cast<double>(n);
   int64_t ks = static_cast<int64_t>(std::ceil(q + kBias * std::sqrt(q)));
   ks = std::max<int64_t>(1, std::min(m, ks));
+  if (stride > 1)
+    for (int64_t j = 0; j < m; ++j) prefetch(p + j * stride);
   std::vector<K> s(m);
   for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
   const K t = kth_largest(s, ks);
@@ -507,8 +544,8 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
 }
 
 // Runs f(s) for every segment: large segments one after the other (f
-// parallelises inside), the others spread over the threads in contiguous
-// groups of about equal size (f runs serially inside a parallel region).
+// parallelises inside), the others handed out to the threads largest first
+// (f runs serially inside the parallel region).
 template <typename F>
 void for_segments(const int64_t* o, int64_t S, const F& f) {
   const int64_t total = o[S] - o[0];
@@ -519,29 +556,17 @@ void for_segments(const int64_t* o, int64_t S, const F& f) {
   }
   const int64_t big = std::max<int64_t>(int64_t(1) << 20, total / (2 * nt));
   std::vector<int64_t> small;
-  int64_t small_total = 0;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = o[s + 1] - o[s];
-    if (n >= big) {
+    if (o[s + 1] - o[s] >= big) {
       f(s);
     } else {
       small.push_back(s);
-      small_total += n;
     }
   }
-  if (small.empty()) return;
-  const int64_t parts = std::min<int64_t>(static_cast<int64_t>(small.size()), nt);
-  std::vector<int64_t> first(parts + 1, static_cast<int64_t>(small.size()));
-  first[0] = 0;
-  int64_t cum = 0, part = 1;
-  for (int64_t i = 0; i < static_cast<int64_t>(small.size()) && part < parts; ++i) {
-    cum += o[small[i] + 1] - o[small[i]];
-    while (part < parts && cum * parts >= small_total * part) first[part++] = i + 1;
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q)
-      for (int64_t i = first[q]; i < first[q + 1]; ++i) f(small[i]);
+  std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) {
+    return o[a + 1] - o[a] > o[b + 1] - o[b];
   });
+  parallel_dynamic(static_cast<int64_t>(small.size()), [&](int64_t, int64_t i) { f(small[i]); });
 }
 
 }  // namespace
