@@ -35,7 +35,7 @@ namespace {
 
 constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cache pass
 constexpr int64_t kBlock = 1 << 16;      // elements per collect block
-constexpr int64_t kSampleRun = 32;      // the sampled bound reads runs of this many entries
+constexpr int64_t kSampleRun = 128;     // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
 constexpr double kBias = 2.0;            // reference.THRESHOLD_BIAS
@@ -293,8 +293,8 @@ void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I
 // A bound L such that count(key >= L) is, with high probability, at least k
 // and not much more (k + ~4 sqrt(k) scaled): the R-th largest key of a sample
 // of runs of kSampleRun contiguous entries spread evenly over the segment
-// (whole cache lines: a sample costs a few hundred cache misses, not
-// thousands).  `est` estimates count(key >= L).  False when the sample gives
+// (whole cache lines, and at most 128 runs: a sample costs ~100 cache and TLB
+// misses, not thousands).  `est` estimates count(key >= L).  False when the sample gives
 // no useful bound (dense k, heavy ties); a bound that fails (fewer than k
 // entries reach it) is detected by the caller.
 template <typename M>
@@ -308,11 +308,8 @@ bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M:
   const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
   const int64_t R = static_cast<int64_t>(std::ceil(q + 4.0 * std::sqrt(q) + 8.0));
   if (R * 16 > m) return false;  // dense k: the histogram bound is cheaper
-  // prefetch every run first: the misses overlap instead of queueing
-  for (int64_t r = 0; r < runs; ++r) {
-    prefetch(p + r * step);
-    prefetch(p + r * step + kSampleRun - 1);
-  }
+  // prefetch the start of every run first: the misses overlap
+  for (int64_t r = 0; r < runs; ++r) prefetch(p + r * step);
   std::vector<K> s(m);
   for (int64_t r = 0; r < runs; ++r) {
     const typename M::bits_t* q0 = p + r * step;
