@@ -111,7 +111,7 @@ def segmented(draw):
     return x, list(np.cumsum([0] + sizes)), ks
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(segmented())
 def test_selection_matches_reference_and_oracle(case):
     x, offsets, ks = case
@@ -265,7 +265,7 @@ def test_threshold_within_tolerance_too_many_and_too_few():
     assert idx.numel() == k and idx.tolist()[:9] == [0, 1, 3, 5, 7, 9, 11, 13, 15]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 17, 100, 1000]), st.sampled_from(DTYPES))
 def test_threshold_never_leaves_a_larger_entry_behind(seed, k, dtype):
     n = 50_000
@@ -305,7 +305,7 @@ def sparse_pair(draw):
     return one(), one(), offsets, ks
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(sparse_pair())
 def test_merge_select_matches_reference_oracle_and_is_symmetric(case):
     (ia, va), (ib, vb), offsets, ks = case
