@@ -17,9 +17,10 @@ Plus the "ResNet-50 layout": the 161 parameter tensors of ResNet-50 (25.6M
 elements, shapes listed below) selected per layer with one kernel call vs a
 Python loop of torch.topk over the layers.
 
-Prints a table of medians and ratios and writes JSON + PNG to
-benchmarks/results/.  Timings depend on the machine and on whatever else runs
-on it (the load average is recorded); the ratios are what to compare.
+Prints a table of medians and ratios and writes JSON (medians, and the
+fastest repetition of each method as ``min_ms``) + PNG to benchmarks/results/.
+Timings depend on the machine and on whatever else runs on it (the load
+average is recorded); the ratios are what to compare.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -88,8 +89,10 @@ def _time(f: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(methods: Dict[str, Callable[[], object]], reps: int) -> Dict[str, float]:
-    """Median seconds of each method; every repetition runs each once, in turn."""
+def _interleaved(methods: Dict[str, Callable[[], object]], reps: int,
+                 mins: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """Median seconds of each method; every repetition runs each once, in turn.
+    ``mins`` (if given) receives the fastest repetition of each."""
     for f in methods.values():  # warm-up (allocator, page faults, first-use compile)
         f()
     times: Dict[str, List[float]] = {m: [] for m in methods}
@@ -101,6 +104,8 @@ def _interleaved(methods: Dict[str, Callable[[], object]], reps: int) -> Dict[st
                 times[m].append(_time(f))
     finally:
         gc.enable()
+    if mins is not None:
+        mins.update({m: min(v) for m, v in times.items()})
     return {m: statistics.median(v) for m, v in times.items()}
 
 
@@ -129,7 +134,8 @@ def bench_grid(sizes, densities, threads, reps, log=print) -> List[dict]:
                 methods[f"torch.topk@{d}"] = lambda ki=ki: torch.topk(x.abs(), ki, sorted=False)
                 methods[f"exact@{d}"] = lambda kk=kk: kernels.select_topk(x, offsets, kk)
                 methods[f"threshold@{d}"] = lambda kk=kk: kernels.select_threshold(x, offsets, kk)
-            med = _interleaved(methods, r)
+            fastest: Dict[str, float] = {}
+            med = _interleaved(methods, r, fastest)
             for d in densities:
                 recall, count = _recall(x, offsets, ks[d])
                 row = {"n": n, "density": d, "k": int(ks[d]), "threads": t, "reps": r,
@@ -137,7 +143,11 @@ def bench_grid(sizes, densities, threads, reps, log=print) -> List[dict]:
                        "topk_ms": med[f"torch.topk@{d}"] * 1e3,
                        "exact_ms": med[f"exact@{d}"] * 1e3,
                        "threshold_ms": med[f"threshold@{d}"] * 1e3,
-                       "threshold_recall": recall, "threshold_count_over_k": count}
+                       "threshold_recall": recall, "threshold_count_over_k": count,
+                       "min_ms": {"floor": fastest["floor"] * 1e3,
+                                  "topk": fastest[f"torch.topk@{d}"] * 1e3,
+                                  "exact": fastest[f"exact@{d}"] * 1e3,
+                                  "threshold": fastest[f"threshold@{d}"] * 1e3}}
                 row["topk_over_exact"] = row["topk_ms"] / row["exact_ms"]
                 row["exact_over_floor"] = row["exact_ms"] / row["floor_ms"]
                 row["threshold_over_floor"] = row["threshold_ms"] / row["floor_ms"]
@@ -171,7 +181,8 @@ def bench_resnet(densities, threads, reps, log=print) -> List[dict]:
             methods[f"exact@{d}"] = lambda k_t=k_t: kernels.select_topk(flat, offsets, k_t)
             methods[f"threshold@{d}"] = lambda k_t=k_t: kernels.select_threshold(flat, offsets, k_t)
         methods["floor"] = lambda: flat.sum()
-        med = _interleaved(methods, reps)
+        fastest: Dict[str, float] = {}
+        med = _interleaved(methods, reps, fastest)
         for d in densities:
             k_t = torch.tensor([k_for(d, n) for n in sizes])
             recall, count = _recall(flat, offsets, k_t)
@@ -179,7 +190,10 @@ def bench_resnet(densities, threads, reps, log=print) -> List[dict]:
                    "k": int(k_t.sum()), "threads": t, "reps": reps,
                    "floor_ms": med["floor"] * 1e3, "loop_topk_ms": med[f"loop@{d}"] * 1e3,
                    "exact_ms": med[f"exact@{d}"] * 1e3, "threshold_ms": med[f"threshold@{d}"] * 1e3,
-                   "threshold_recall": recall, "threshold_count_over_k": count}
+                   "threshold_recall": recall, "threshold_count_over_k": count,
+                   "min_ms": {"floor": fastest["floor"] * 1e3, "loop_topk": fastest[f"loop@{d}"] * 1e3,
+                              "exact": fastest[f"exact@{d}"] * 1e3,
+                              "threshold": fastest[f"threshold@{d}"] * 1e3}}
             row["loop_over_exact"] = row["loop_topk_ms"] / row["exact_ms"]
             rows.append(row)
             log(f"resnet50 {len(sizes)} tensors {flat.numel() / 1e6:.1f}M d={d:<6} t={t}  "
