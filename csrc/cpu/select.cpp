@@ -293,25 +293,27 @@ void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I
 // A bound L such that count(key >= L) is, with high probability, at least k
 // and not much more (k + ~4 sqrt(k) scaled): the R-th largest key of a sample
 // of runs of kSampleRun contiguous entries spread evenly over the segment
-// (whole cache lines, and at most 128 runs: a sample costs ~100 cache and TLB
-// misses, not thousands).  `est` estimates count(key >= L).  False when the sample gives
+// (whole cache lines, and at most 64 runs: a sample costs a few dozen
+// overlapped cache and TLB misses, not thousands).  `est` estimates count(key >= L).  False when the sample gives
 // no useful bound (dense k, heavy ties); a bound that fails (fewer than k
 // entries reach it) is detected by the caller.
 template <typename M>
 bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
                   int64_t& est) {
   using K = typename M::key_t;
-  const int64_t runs = std::min<int64_t>(16384, std::max<int64_t>(256, n / 32)) / kSampleRun;
+  const int64_t runs = std::min<int64_t>(8192, std::max<int64_t>(256, n / 32)) / kSampleRun;
   if (runs * kSampleRun * 4 > n) return false;  // small segment: the histogram is as cheap
   const int64_t step = n / runs;
   const int64_t m = runs * kSampleRun;
   const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
   const int64_t R = static_cast<int64_t>(std::ceil(q + 4.0 * std::sqrt(q) + 8.0));
   if (R * 16 > m) return false;  // dense k: the histogram bound is cheaper
-  // prefetch the start of every run first: the misses overlap
-  for (int64_t r = 0; r < runs; ++r) prefetch(p + r * step);
+  // prefetch a few runs ahead: the misses overlap instead of queueing
+  constexpr int64_t kAhead = 8;
+  for (int64_t r = 0; r < std::min(runs, kAhead); ++r) prefetch(p + r * step);
   std::vector<K> s(m);
   for (int64_t r = 0; r < runs; ++r) {
+    if (r + kAhead < runs) prefetch(p + (r + kAhead) * step);
     const typename M::bits_t* q0 = p + r * step;
     for (int64_t j = 0; j < kSampleRun; ++j) s[r * kSampleRun + j] = M::key(q0[j]);
   }
