@@ -238,31 +238,32 @@ def test_results_are_deterministic_across_runs():
 # Threshold selection: the three outcomes of reference._threshold_segment
 
 def test_threshold_within_tolerance_too_many_and_too_few():
-    n, k = 409_600, 400  # sample stride n // 4096 = 100: the sample is x[::100]
-    # within tolerance: a ramp, which the sample sees exactly: ks = ceil(q + 2 sqrt(q))
-    # = 1064 sampled entries -> the 106400 largest magnitudes
-    x = torch.arange(n, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n // 2)
-    kk = 100_000
-    idx, _ = check_selection(x, [0, n], [kk])[1]
-    assert idx.numel() == 106_400 and idx[0] == n - 106_400
-    # plain random data: the whole exact top-k, within the tolerance
+    n, k = 409_600, 400
+    pos = reference.threshold_sample_positions(n)  # 32 runs of 128 entries
+    assert pos.numel() == 4096 and pos[128].item() == n // 32
+    # within tolerance (the count is not cut to k) for some k, on random data
     x = torch.randn(n, generator=_gen(4))
-    for kk in (400, 4000, 40_000):
+    within = 0
+    for kk in range(2000, 40_001, 2000):
         idx, _ = check_selection(x, [0, n], [kk], oracle=False)[1]
         assert 0.9 * kk <= idx.numel() <= 1.1 * kk
-        assert torch.isin(cpu.select_topk(x, *seg([0, n], [kk]))[0], idx).all()
+        within += idx.numel() != kk
+        # the selected set holds the whole exact top-k unless the sample overestimated
+        covered = torch.isin(cpu.select_topk(x, *seg([0, n], [kk]))[0], idx).float().mean()
+        assert covered >= 0.9
+    assert within >= 1
     # too many: every sampled entry is large -> exact top-k among them
     x = torch.zeros(n)
-    x[::100] = 10.0
-    x[50::100] = 1.0
+    x[pos] = 10.0
+    x[5000:6000] = 1.0
     idx, _ = check_selection(x, [0, n], [k])[1]
-    assert idx.numel() == k and idx[:3].tolist() == [0, 100, 200]
+    assert idx.numel() == k and idx[:3].tolist() == [0, 1, 2] and idx[128].item() == n // 32
     # too few: the sample sees only 8 large entries -> exact top-k of the segment
     x = torch.full((n,), 0.25)
     x[1::2] = 5.0
-    x[0:800:100] = 10.0
+    x[0:16:2] = 10.0
     idx, _ = check_selection(x, [0, n], [k])[1]
-    assert idx.numel() == k and idx.tolist()[:9] == [0, 1, 3, 5, 7, 9, 11, 13, 15]
+    assert idx.numel() == k and idx.tolist()[:9] == list(range(9))
 
 
 @settings(max_examples=60, deadline=None)

@@ -37,6 +37,7 @@ constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cac
 constexpr int64_t kBlock = 1 << 16;      // elements per collect block
 constexpr int64_t kSampleRun = 128;     // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
+constexpr int64_t kRefRun = 128;         // reference.THRESHOLD_RUN
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
 constexpr double kBias = 2.0;            // reference.THRESHOLD_BIAS
 
@@ -452,8 +453,8 @@ void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
 }
 
 // Threshold selection of one segment, exactly reference._threshold_segment:
-// t = the ks-th largest magnitude of a strided sample (stride n // 4096, ks
-// two standard deviations above the expected rank of the k-th magnitude);
+// t = the ks-th largest magnitude of a fixed sample (32 runs of 128 entries,
+// ks two standard deviations above the expected rank of the k-th magnitude);
 // every entry >= t when that count lies within +-10% of k, otherwise the exact
 // top-k.  One pass collects the entries >= min(t, L) (L: the exact path's own
 // sampled bound), which serves the in-tolerance result and both corrections.
@@ -477,18 +478,26 @@ void threshold_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64
     return;
   }
   if (k <= 0) return;
-  const int64_t stride = std::max<int64_t>(1, n / kRefSample);
-  const int64_t m = (n + stride - 1) / stride;
+  // reference.threshold_sample_positions: everything up to kRefSample
+  // entries, else kRefSample / kRefRun runs of kRefRun at r * (n / runs)
+  const bool all = n <= kRefSample;
+  const int64_t runs = kRefSample / kRefRun;
+  const int64_t step = n / runs;
+  const int64_t m = all ? n : kRefSample;
   // Python: q = k * m / n (int product, correctly rounded true division);
   // ks = max(1, min(m, ceil(q + THRESHOLD_BIAS * sqrt(q)))) -- the same IEEE
   // operations here, so the same rank.
   const double q = static_cast<double>(k * m) / static_cast<double>(n);
   int64_t ks = static_cast<int64_t>(std::ceil(q + kBias * std::sqrt(q)));
   ks = std::max<int64_t>(1, std::min(m, ks));
-  if (stride > 1)
-    for (int64_t j = 0; j < m; ++j) prefetch(p + j * stride);
   std::vector<K> s(m);
-  for (int64_t j = 0; j < m; ++j) s[j] = M::key(p[j * stride]);
+  if (all) {
+    for (int64_t j = 0; j < n; ++j) s[j] = M::key(p[j]);
+  } else {
+    for (int64_t r = 0; r < runs; ++r) prefetch(p + r * step);
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t j = 0; j < kRefRun; ++j) s[r * kRefRun + j] = M::key(p[r * step + j]);
+  }
   const K t = kth_largest(s, ks);
   const double lo_tol = (1.0 - kTolerance) * static_cast<double>(k);
   const double hi_tol = (1.0 + kTolerance) * static_cast<double>(k);
