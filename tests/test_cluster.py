@@ -69,7 +69,12 @@ def test_paper_data_consistent():
 def test_traffic_formulas():
     assert abm.traffic("dense", 8, 1000, None)["bytes"] == 2 * 7 * 4000 // 8
     assert abm.traffic("topk", 8, 1000, 10)["bytes"] == 7 * 80
-    assert abm.traffic("gtopk", 8, 1000, 10) == {"messages": 3, "bytes": 240, "numel": 1000}
+    assert abm.traffic("gtopk", 8, 1000, 10) == {"messages": 3, "bytes": 240, "work": 30, "work_load": 30.0,
+                                                 "numel": 1000}
+    # P workers sharing cores stretch the in-exchange work, not the traffic
+    shared = abm.traffic("gtopk", 8, 1000, 10, load=abm.load_factor(8, 2))
+    assert shared["work_load"] == 120.0 and shared["bytes"] == 240
+    assert abm.load_factor(8, None) == 1.0 and abm.load_factor(2, 4) == 1.0
     assert abm.traffic("gtopk", 6, 1000, 10)["messages"] == 4  # 2 rounds + fold in/out
     assert abm.traffic("gtopk", 1, 1000, 10)["bytes"] == 0
 
@@ -85,13 +90,13 @@ def test_alpha_beta_fit_recovers_known_parameters(method, alpha, beta):
                 f = abm.traffic(method, P, N, math.ceil(d * N))
                 noise = 1 + 0.02 * (2 * torch.rand(1, generator=g).item() - 1)
                 pts.append(dict(f, time_s=(alpha * f["messages"] + beta * f["bytes"]) * noise))
-    fit = abm.fit(pts, "torch", method)
+    fit = abm.fit(pts, "torch", method, ("messages", "bytes"))
     assert fit.alpha == pytest.approx(alpha, rel=0.1)
     assert fit.beta == pytest.approx(beta, rel=0.05)
     assert max(abs(e) for e in fit.errors()) < 0.05
     # exact data: exact recovery
     exact = [dict(p, time_s=alpha * p["messages"] + beta * p["bytes"]) for p in pts]
-    f2 = abm.fit(exact, "torch", method)
+    f2 = abm.fit(exact, "torch", method, ("messages", "bytes"))
     assert f2.alpha == pytest.approx(alpha, rel=1e-6) and f2.beta == pytest.approx(beta, rel=1e-6)
 
 
@@ -182,13 +187,16 @@ def test_smoke_run(tmp_path, monkeypatch):
     hvd_ok, _ = harness.horovod_status()
     engines = "torch,horovod" if hvd_ok else "torch"
     assert cli.main(["comm", "--workers", "2", "--numel", "20000", "--density", "0.01", "--dtypes", "fp32,fp16",
-                     "--steps", "2", "--warmup", "1", "--engines", engines, "--link-mb", "2", "--quiet",
+                     "--steps", "2", "--warmup", "1", "--engines", engines, "--horovod-dtypes", "fp32",
+                     "--link-mb", "2", "--quiet",
                      "--json", comm_json, "--timeout", "120"]) == 0
     comm = json.load(open(comm_json))
     shaped = comm["meta"]["network"]["shaped"]
     assert shaped == NETNS_OK
     assert {r["label"] for r in comm["rows"]} == {"shaped" if shaped else "unshaped"}
-    assert len(comm["rows"]) == 2 * 3 * len(engines.split(","))
+    # torch: fp32 and fp16; Horovod: fp32 only (--horovod-dtypes)
+    assert len(comm["rows"]) == 2 * 3 + (3 if hvd_ok else 0)
+    assert {r["dtype"] for r in comm["rows"] if r["engine"] == "horovod"} <= {"fp32"}
     for r in comm["rows"]:
         eb, sb = (6, 2) if r["dtype"] == "fp16" else (8, 4)
         want = abm.traffic(r["method"], 2, 20000, r["k"], eb, sb)

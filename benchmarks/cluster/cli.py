@@ -124,13 +124,16 @@ def cmd_comm(args) -> dict:
     methods = _flat(args.methods)
     progress = harness.Progress(0, "comm", disable=args.quiet)
     engines = _engines(args.engines, progress)
-    per_job = sum(len(args.dtypes) * (1 if m == "dense" else len(_flat(args.density))) for m in methods) * len(numels)
-    progress.total = per_job * len(engines) * len(workers)
+    def per_job(dts):
+        return sum(len(dts) * (1 if m == "dense" else len(_flat(args.density))) for m in methods) * len(numels)
+    progress.total = len(workers) * sum(per_job(args.dtypes if e != "horovod" else
+                                                [d for d in args.dtypes if d in args.horovod_dtypes])
+                                        for e in engines)
     if progress._bar is not None:
         progress._bar.total = progress.total
     kern = _warm_kernels(progress)
     rate_bps = None if str(args.rate).lower() in ("none", "0", "off") else harness.parse_rate(args.rate)
-    out = {"meta": None, "link": [], "rows": [], "qdisc": {}}
+    out = {"meta": None, "link": [], "rows": [], "qdisc": {}, "elapsed": []}
     with harness.signals_as_exceptions():
         for P in workers:
             load = harness.wait_for_quiet(args.max_load, args.max_wait, progress, args.max_busy)
@@ -144,7 +147,11 @@ def cmd_comm(args) -> dict:
                                   "is labelled 'unshaped'")
             with net:
                 for ei, engine in enumerate(engines):
-                    payload = dict(numels=numels, densities=_flat(args.density), dtypes=args.dtypes,
+                    dtypes = args.dtypes if engine != "horovod" else [d for d in args.dtypes if d in args.horovod_dtypes]
+                    if not dtypes:
+                        continue
+                    t_job = time.time()
+                    payload = dict(numels=numels, densities=_flat(args.density), dtypes=dtypes,
                                    methods=methods, steps=steps, warmup=args.warmup)
                     if ei == 0 and args.link_mb > 0:
                         payload["linktest"] = dict(addrs=[net.addr(r) for r in range(P)], port=5201,
@@ -153,6 +160,7 @@ def cmd_comm(args) -> dict:
                     per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:comm_grid", payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
                     out["rows"] += _merge_comm(per_rank, desc, rate_bps, load)
+                    out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1)})
                     if per_rank[0]["link"] is not None:
                         out["link"].append(_merge_link(P, per_rank, rate_bps, desc))
                 out["qdisc"][str(P)] = _summarise_qdisc(net.qdisc_stats())
@@ -215,7 +223,7 @@ def cmd_replay(args) -> dict:
     kern = _warm_kernels(progress)  # selection runs in every mode (once per model in paper/none)
     compute, select, notes = replay_settings(models, args.selection)
     steps = {m: (args.big_steps if S.numel(m) >= 50_000_000 or compute[m] > 1.0 else args.steps) for m in models}
-    out = {"meta": None, "rows": [], "skipped": [], "settings": {
+    out = {"meta": None, "rows": [], "skipped": [], "elapsed": [], "settings": {
         "compute_s": compute, "paper_select_s": select, "notes": notes, "selection": args.selection,
         "density": args.density, "steps": steps, "batch": S.PAPER_BATCH}}
     with harness.signals_as_exceptions():
@@ -246,11 +254,13 @@ def cmd_replay(args) -> dict:
                                   "is labelled 'unshaped'")
             with net:
                 for engine in engines:
+                    t_job = time.time()
                     payload = dict(models=fit, methods=methods, density=args.density, selection=args.selection,
                                    compute=compute, select_s=select, steps=steps, warmup=args.warmup)
                     per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:replay", payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
                     out["rows"] += _merge_replay(per_rank, desc, load)
+                    out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1)})
     progress.close()
     if out["meta"] is not None:
         out["meta"]["loadavg_end"] = harness.loadavg()
@@ -280,7 +290,7 @@ def _merge_replay(per_rank, desc, load):
 # ---------------------------------------------------------------------------
 # measurement 3
 # ---------------------------------------------------------------------------
-DEFAULT_FEATURES = "dense=messages,bytes;topk=messages,bytes,numel;gtopk=messages,bytes"
+DEFAULT_FEATURES = "messages,bytes,work_load"
 
 
 def parse_features(spec: str) -> dict:
@@ -311,19 +321,21 @@ def cmd_model(args, comm=None, replay=None) -> dict:
         with open(args.replay) as f:
             replay = json.load(f)
     feats = parse_features(args.features)
-    groups = abm.points_from_comm(comm["rows"])
+    cores = (comm.get("meta") or {}).get("cpus")
+    groups = abm.points_from_comm(comm["rows"], cores)
     fits = {key: abm.fit(pts, key[0], key[1], feats.get(key[1], ("messages", "bytes")))
             for key, pts in sorted(groups.items())}
     out = {"features": feats, "fits": [f.to_dict() for f in fits.values()], "replay_check": [],
            "extrapolation": []}
     # predictions of measurement 2
     if replay is not None:
+        rcores = (replay.get("meta") or {}).get("cpus") or cores
         for r in replay["rows"]:
             f = fits.get((r["engine"], r["method"]))
             if f is None:
                 continue
             N, K = r["numel"], r.get("k")
-            comm_pred = f.predict(r["P"], N, K)
+            comm_pred = f.predict(r["P"], N, K, load=abm.load_factor(r["P"], rcores))
             it_pred = r["compute_s"] + r["select_s"] + comm_pred
             out["replay_check"].append(dict(
                 engine=r["engine"], model=r["model"], method=r["method"], P=r["P"],
@@ -350,7 +362,7 @@ def cmd_model(args, comm=None, replay=None) -> dict:
                         ms = [r["select_s"] for r in replay["rows"] if r["model"] == m and r["method"] == method]
                         sel = statistics.median(ms) if ms else 0.0
                     for P in [2 ** i for i in range(0, 11)]:
-                        c = f.predict(P, S.numel(m), K) if P > 1 else 0.0
+                        c = f.predict(P, S.numel(m), K, load=1.0) if P > 1 else 0.0  # a machine per worker
                         s_ = sel if P > 1 else 0.0
                         out["extrapolation"].append(dict(engine=engine, model=m, method=method, P=P,
                                                          comm_s=c, iter_s=comp + s_ + c,
@@ -380,10 +392,13 @@ def _parser_comm(ap):
     ap.add_argument("--density", "-d", type=_list(float), nargs="+", default=[[0.001, 0.01]])
     ap.add_argument("--dtypes", type=lambda s: s.replace(",", " ").split(), default=["fp32", "fp16"])
     ap.add_argument("--methods", type=_list(str), nargs="+", default=[["dense", "topk", "gtopk"]])
-    ap.add_argument("--steps", "-S", type=int, default=10, help=f"timed steps for N < {BIG:,}")
+    ap.add_argument("--steps", "-S", type=int, default=6, help=f"timed steps for N < {BIG:,}")
     ap.add_argument("--big-steps", type=int, default=3, help=f"timed steps for N >= {BIG:,}")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--engines", default="torch,horovod", help="torch and/or horovod (when importable)")
+    ap.add_argument("--horovod-dtypes", type=lambda s: s.replace(",", " ").split(), default=["fp32"],
+                    help="value dtypes measured with Horovod (default fp32: its CPU fp16 sum is slow and "
+                    "the run stays short)")
     ap.add_argument("--link-mb", type=float, default=50.0, help="MB per raw TCP link test (0: skip)")
     ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_comm.json"))
     _net_args(ap)
@@ -408,8 +423,8 @@ def _parser_model(ap):
     ap.add_argument("--comm", default=os.path.join(RESULTS, "cluster_comm.json"))
     ap.add_argument("--replay", default=os.path.join(RESULTS, "cluster_replay.json"))
     ap.add_argument("--features", default=DEFAULT_FEATURES,
-                    help="fit features per method (messages, bytes, numel); default: " + DEFAULT_FEATURES +
-                    " (the allgather aggregation builds the dense sum: a cost per element)")
+                    help="fit features, for all methods or per method as 'dense=...;topk=...' (messages, bytes, "
+                    "work_load, numel); default: " + DEFAULT_FEATURES)
     ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_model.json"))
     ap.add_argument("--summary", default=os.path.join(RESULTS, "cluster_summary.md"))
 

@@ -12,12 +12,26 @@ topk       P−1                    (P−1) · e·K             (ring allgather)
 gtopk      ⌊log2 P⌋ (+2 folding)  ⌊log2 P⌋·e·K (+ e·K + ⌈K/8⌉ folding)
 =========  =====================  ===========================================
 
-t = α·messages + β·bytes (+ γ·N where a method touches the dense vector in
-the exchange; off by default), fitted per (engine, method) by non-negative
-least squares on relative error (every point counts alike, whether it took
-a millisecond or a second).  α is per message (latency plus per-call
-software cost), β per byte (1/bandwidth plus per-byte compute such as the
-merges' selection), γ per dense element.
+t = α·messages + β·bytes + γ·work·load, fitted per (engine, method) by
+non-negative least squares on relative error (every point counts alike,
+whether it took a millisecond or a second).  α is per message (latency plus
+per-call software cost), β per byte (1/bandwidth), γ per unit of CPU work a
+worker does inside the exchange:
+
+=========  ==============================================================
+method     work per worker
+=========  ==============================================================
+dense      2(P−1)/P · N     (gloo's ring: reduce and copy every element)
+topk       N + (P−1)·K      (the dense sum: zero N elements, add P−1 sets)
+gtopk      rounds · K       (one merge of two K-entry sets per round)
+=========  ==============================================================
+
+``load`` = max(1, P / cores) is how many workers share a CPU core.  On the
+emulated cluster P workers share this machine's cores, so their compute
+inside the exchange is stretched by ``load``; a real cluster has a machine
+per worker (``load`` = 1).  Fitting ``load`` explicitly lets the same
+α, β, γ predict the emulator (load = P/cores) and extrapolate to a real
+cluster (load = 1).
 """
 from __future__ import annotations
 
@@ -25,7 +39,7 @@ import itertools
 import math
 from typing import Dict, Iterable, List, Optional, Sequence
 
-FEATURES = ("messages", "bytes", "numel")
+FEATURES = ("messages", "bytes", "work_load", "numel")
 
 
 def butterfly_rounds(P: int) -> int:
@@ -35,23 +49,34 @@ def butterfly_rounds(P: int) -> int:
 
 
 def traffic(method: str, P: int, N: int, K: Optional[int], entry_bytes: int = 8,
-            elem_bytes: int = 4) -> Dict[str, float]:
-    """Messages and bytes of the busiest worker for one exchange (the
-    formulas of the table above; they equal the library's counters)."""
+            elem_bytes: int = 4, load: float = 1.0) -> Dict[str, float]:
+    """Messages, bytes and CPU work of the busiest worker for one exchange
+    (the formulas of the tables above; messages and bytes equal the
+    library's counters).  ``load``: workers per CPU core."""
     if P <= 1:
-        return {"messages": 0, "bytes": 0, "numel": N}
+        return {"messages": 0, "bytes": 0, "work": 0, "work_load": 0, "numel": N}
     if method == "dense":
-        return {"messages": 2 * (P - 1), "bytes": 2 * (P - 1) * N * elem_bytes // P, "numel": N}
-    if method == "topk":
-        return {"messages": P - 1, "bytes": (P - 1) * entry_bytes * K, "numel": N}
-    if method == "gtopk":
+        out = {"messages": 2 * (P - 1), "bytes": 2 * (P - 1) * N * elem_bytes // P, "work": 2 * (P - 1) * N / P}
+    elif method == "topk":
+        out = {"messages": P - 1, "bytes": (P - 1) * entry_bytes * K, "work": N + (P - 1) * K}
+    elif method == "gtopk":
         Pp = 1 << (P.bit_length() - 1)
         r = Pp.bit_length() - 1
         b = r * entry_bytes * K
         if P != Pp:  # folded ranks: their partner also sends the result + a bitmask
             b += entry_bytes * K + math.ceil(K / 8)
-        return {"messages": butterfly_rounds(P), "bytes": b, "numel": N}
-    raise ValueError(f"no traffic model for method {method!r}")
+        out = {"messages": butterfly_rounds(P), "bytes": b, "work": butterfly_rounds(P) * K}
+    else:
+        raise ValueError(f"no traffic model for method {method!r}")
+    out["work_load"] = out["work"] * max(1.0, load)
+    out["numel"] = N
+    return out
+
+
+def load_factor(P: int, cores: Optional[int]) -> float:
+    """Workers per core when P workers share ``cores`` cores (None: a
+    machine per worker)."""
+    return max(1.0, P / cores) if cores else 1.0
 
 
 def _lstsq(X: List[List[float]], y: List[float]) -> Optional[List[float]]:
@@ -108,13 +133,14 @@ class Fit:
 
     @property
     def gamma(self) -> float:
-        return self.coef.get("numel", 0.0)
+        return self.coef.get("work_load", 0.0)
 
     def time(self, feats: Dict[str, float]) -> float:
         return sum(self.coef.get(f, 0.0) * feats[f] for f in FEATURES if f in feats)
 
-    def predict(self, P: int, N: int, K: Optional[int], entry_bytes: int = 8, elem_bytes: int = 4) -> float:
-        return self.time(traffic(self.method, P, N, K, entry_bytes, elem_bytes))
+    def predict(self, P: int, N: int, K: Optional[int], entry_bytes: int = 8, elem_bytes: int = 4,
+                load: float = 1.0) -> float:
+        return self.time(traffic(self.method, P, N, K, entry_bytes, elem_bytes, load))
 
     def errors(self) -> List[float]:
         """Relative error of the fit on its own points."""
@@ -122,8 +148,9 @@ class Fit:
 
     def to_dict(self) -> dict:
         errs = self.errors()
-        return {"engine": self.engine, "method": self.method, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
-                "gamma_s_per_element": self.gamma,
+        return {"engine": self.engine, "method": self.method, "features": list(self.coef),
+                "alpha_s": self.alpha, "beta_s_per_byte": self.beta, "gamma_s_per_work": self.gamma,
+                "delta_s_per_element": self.coef.get("numel", 0.0),
                 "bandwidth_gbit_s": (8 / self.beta / 1e9) if self.beta else None,
                 "points": len(self.points),
                 "median_abs_rel_err": _median([abs(e) for e in errs]) if errs else None,
@@ -152,15 +179,16 @@ def fit(points: Iterable[dict], engine: str, method: str, features: Sequence[str
     return Fit(engine, method, coef, pts)
 
 
-def points_from_comm(rows: Iterable[dict]) -> Dict[tuple, List[dict]]:
+def points_from_comm(rows: Iterable[dict], cores: Optional[int]) -> Dict[tuple, List[dict]]:
     """Measurement-1 rows -> fit points per (engine, method), with the
-    features computed from the measured counters (bytes) and the schedule
-    (messages)."""
+    features computed from the measured counters (bytes), the schedule
+    (messages) and the workers per core of the run (``cores``: the CPUs of
+    the machine the emulated cluster ran on)."""
     out: Dict[tuple, List[dict]] = {}
     for r in rows:
         eb = 6 if r["dtype"] == "fp16" else 8
         sb = 2 if r["dtype"] == "fp16" else 4
-        f = traffic(r["method"], r["P"], r["numel"], r.get("k"), eb, sb)
+        f = traffic(r["method"], r["P"], r["numel"], r.get("k"), eb, sb, load_factor(r["P"], cores))
         f["bytes"] = r["bytes_sent"]  # measured (equals the formula; see tests)
         f["time_s"] = r["time_s"]
         f.update({k: r[k] for k in ("P", "numel", "dtype", "density")})

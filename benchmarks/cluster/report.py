@@ -207,12 +207,12 @@ def print_replay(res):
 # measurement 3
 # ---------------------------------------------------------------------------
 def fit_table(mres) -> List[str]:
-    out = ["| engine | method | α (ms/message) | β (ns/byte) | 1/β | γ (ns/element) | points | median abs. error "
-           "| max abs. error |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| engine | method | α (ms/message) | β (ns/byte) | 1/β | γ (ns per unit of work) | points "
+           "| median abs. error | max abs. error |", "|---|---|---|---|---|---|---|---|---|"]
     for f in mres["fits"]:
         bw = f"{f['bandwidth_gbit_s']:.3f} Gbit/s" if f["bandwidth_gbit_s"] else "–"
         out.append(f"| {f['engine']} | {f['method']} | {f['alpha_s'] * 1e3:.3f} | {f['beta_s_per_byte'] * 1e9:.3f} | "
-                   f"{bw} | {f['gamma_s_per_element'] * 1e9:.3f} | {f['points']} | {f['median_abs_rel_err'] * 100:.1f}% | "
+                   f"{bw} | {f['gamma_s_per_work'] * 1e9:.3f} | {f['points']} | {f['median_abs_rel_err'] * 100:.1f}% | "
                    f"{f['max_abs_rel_err'] * 100:.1f}% |")
     return out
 
