@@ -171,7 +171,7 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
 
     hist = {"step": [], "bytes": [], "metric": [], "eval_loss": []}
     train_loss, total_bytes, step_bytes = [], 0.0, []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
 
     def record(step):
         ev = task.evaluate(model)
@@ -218,7 +218,7 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
             "train_loss": train_loss, "final": final, "final_eval_loss": hist["eval_loss"][-1],
             "initial_eval_loss": hist["eval_loss"][0], "total_bytes": total_bytes,
             "bytes_per_step": total_bytes / max(1, len(step_bytes)), "diverged": diverged,
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     if keep_params:
         out["params"] = torch.cat([p.detach().reshape(-1) for p in params])
         out["bytes_per_step_curve"] = step_bytes
