@@ -63,6 +63,7 @@ def _cpu_extension():
         include_dirs=[os.path.join(HERE, "csrc", "cpu")],
         extra_compile_args=helper.cflags(torch, src_hash),
         extra_link_args=helper.ldflags(torch),
+        optional=True,  # setuptools: a missing library is not an error (nor copied in place)
     )
 
     class build_ext(BuildExtension):
@@ -81,11 +82,6 @@ def _cpu_extension():
                 super().build_extension(ext)
             except Exception as e:  # noqa: BLE001
                 _note(f"building {ext.name} failed ({e}); it will compile on first use.")
-
-        def copy_extensions_to_source(self):  # editable installs: skip what did not build
-            self.extensions = [e for e in self.extensions
-                               if os.path.exists(self.get_ext_fullpath(e.name))]
-            super().copy_extensions_to_source()
 
     return [ext], {"build_ext": build_ext}
 
