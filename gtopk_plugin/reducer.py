@@ -35,6 +35,18 @@ def k_for(density: float, numel: int) -> int:
     return min(numel, max(1, math.ceil(round(density * numel, 6))))
 
 
+def _all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, in one read: a finite sum
+    (accumulated in at least float32, so float16 sums cannot overflow) has
+    only finite terms; a non-finite sum -- a NaN/Inf or a float32 overflow --
+    falls back to the exact elementwise test.  torch.isfinite(t).all()
+    materialises a bool tensor and is ~15x slower at 25M elements."""
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(t.sum(dtype=acc))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 class GradientReducer:
     """Reduce a dict of named gradients across workers.
 
@@ -105,7 +117,7 @@ class GradientReducer:
         bad, names, tensors = self._validate(grads)
         density = cfg.density_at(self.step)
         layout, sizes = self._layout(names, tensors, density)
-        nonfinite = [] if bad else [n for n, t in zip(names, tensors) if not bool(torch.isfinite(t).all())]
+        nonfinite = [] if bad else [n for n, t in zip(names, tensors) if not _all_finite(t)]
         before = self.transport.counters.copy()
         any_nonfinite, where = consistency.check(self.transport, layout, bad, nonfinite)
         P = self.transport.size
@@ -119,9 +131,12 @@ class GradientReducer:
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step)
 
         dtype = self._flat_dtype(tensors)
-        acc = torch.cat([self.memory.compensate(n, t.detach().reshape(-1).to(dtype))
-                         for n, t in zip(names, tensors)])
-        numel = acc.numel()
+        # One flat buffer, written once: acc = grad + residual per segment
+        # (a fresh allocation per step: the residual views kept below alias it).
+        numel = sum(sizes)
+        acc = torch.empty(numel, dtype=dtype, device=tensors[0].device)
+        for n, t, part in zip(names, tensors, torch.split(acc, sizes)):
+            self.memory.compensate_into(n, t.detach().reshape(-1).to(dtype), part)
         offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
         t1 = time.perf_counter()
         ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
@@ -146,22 +161,26 @@ class GradientReducer:
             update = kernels.scatter_update(numel, agg.idx, agg.vals, divisor, dtype, kernels=cfg.kernels)
         # Residual: acc less what reached the global result, as it travelled.
         sent_vals = wire_vals.to(dtype)
-        if idx is None:
-            residual = acc - sent_vals
-        else:
-            if agg.reached is not None:
-                idx, sent_vals = idx[agg.reached], sent_vals[agg.reached]
-            residual = self.memory.remainder(acc, idx, sent_vals, cfg.kernels)
+        if idx is not None and agg.reached is not None:
+            idx, sent_vals = idx[agg.reached], sent_vals[agg.reached]
+        if self.memory.enabled:
+            if idx is None:
+                residual = acc - sent_vals
+            else:
+                # acc is this call's own buffer and nothing else refers to it:
+                # turn it into the residual in place, O(k) instead of a copy of N
+                residual = self.memory.remainder_(acc, idx, sent_vals)
+            for n, part in zip(names, torch.split(residual, sizes)):
+                self.memory.update(n, part)
         selected = int(vals.numel())
         sent = numel if idx is None else int(idx.numel())
         rounds = agg.rounds
-
-        for n, part in zip(names, torch.split(residual, sizes)):
-            self.memory.update(n, part)
+        # nonzeros of the update: only the aggregated entries can be nonzero
+        nnz = torch.count_nonzero(update if agg.idx is None else update[agg.idx.long()])
         out = {n: u.view_as(t).to(t.dtype) for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
-        self.last_stats = self._stats(density, P, numel, int(k.sum()), selected, sent, update,
+        self.last_stats = self._stats(density, P, numel, int(k.sum()), selected, sent, int(nnz),
                                       rounds, before, seconds, dtype)
         if advance_step:
             self.step += 1
@@ -264,13 +283,13 @@ class GradientReducer:
             self.step += 1
         return out
 
-    def _stats(self, density, P, numel, k, selected, sent, update, rounds, before, seconds, dtype):
+    def _stats(self, density, P, numel, k, selected, sent, nnz, rounds, before, seconds, dtype):
         d = self.transport.counters.copy().minus(before)
         esz = torch.empty(0, dtype=dtype).element_size()
         return ReduceStats(
             method=self.config.method, aggregation=self.aggregation, step=self.step, world_size=P,
             numel=numel, k=k, density=density, selected=selected,
-            result_nnz=int(torch.count_nonzero(update)), sent_entries=sent,
+            result_nnz=nnz, sent_entries=sent,
             bytes_sent=d.payload_bytes_sent + d.header_bytes_sent,
             bytes_received=d.payload_bytes_received + d.header_bytes_received,
             payload_bytes_sent=d.payload_bytes_sent, payload_bytes_received=d.payload_bytes_received,

@@ -139,6 +139,22 @@ def test_nonfinite_raise_names_tensor_and_leaves_state_alone():
     assert all(torch.equal(after["residuals"][n], before["residuals"][n]) for n in before["residuals"])
 
 
+@pytest.mark.parametrize("dtype, big", [(torch.float32, 3e38), (torch.float16, 6e4), (torch.bfloat16, 3e38)])
+def test_finite_gradients_whose_sum_overflows_are_not_called_nonfinite(dtype, big):
+    """The finiteness check sums first; a sum that overflows must fall back to
+    the elementwise test, not report a NaN/Inf that is not there."""
+    red = make(method="topk", density=0.5)
+    g = torch.full((64,), big, dtype=dtype)
+    assert torch.isfinite(g).all() and not torch.isfinite(g.sum())
+    out = red.reduce({"w": g})
+    assert torch.isfinite(out["w"]).all()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g2 = g.clone()
+        g2[7] = bad
+        with pytest.raises(gp.NonFiniteGradientError):
+            red.reduce({"w": g2})
+
+
 def test_nonfinite_skip_returns_zero_update_and_keeps_residual():
     red = make(method="gtopk", density=0.1, nonfinite="skip")
     red.reduce({"w": torch.randn(20)})
