@@ -108,7 +108,8 @@ setup(
     long_description_content_type="text/markdown",
     # csrc/ (the kernel sources, compiled at install or on first use) ships
     # inside the package as gtopk_plugin/csrc/.
-    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"]) + ["gtopk_plugin.csrc"],
+    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*", "benchmarks", "benchmarks.*"])
+    + ["gtopk_plugin.csrc"],
     package_dir={"gtopk_plugin.csrc": "csrc"},
     package_data={"gtopk_plugin.csrc": ["cpu/*.cpp", "cpu/*.h", "cuda/*.cu", "cuda/*.cuh",
                                         "cuda/*.h", "cuda/*.cpp"]},
@@ -120,5 +121,6 @@ setup(
     # build-time requirement on torch either (see the module docstring).
     install_requires=["torch>=2.1", "numpy>=1.24"],
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["gtopk-demo=gtopk_plugin.demo:main"]},
+    entry_points={"console_scripts": ["gtopk-demo=gtopk_plugin.demo:main",
+                                      "gtopk-bench=benchmarks.cli:main"]},
 )

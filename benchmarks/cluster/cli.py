@@ -515,20 +515,3 @@ def _main(argv=None) -> int:
     print(f"reproduce: done in {(time.time() - t0) / 60:.1f} min")
     return rc
 
-
-def bench_main(argv=None) -> int:
-    """``gtopk-bench``: ``gtopk-bench cluster ...`` (this benchmark) or
-    ``gtopk-bench bytes-per-step ...`` (benchmarks/bytes_per_step.py)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gtopk-bench {cluster,bytes-per-step} ...\n"
-              "  cluster         emulated 1 GbE cluster (python -m benchmarks.cluster --help)\n"
-              "  bytes-per-step  bytes and time per method on loopback")
-        return 0
-    if argv[0] == "cluster":
-        return main(argv[1:])
-    if argv[0] in ("bytes-per-step", "bytes_per_step"):
-        from benchmarks import bytes_per_step
-        return bytes_per_step.main(argv[1:])
-    print(f"gtopk-bench: unknown benchmark {argv[0]!r} (cluster, bytes-per-step)", file=sys.stderr)
-    return 2

@@ -214,24 +214,3 @@ def _console_summary(rows, goals) -> str:
                      f"{100 * g['dense']:.1f}% (gap {g['gap_pp']:+.1f} pp): {'holds' if g['holds'] else 'does NOT hold'}")
     return "\n".join(lines)
 
-
-def bench_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``gtopk-bench SUBCOMMAND ...``: ``convergence`` runs this study; any
-    other name runs ``benchmarks.<name>.main`` (e.g. ``bytes_per_step``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gtopk-bench {convergence,bytes_per_step,...} [options]\n"
-              "  convergence     convergence study (this package)\n"
-              "  NAME            python -m benchmarks.NAME")
-        return 0 if argv else 2
-    name, rest = argv[0].replace("-", "_"), argv[1:]
-    if name == "convergence":
-        return main(rest)
-    import importlib
-
-    try:
-        mod = importlib.import_module(f"benchmarks.{name}")
-    except ImportError:
-        print(f"gtopk-bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
-        return 2
-    return int(mod.main(rest) or 0)

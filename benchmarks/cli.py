@@ -1,0 +1,52 @@
+"""``gtopk-bench``: one console script for every benchmark in this package.
+
+``gtopk-bench NAME [options]`` is ``python -m benchmarks.NAME [options]``;
+dashes and underscores in NAME are interchangeable.  Installed with the
+package (``pip install -e .`` puts ``benchmarks`` on the path beside
+``gtopk_plugin``)."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+#: name -> (module, entry point, one-line description)
+BENCHMARKS = {
+    "cluster": ("benchmarks.cluster.cli", "main", "emulated 1 GbE cluster: comm grid, model replay, α-β model"),
+    "convergence": ("benchmarks.convergence.cli", "main", "convergence study of every method on offline tasks"),
+    "selection": ("benchmarks.selection", "main", "CPU selection kernels vs torch.topk and the one-read floor"),
+    "bytes_per_step": ("benchmarks.bytes_per_step", "main", "bytes and time per method on loopback gloo"),
+    "horovod_overhead": ("benchmarks.horovod_overhead", "main", "Horovod integration overhead vs plain Horovod"),
+    "elastic": ("benchmarks.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: gtopk-bench NAME [options]   (NAME --help for its options)", ""]
+    lines += [f"  {n.replace('_', '-'):<17} {d}" for n, (_, _, d) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name = argv[0].replace("-", "_")
+    if name not in BENCHMARKS:
+        print(f"gtopk-bench: unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, attr, _ = BENCHMARKS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            print(f"gtopk-bench: {argv[0]!r} is not available in this installation ({e})", file=sys.stderr)
+            return 2
+        raise
+    rc = getattr(mod, attr)(argv[1:])
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
