@@ -13,6 +13,11 @@ from .consistency import LayoutMismatchError, NonFiniteGradientError, PeerInputE
 from .frameworks.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
 from .stats import ReduceStats
+from . import elastic  # noqa: E402
+from .elastic import ElasticScheduler
+# torch.distributed ships with torch: register its asynchronous allreduce as the
+# elastic scheduler's default back end now (Horovod's registers on its import).
+from .frameworks import elastic_torch as _elastic_torch  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -22,7 +27,7 @@ def __getattr__(name):
     # never touch them, and keeps ``gp.torch_ddp`` working as an attribute.
     # importlib, not "from . import x": that form looks the name up on this
     # module first and would re-enter __getattr__ forever.
-    if name in ("torch_ddp", "testing", "horovod"):
+    if name in ("torch_ddp", "testing", "horovod", "byteps"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
@@ -31,4 +36,4 @@ def __getattr__(name):
 
 __all__ = ["GradientReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
-           "NonFiniteGradientError", "PeerInputError", "k_for", "__version__"]
+           "NonFiniteGradientError", "PeerInputError", "k_for", "ElasticScheduler", "__version__"]

@@ -160,3 +160,67 @@ def env_timeout_seconds(default: float = 300.0) -> float:
     """``GTOPK_TIMEOUT`` (seconds): default timeout of a transport's collective calls."""
     v = os.environ.get("GTOPK_TIMEOUT")
     return float(v) if v else default
+
+
+# ---------------------------------------------------------------------------
+# Elastic scheduler, configured the BytePS way (gtopk_plugin.byteps).
+# Only the readers live here; the scheduler itself takes keyword arguments.
+# ---------------------------------------------------------------------------
+ELASTIC_POLICIES = ("barrier", "norm", "variance")
+
+
+def _env(name: str) -> Optional[str]:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return None
+    return v.strip()
+
+
+def env_byteps_elastic_policy() -> Optional[str]:
+    """``BYTEPS_ELASTIC_POLICY=barrier|norm|variance`` (None when unset)."""
+    v = _env("BYTEPS_ELASTIC_POLICY")
+    if v is None:
+        return None
+    if v.lower() not in ELASTIC_POLICIES:
+        raise ValueError(f"BYTEPS_ELASTIC_POLICY={v!r} is not a policy; set it to one of "
+                         f"{', '.join(ELASTIC_POLICIES)}")
+    return v.lower()
+
+
+def env_byteps_elastic_beta() -> Optional[float]:
+    """``BYTEPS_ELASTIC_BETA`` in [0, 1]: the norm policy's β (None when unset)."""
+    v = _env("BYTEPS_ELASTIC_BETA")
+    if v is None:
+        return None
+    try:
+        b = float(v)
+    except ValueError:
+        raise ValueError(f"BYTEPS_ELASTIC_BETA={v!r} is not a number; set it to a value in [0, 1], "
+                         "e.g. 0.5") from None
+    if not (0.0 <= b <= 1.0):
+        raise ValueError(f"BYTEPS_ELASTIC_BETA={v!r} is outside [0, 1]; set it to a value in [0, 1], "
+                         "e.g. 0.5")
+    return b
+
+
+def env_byteps_elastic_max_staleness() -> Optional[int]:
+    """``BYTEPS_ELASTIC_MAX_STALENESS``: a non-negative int (None when unset)."""
+    v = _env("BYTEPS_ELASTIC_MAX_STALENESS")
+    if v is None:
+        return None
+    try:
+        s = int(v)
+    except ValueError:
+        raise ValueError(f"BYTEPS_ELASTIC_MAX_STALENESS={v!r} is not an integer; set it to 0, 1, 2, ...") \
+            from None
+    if s < 0:
+        raise ValueError(f"BYTEPS_ELASTIC_MAX_STALENESS={v!r} is negative; set it to 0, 1, 2, ...")
+    return s
+
+
+def env_byteps_elastic() -> dict:
+    """The ``BYTEPS_ELASTIC_*`` variables that are set, validated, as keyword
+    arguments of the elastic scheduler (``policy``, ``beta``, ``max_staleness``)."""
+    out = {"policy": env_byteps_elastic_policy(), "beta": env_byteps_elastic_beta(),
+           "max_staleness": env_byteps_elastic_max_staleness()}
+    return {k: v for k, v in out.items() if v is not None}

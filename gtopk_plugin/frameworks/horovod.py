@@ -1002,3 +1002,6 @@ def _register_elastic_handler():
 
 
 _register_elastic_handler()
+
+# The elastic scheduler's Horovod back end registers itself for HorovodTransport.
+from . import elastic_horovod as _elastic_horovod  # noqa: E402,F401

@@ -1,0 +1,21 @@
+"""Elastic consistency scheduler (Nadiradze, Markov et al. 2020, arXiv
+2001.05918): each layer's reduced gradient is applied as soon as it arrives,
+and a layer's forward pass at step t+1 waits for its step-t update only until
+the step's barrier is broken (norm-bounded or variance-bounded), never more
+than ``max_staleness`` steps behind.
+
+Framework-neutral (DESIGN.md §2): this package imports no framework; the
+framework layers provide :class:`AsyncReduction` back ends
+(``gtopk_plugin.frameworks.elastic_torch``, ``.elastic_horovod``,
+``.byteps``).  See docs/elastic.md.
+"""
+from .backend import AsyncReduction, UnitSpec, register_default, register_transport
+from .policies import BarrierPolicy, NormPolicy, Policy, VariancePolicy
+from .scheduler import ElasticScheduler
+from .settings import ElasticConfig
+from .stats import BreakRecord, ElasticStats
+from .threaded import ThreadedReduction, TransportDenseReduction
+
+__all__ = ["ElasticScheduler", "ElasticConfig", "ElasticStats", "BreakRecord", "AsyncReduction",
+           "UnitSpec", "ThreadedReduction", "TransportDenseReduction", "Policy", "BarrierPolicy",
+           "NormPolicy", "VariancePolicy", "register_transport", "register_default"]

@@ -1,0 +1,303 @@
+"""``ElasticScheduler``: the elastic consistency scheduler of Nadiradze,
+Markov et al. 2020 (arXiv 2001.05918, §6) for any ``torch.optim`` optimizer.
+
+Usage, where a synchronous data-parallel loop would call ``optimizer.step()``::
+
+    sched = ElasticScheduler(model, optimizer, policy="norm", beta=0.5)
+    for x, y in data:
+        sched.zero_grad()
+        loss_fn(model(x), y).backward()   # reductions start layer by layer
+        sched.step()                      # closes the step; does not wait
+    sched.finish()                        # every update applied
+
+What happens (see :mod:`.core` for the exact rules):
+- during backward, as soon as a layer's gradients are accumulated (and every
+  layer before it in the fixed launch order, reverse registration order, has
+  launched), its reduction starts on the back end;
+- each reduced gradient is applied to its layer's parameters by the user's
+  optimizer as soon as it arrives and the layer is not in use;
+- before a layer's forward at step t+1 (a forward pre-hook), its step-t
+  update is waited for only until step t's barrier breaks (the policy), and
+  never more than ``max_staleness`` steps behind.
+
+Policy ``"barrier"`` (or ``"norm"`` with β = 1, or ``max_staleness=0``) is
+synchronous SGD, bit for bit; the scheduler then only overlaps a layer's
+reduction with the forward pass of the layers before it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from .apply import OptimizerApplier, check_optimizer
+from .backend import AsyncReduction, resolve
+from .core import ElasticCore
+from .policies import make_policy
+from .settings import ElasticConfig
+from .stats import ElasticStats
+from .units import build_units
+
+_STATE_VERSION = 1
+
+
+class ElasticScheduler:
+    """Elastic consistency scheduler (one state object, DDP comm-hook style).
+
+    Hyper-parameters the user tunes (validated; ``ValueError`` on every rank):
+        policy: ``"barrier"``, ``"norm"`` (default) or ``"variance"``.
+        beta: the norm policy's β in [0, 1]: the barrier of step t breaks once
+            ‖applied part of step t's update‖₂ ≥ β·‖step t's whole update‖₂,
+            norms over the concatenation of all layers' local gradients.
+        variance_factor: the variance policy's factor (≥ 0): the barrier
+            breaks once ‖missing part‖₂² ≤ variance_factor × (running
+            estimate of the gradient variance).
+        max_staleness: int ≥ 0 (default 1): no parameter is used more than
+            this many steps behind, whatever the policy.
+
+    Where the reductions run:
+        reducer: ``None`` (dense allreduce, averaged) or a
+            :class:`~gtopk_plugin.GradientReducer` (``method="gtopk"``,
+            ``"rtopk"``, ``"topk"``, ...), run per layer on a background thread
+            with its own error feedback; its ``op`` decides average or sum.
+        transport: ``None`` (torch.distributed's default group, through a
+            dedicated process group), a Transport
+            (``TorchDistributedTransport(group)``, Horovod's
+            ``HorovodTransport(process_set)``: native asynchronous allreduce),
+            or an :class:`~.backend.AsyncReduction` (e.g. BytePS's, see
+            :mod:`gtopk_plugin.byteps`).  With a ``reducer``, leave it None:
+            the reducer's transport is used.  A reducer on torch.distributed's
+            default group is moved to a dedicated group of the same ranks, so
+            its background collectives never interleave with the training
+            loop's own.
+
+    Internal state: ``stats`` (:class:`~.stats.ElasticStats`), the step
+    counter, the variance estimate, the reducer's residuals
+    (``state_dict()``).
+
+    Requirements: the model is used through its modules' ``forward`` (a
+    parameter is waited for before the forward of a module that registers
+    it; a parameter read only outside such a forward is detected at its
+    first backward and from then on waited for before the model's own
+    forward); one backward pass per ``step()``; the gradients are dense.
+    Gradients are reduced as computed: clipping or unscaling ``p.grad``
+    after backward does not change what is reduced.  Parameters that got no
+    gradient in a step take part with zeros (another rank may have one), as
+    in Horovod.  Every rank must construct the scheduler and call ``step()``
+    the same number of times (all collectives).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
+                 policy: str = "norm", beta: float = 0.5, variance_factor: float = 1.0,
+                 max_staleness: int = 1, transport=None):
+        bad: Optional[str] = None
+        try:
+            self.config = ElasticConfig(policy=policy, beta=beta, variance_factor=variance_factor,
+                                        max_staleness=max_staleness)
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+            check_optimizer(optimizer)
+            units, module_units, unit_of = build_units(model, optimizer)
+        except ValueError as e:
+            bad = str(e)
+        try:
+            backend = resolve(transport, reducer)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. no process group: the settings error is the news
+            if bad is not None:
+                raise ValueError(bad) from e
+            raise
+        if bad is not None:
+            # Other ranks may be fine: run the same collectives as they do
+            # (setup, agree), so every rank raises (ValueError here,
+            # PeerInputError there) instead of some hanging.
+            backend.setup([], max_in_flight=2)
+            backend.agree([("elastic", "invalid")], bad)
+            raise ValueError(bad)  # P = 1 back ends without a check
+        self.model = model
+        self.optimizer = optimizer
+        self.backend: AsyncReduction = backend
+        self.units = units
+        self.policy = make_policy(self.config)
+        self.stats = ElasticStats()
+        s = self.config.max_staleness
+        backend.setup([u.spec() for u in units], max_in_flight=s + 2)
+        layout = [(u.name, tuple(u.param_names), tuple(tuple(p.shape) for p in u.params),
+                   tuple(str(p.dtype) for p in u.params)) for u in units]
+        layout.append(("settings", "max_staleness", s))
+        backend.agree(layout, None)
+
+        self._applier = OptimizerApplier(optimizer, units)
+        self._core = ElasticCore(backend, self.policy, s, len(units), self._applier.apply, self.stats,
+                                 on_complete=self._applier.forget, unit_names=[u.name for u in units])
+        self._module_units = module_units
+        self._unit_of = unit_of
+        # Launch order: reverse registration order, roughly the order in
+        # which backward produces gradients; fixed, so every rank issues
+        # its collectives in the same order.
+        self._order = list(reversed(range(len(units))))
+        self._step = 0
+        self._next = 0
+        self._used = [False] * len(units)
+        self._left = [len(u.params) for u in units]
+        self._got_grad: Dict[int, bool] = {}
+        self._functional: Dict[int, None] = {}  # units used outside their modules' forward
+        self._hooks = []
+        for m in module_units:
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+        if model not in module_units:
+            self._hooks.append(model.register_forward_pre_hook(self._pre_forward))
+        for u in units:
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------------ API
+    @property
+    def step_count(self) -> int:
+        """Steps closed so far."""
+        return self._step
+
+    def step(self, closure=None) -> None:
+        """Close the step (where ``optimizer.step()`` would be called):
+        launch the layers that got no gradient (with zeros), record the
+        step's hyper-parameters, apply whatever has arrived.  Does not wait
+        for the reductions."""
+        if closure is not None:
+            raise ValueError("ElasticScheduler.step() takes no closure (each layer's update is applied "
+                             "when it arrives)")
+        for i in range(self._next, len(self._order)):
+            self._launch(self._order[i])
+        self._next = len(self._order)
+        self._applier.snapshot(self._step)
+        # The optimizer's step happened, logically: tell torch's LR schedulers
+        # (they warn when lr_scheduler.step() comes before any optimizer.step();
+        # the updates of this step use the hyper-parameters recorded above).
+        self.optimizer._opt_called = True
+        self._core.close_step(self._step)
+        self._step += 1
+        self.stats.steps += 1
+        self._next = 0
+        self._used = [False] * len(self.units)
+        self._left = [len(u.params) for u in self.units]
+        self._got_grad.clear()
+        self._core.poll(lambda u: True)  # backward is over: every layer may change
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad`` (the reductions hold their own copies);
+        also applies updates that have arrived."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._core.has_pending():
+            self._core.poll(self._eligible)
+
+    def finish(self) -> None:
+        """Wait for every outstanding reduction and apply it: afterwards the
+        parameters hold every update of every closed step (and, with dense
+        reduction, are identical on all ranks).  Training may continue."""
+        if self._next or self._got_grad:
+            raise RuntimeError("ElasticScheduler.finish() called after a backward pass that no step() "
+                               "closed: call step() first")
+        self._core.drain()
+
+    def close(self) -> None:
+        """``finish()``, then remove the hooks and stop background threads."""
+        try:
+            self.finish()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self.backend.close()
+
+    def state_dict(self) -> dict:
+        """Step counter, policy state (variance estimate), the reducer's
+        state (residuals) and the statistics counters.  Drains first
+        (``finish()``): a checkpoint holds no update in flight, and the
+        model's and optimizer's state saved after this call are complete."""
+        self.finish()
+        return {"version": _STATE_VERSION, "step": self._step, "policy": self.config.policy,
+                "policy_state": self.policy.state_dict(), "reducer": self.backend.state_dict(),
+                "stats": self.stats.as_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported ElasticScheduler state (version "
+                             f"{sd.get('version') if isinstance(sd, dict) else None!r})")
+        if sd.get("policy") != self.config.policy:
+            raise ValueError(f"state was saved with policy {sd.get('policy')!r}, this scheduler runs "
+                             f"{self.config.policy!r}")
+        self.finish()
+        self.backend.load_state_dict(sd.get("reducer"))
+        self.policy.load_state_dict(sd.get("policy_state", {}))
+        self.stats.load(sd.get("stats", {}))
+        self._step = int(sd["step"])
+
+    # ------------------------------------------------------------- internals
+    def _eligible(self, u: int) -> bool:
+        return not self._used[u]
+
+    def _pre_forward(self, module, args):
+        units = self._module_units.get(module, ())
+        if module is self.model and self._functional:
+            units = list(units) + [u for u in self._functional if u not in units]
+        todo = [u for u in units if not self._used[u]]
+        if not todo:
+            return None
+        core = self._core
+        if core.has_pending():
+            core.poll(self._eligible)
+            for u in todo:
+                core.ensure(u, self._step, self._eligible)
+        if torch.is_grad_enabled():
+            # From here until backward is over, autograd may hold these
+            # parameters: no update is applied to them before step().
+            for u in todo:
+                self._used[u] = True
+                self.stats.record_use(core.missing(u))
+        return None
+
+    def _on_grad(self, p) -> None:
+        u = self._unit_of[id(p)]
+        if id(p) in self._got_grad:
+            raise RuntimeError(
+                f"parameter {self._name_of(p)!r} got a second gradient in step {self._step}: "
+                "ElasticScheduler reduces each parameter once per step; call step() after every "
+                "backward pass (gradient accumulation over several passes is not supported)")
+        self._got_grad[id(p)] = True
+        if not self._used[u]:
+            # A gradient, but no module registering the parameter ran its
+            # forward: the parameter is read elsewhere.  Wait for it before
+            # the model's forward from now on.
+            self._functional[u] = None
+        self._left[u] -= 1
+        if self._left[u] == 0:
+            while self._next < len(self._order) and self._left[self._order[self._next]] == 0:
+                self._launch(self._order[self._next])
+                self._next += 1
+
+    def _name_of(self, p) -> str:
+        unit = self.units[self._unit_of[id(p)]]
+        for n, q in zip(unit.param_names, unit.params):
+            if q is p:
+                return n
+        return "?"
+
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        grads: List[torch.Tensor] = []
+        for p in unit.params:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                g = g.to_dense()
+            grads.append(g)
+        self._left[u] = 0
+        self._core.launch(u, self._step, unit.param_names, grads,
+                          last_of_step=(u == self._order[-1]))
+
+    def __repr__(self):
+        c = self.config
+        return (f"ElasticScheduler(policy={c.policy!r}, beta={c.beta}, variance_factor={c.variance_factor}, "
+                f"max_staleness={c.max_staleness}, backend={self.backend.kind!r}, layers={len(self.units)})")
+

@@ -1,0 +1,162 @@
+"""Back ends that run each layer's reduction on one background thread.
+
+Used for any :class:`~gtopk_plugin.GradientReducer` (dense, Top-k, gTop-k,
+rTop-k, ...) and for Transports without a native asynchronous allreduce.
+One thread, first in first out: the scheduler launches layers in the same
+order on every rank, so every rank runs the same sequence of collectives on
+the Transport — what a Transport requires (DESIGN.md §2) — while the main
+thread goes on with backward and the next forward pass.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..collectives.transport import Transport
+from .backend import AsyncReduction, UnitSpec, agree_by_transport
+
+Tensor = torch.Tensor
+
+
+class _Worker:
+    """A daemon thread draining a FIFO of callables into Futures.  Daemon, so
+    that a reduction stuck on a dead peer can never keep the process alive
+    (the Transport's own timeout raises it on the waiting side)."""
+
+    def __init__(self, name: str):
+        self._q: "queue.Queue" = queue.Queue()
+        self._t = threading.Thread(target=self._run, name=name, daemon=True)
+        self._t.start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _run(self):
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(e)
+
+    def close(self):
+        self._q.put(None)
+
+
+class _ThreadedBase(AsyncReduction):
+    """Shared: thread, futures, timeouts; subclasses define ``_reduce``."""
+
+    def __init__(self, transport: Transport, timeout: Optional[float] = None):
+        self.transport = transport
+        self.timeout = float(timeout if timeout is not None else getattr(transport, "timeout", 300.0))
+        self._worker: Optional[_Worker] = None
+        self._slots = 2
+        self._units: List[UnitSpec] = []
+
+    @property
+    def rank(self):
+        return self.transport.rank
+
+    @property
+    def size(self):
+        return self.transport.size
+
+    def setup(self, units, max_in_flight):
+        self._units = list(units)
+        self._slots = max(1, int(max_in_flight))
+
+    def launch(self, unit, step, names, tensors, last_of_step):
+        # Copies: the training loop may zero or overwrite p.grad while the
+        # thread still reads the gradients.
+        grads = [t.detach().clone() for t in tensors]
+        if self._worker is None:
+            self._worker = _Worker(f"gtopk-elastic-{self.kind}")
+        return self._worker.submit(self._run, unit, step, list(names), grads, last_of_step)
+
+    def _run(self, unit, step, names, grads, last_of_step):
+        scope = getattr(self.transport, "set_scope", None)
+        if callable(scope):
+            # Transports that name their ops (Horovod) get the same names on
+            # every rank and step: layer and in-flight slot.
+            scope(f"elastic.u{unit}.s{step % self._slots}")
+        return self._reduce(names, grads, last_of_step)
+
+    def _reduce(self, names, grads, last_of_step) -> List[Tensor]:
+        raise NotImplementedError
+
+    def ready(self, handle):
+        return handle.done()
+
+    def wait(self, handle):
+        try:
+            return handle.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"gtopk_plugin elastic: a {self.kind} reduction did not finish within "
+                               f"{self.timeout:g} s on rank {self.rank} (a peer died or stopped "
+                               "training)") from None
+
+    def agree(self, layout, bad_input):
+        agree_by_transport(self.transport, list(layout) + [("backend", self.kind)], bad_input)
+
+    def close(self):
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+class TransportDenseReduction(_ThreadedBase):
+    """Dense allreduce through any Transport: the layer's gradients in one
+    flat buffer (parameters in registration order), summed, divided by P."""
+
+    kind = "transport-dense"
+
+    def _reduce(self, names, grads, last_of_step):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.transport.size > 1:
+            self.transport.allreduce_sum_(flat)
+            flat.div_(self.transport.size)
+        return [part.view_as(g).to(g.dtype) for part, g in zip(torch.split(flat, [g.numel() for g in grads]),
+                                                            grads)]
+
+
+class ThreadedReduction(_ThreadedBase):
+    """A :class:`~gtopk_plugin.GradientReducer` per layer: ``reduce`` on the
+    layer's gradients (named as in the model), with the reducer's step counter
+    advanced by the last layer of each step only (so warm-up densities,
+    random draws and the cross-rank layout check see one step per training
+    step, as in the DDP hook).  Error feedback, selection and aggregation are
+    the reducer's own: composing the scheduler with gTop-k, rTop-k or Top-k
+    keeps their semantics and mass conservation (DESIGN.md §3)."""
+
+    kind = "reducer"
+
+    def __init__(self, reducer, timeout: Optional[float] = None):
+        super().__init__(reducer.transport, timeout)
+        self.reducer = reducer
+        self.kind = f"reducer:{reducer.config.method}"
+
+    def _reduce(self, names, grads, last_of_step):
+        out = self.reducer.reduce(dict(zip(names, grads)), advance_step=last_of_step)
+        return [out[n] for n in names]
+
+    def agree(self, layout, bad_input):
+        agree_by_transport(self.reducer.transport, list(layout) + [("backend", self.kind)], bad_input)
+
+    def state_dict(self):
+        return self.reducer.state_dict()
+
+    def load_state_dict(self, sd):
+        if sd is None:
+            raise ValueError("the checkpoint has no reducer state, but this scheduler runs a GradientReducer")
+        self.reducer.load_state_dict(sd)

@@ -1,0 +1,111 @@
+"""Horovod back end of the elastic scheduler: ``hvd.allreduce_async_`` per
+(layer, step), polled with ``hvd.poll`` and finished with ``hvd.synchronize``.
+
+Registered (on ``import gtopk_plugin.horovod``) as the native dense reduction
+of :class:`~gtopk_plugin.horovod.HorovodTransport`, so::
+
+    sched = ElasticScheduler(model, opt, transport=HorovodTransport())
+
+averages with Horovod's own allreduce.  A sparse reducer,
+``ElasticScheduler(model, opt, reducer=GradientReducer("gtopk", 0.01,
+transport=HorovodTransport()))``, runs the core's exchange (the butterfly as
+``hvd.alltoall`` steps, as in the Horovod integration) on the scheduler's
+background thread, each reduction under its own op-name scope.
+
+Op names are ``{prefix}.u{layer}.s{step mod slots}``: the same on every rank
+(Horovod's coordinator pairs ops by name, so hook order may differ between
+ranks) and stable across steps (Horovod's response cache recognises them);
+``slots`` exceeds the number of reductions of one layer that can be in flight.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import torch
+
+from .horovod import HorovodTransport, _ops, hvd
+from .. import config
+from ..elastic.backend import AsyncReduction, agree_by_transport, register_transport
+
+Tensor = torch.Tensor
+
+
+class _Handle:
+    __slots__ = ("h", "buf", "shapes", "dtypes", "device", "unit", "step")
+
+    def __init__(self, h, buf, shapes, dtypes, device, unit, step):
+        self.h, self.buf, self.shapes, self.dtypes = h, buf, shapes, dtypes
+        self.device, self.unit, self.step = device, unit, step
+
+
+class HorovodDenseReduction(AsyncReduction):
+    """Dense average over a Horovod process set (``op=hvd.Average``): each
+    layer's gradients in one flat buffer, parameters in registration order.
+
+    Args:
+        process_set: Horovod process set (default: all ranks).
+        prefix: op-name prefix.
+        timeout: seconds a wait may take (default ``GTOPK_TIMEOUT`` or 300);
+            Horovod's own ``synchronize`` has no timeout, so the wait polls.
+    """
+
+    kind = "horovod"
+
+    def __init__(self, process_set=None, prefix: str = "gtopk.elastic", timeout: Optional[float] = None):
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        self.prefix = prefix
+        self.timeout = float(timeout) if timeout is not None else config.env_timeout_seconds()
+        self._slots = 2
+        # The consistency check at construction rides on the Transport.
+        self.transport = HorovodTransport(self.process_set, prefix=f"{prefix}.check")
+
+    @property
+    def rank(self):
+        return self.process_set.rank()
+
+    @property
+    def size(self):
+        return self.process_set.size()
+
+    def setup(self, units, max_in_flight):
+        self._slots = max(1, int(max_in_flight))
+
+    def launch(self, unit, step, names, tensors, last_of_step):
+        device = tensors[0].device
+        buf = torch.cat([g.detach().reshape(-1) for g in tensors])  # a copy: p.grad may change
+        buf = buf.to(self.transport.comm_device(device))
+        h = _ops.allreduce_async_(buf, name=f"{self.prefix}.u{unit}.s{step % self._slots}", op=hvd.Average,
+                                  process_set=self.process_set)
+        return _Handle(h, buf, [g.shape for g in tensors], [g.dtype for g in tensors], device, unit, step)
+
+    def ready(self, h):
+        return bool(_ops.poll(h.h))
+
+    def wait(self, h) -> List[Tensor]:
+        # Poll with short sleeps up to the timeout (synchronize itself would
+        # spin on a core with no bound).
+        deadline = time.monotonic() + self.timeout
+        pause = 2e-5
+        while not _ops.poll(h.h):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gtopk_plugin elastic: Horovod allreduce of layer {h.unit} at step {h.step} "
+                                   f"did not finish within {self.timeout:g} s on rank {self.rank}")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-4)
+        flat = _ops.synchronize(h.h).to(h.device)
+        out, pos = [], 0
+        for shape, dtype in zip(h.shapes, h.dtypes):
+            n = shape.numel()
+            out.append(flat[pos:pos + n].view(shape).to(dtype))
+            pos += n
+        h.buf = None
+        return out
+
+    def agree(self, layout, bad_input):
+        self.transport.set_scope("agree")
+        agree_by_transport(self.transport, list(layout) + [("backend", self.kind)], bad_input)
+
+
+register_transport(HorovodTransport,
+                   dense=lambda t: HorovodDenseReduction(t.process_set))

@@ -1,0 +1,141 @@
+"""torch.distributed back end of the elastic scheduler: one asynchronous
+``all_reduce`` work handle per (layer, step), polled with
+``Work.is_completed()`` and waited for with ``Work.wait(timeout)``.
+
+Registered at ``import gtopk_plugin`` as the scheduler's default back end
+and as the native dense reduction of
+:class:`~gtopk_plugin.TorchDistributedTransport`.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..elastic.backend import AsyncReduction, agree_by_transport, register_default, register_transport
+from .torch_distributed import TorchDistributedTransport
+
+Tensor = torch.Tensor
+
+
+class _Handle:
+    __slots__ = ("work", "flat", "shapes", "dtypes", "device", "unit", "step")
+
+    def __init__(self, work, flat, shapes, dtypes, device, unit, step):
+        self.work, self.flat, self.shapes, self.dtypes = work, flat, shapes, dtypes
+        self.device, self.unit, self.step = device, unit, step
+
+
+def _dedicated_group(group):
+    """A new group of the same ranks and backend: our asynchronous
+    collectives then never interleave with the training loop's own
+    collectives on ``group`` (collectives of one group must be issued in the
+    same order on every rank; ours are issued from backward hooks).
+    ``dist.new_group`` is itself collective: every rank builds the scheduler."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+
+
+class TorchDenseReduction(AsyncReduction):
+    """Dense average over a torch.distributed group.
+
+    Each layer's gradients are copied into one flat buffer (parameters in
+    registration order), summed by ``dist.all_reduce(async_op=True)`` and
+    divided by P on arrival — on every rank the same bits (gloo and NCCL
+    return one result to all ranks).
+
+    Args:
+        group: the ranks to average over (``None``: the default group).
+        timeout: seconds a wait may take before raising (default
+            ``GTOPK_TIMEOUT`` or 300).
+        dedicated_group: run on a new group of the same ranks (default), so
+            that reductions in flight cannot be confused with the training
+            loop's own collectives on ``group``.
+    """
+
+    kind = "torch.distributed"
+
+    def __init__(self, group=None, timeout: Optional[float] = None, dedicated_group: bool = True):
+        if timeout is not None and not (float(timeout) > 0):
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        self.timeout = float(timeout) if timeout is not None else config.env_timeout_seconds()
+        self._user_group = group
+        self._dedicated = bool(dedicated_group)
+        self.group = None
+        self.transport: Optional[TorchDistributedTransport] = None
+
+    def _require(self):
+        if self.transport is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("torch.distributed is not initialised: call "
+                                   "torch.distributed.init_process_group(...) before building the elastic "
+                                   "scheduler, or pass transport= (e.g. gtopk_plugin.SingleProcessTransport() "
+                                   "for one process)")
+            self.group = _dedicated_group(self._user_group) if self._dedicated else self._user_group
+            self.transport = TorchDistributedTransport(self.group, timeout=self.timeout)
+        return self.transport
+
+    @property
+    def rank(self):
+        return self._require().rank
+
+    @property
+    def size(self):
+        return self._require().size
+
+    def setup(self, units, max_in_flight):
+        self._require()
+
+    def launch(self, unit, step, names, tensors, last_of_step):
+        t = self._require()
+        device = tensors[0].device
+        flat = torch.cat([g.detach().reshape(-1) for g in tensors])  # a copy
+        flat = flat.to(t.comm_device(device))
+        work = None
+        if t.size > 1:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Handle(work, flat, [g.shape for g in tensors], [g.dtype for g in tensors], device, unit, step)
+
+    def ready(self, h):
+        return h.work is None or h.work.is_completed()
+
+    def wait(self, h) -> List[Tensor]:
+        if h.work is not None:
+            try:
+                h.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"gtopk_plugin elastic: the allreduce of layer {h.unit} at step {h.step} failed on "
+                    f"rank {self.rank} (a peer died, or did not answer within {self.timeout:g} s): {e}") from e
+            h.flat.div_(self.size)
+        flat = h.flat.to(h.device)
+        out, pos = [], 0
+        for shape, dtype in zip(h.shapes, h.dtypes):
+            n = shape.numel()
+            out.append(flat[pos:pos + n].view(shape).to(dtype))
+            pos += n
+        h.flat = None
+        return out
+
+    def agree(self, layout, bad_input):
+        agree_by_transport(self._require(), list(layout) + [("backend", self.kind)], bad_input)
+
+
+def _isolate(transport: TorchDistributedTransport) -> TorchDistributedTransport:
+    # A GradientReducer on the default group would run its collectives on the
+    # scheduler's thread while the training loop may run its own on the same
+    # group: give it a dedicated group of the same ranks.
+    if transport.group is not None:
+        return transport
+    if not dist.is_available() or not dist.is_initialized():
+        return transport  # its first use raises the usual "not initialised" error
+    return TorchDistributedTransport(_dedicated_group(None), timeout=transport.timeout)
+
+
+register_default(lambda: TorchDenseReduction())
+register_transport(TorchDistributedTransport,
+                   dense=lambda t: TorchDenseReduction(t.group, timeout=t.timeout),
+                   isolate=_isolate)
