@@ -10,6 +10,7 @@
 #include "ops.h"
 
 #include <functional>
+#include <memory>
 
 namespace gtopk {
 namespace cpu {
@@ -22,6 +23,31 @@ inline T add0(T v) {
   return static_cast<T>(z + v);
 }
 
+// Walk the union of operand ranges [i, ie) and [j, je) in ascending index
+// order, calling body(index, union value, position in a or -1, in b or -1).
+template <typename scalar_t, typename index_t, typename F>
+inline void walk_union(const index_t* ia, const scalar_t* va, int64_t i, int64_t ie,
+                       const index_t* ib, const scalar_t* vb, int64_t j, int64_t je, const F& body) {
+  while (i < ie || j < je) {
+    if (j >= je || (i < ie && static_cast<int64_t>(ia[i]) < static_cast<int64_t>(ib[j]))) {
+      body(ia[i], add0(va[i]), i, int64_t(-1));
+      ++i;
+    } else if (i >= ie || static_cast<int64_t>(ib[j]) < static_cast<int64_t>(ia[i])) {
+      body(ib[j], add0(vb[j]), int64_t(-1), j);
+      ++j;
+    } else {  // equal index: (0 + a) + b
+      body(ia[i], static_cast<scalar_t>(add0(va[i]) + vb[j]), i, j);
+      ++i;
+      ++j;
+    }
+  }
+}
+
+// Two walks over the union per segment, nothing per union entry kept but its
+// magnitude key: walk 1 finds the union size and the k-th largest key T (and
+// how many entries equal to T are taken: the first ones, i.e. the smallest
+// indices); walk 2 recomputes the same sums and writes the survivors and the
+// keep flags straight into the outputs.
 template <typename scalar_t, typename index_t>
 void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t* ib,
                 const scalar_t* vb, int64_t nb, const int64_t* o, const int64_t* ks, int64_t S,
@@ -35,85 +61,63 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
   }
   TORCH_CHECK(ab[0] == 0 && ab[S] == na && bb[0] == 0 && bb[S] == nb,
               "merge_select: indices must lie within [offsets[0], offsets[-1])");
-  const int64_t nu = na + nb;
-  std::vector<int64_t> u_idx(nu), u_a(nu), u_b(nu);
-  std::vector<scalar_t> u_val(nu);
-  std::vector<uint8_t> u_keep(nu);
-  std::vector<int64_t> u_n(S, 0), kept(S, 0);
-
+  // Walk 1 (the key buffer is uninitialised on purpose: every slot used is
+  // written first).
+  std::unique_ptr<K[]> keys(new K[std::max<int64_t>(1, na + nb)]);
+  std::vector<int64_t> u_n(S, 0), kept(S, 0), ties(S, 0);
+  std::vector<K> thr(S, K(0));
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<K> keys;
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t base = ab[s] + bb[s];
-      int64_t i = ab[s], j = bb[s], u = base;
-      const int64_t ie = ab[s + 1], je = bb[s + 1];
-      while (i < ie || j < je) {
-        if (j >= je || (i < ie && static_cast<int64_t>(ia[i]) < static_cast<int64_t>(ib[j]))) {
-          u_idx[u] = ia[i];
-          u_val[u] = add0(va[i]);
-          u_a[u] = i++;
-          u_b[u] = -1;
-        } else if (i >= ie || static_cast<int64_t>(ib[j]) < static_cast<int64_t>(ia[i])) {
-          u_idx[u] = ib[j];
-          u_val[u] = add0(vb[j]);
-          u_a[u] = -1;
-          u_b[u] = j++;
-        } else {  // equal index: (0 + a) + b
-          u_idx[u] = ia[i];
-          u_val[u] = static_cast<scalar_t>(add0(va[i]) + vb[j]);
-          u_a[u] = i++;
-          u_b[u] = j++;
-        }
-        ++u;
-      }
-      const int64_t n = u - base;
+      K* kp = keys.get() + ab[s] + bb[s];
+      int64_t n = 0;
+      walk_union(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
+                 [&](index_t, scalar_t v, int64_t, int64_t) { kp[n++] = key_of(v); });
       const int64_t k = std::max<int64_t>(0, ks[s]);
       u_n[s] = n;
-      if (n <= k) {
-        std::fill(u_keep.begin() + base, u_keep.begin() + base + n, uint8_t(1));
-        kept[s] = n;
-      } else if (k == 0) {
-        std::fill(u_keep.begin() + base, u_keep.begin() + base + n, uint8_t(0));
-      } else {
-        keys.resize(n);
-        for (int64_t q = 0; q < n; ++q) keys[q] = key_of(u_val[base + q]);
-        std::vector<K> sel(keys);
-        std::nth_element(sel.begin(), sel.begin() + (k - 1), sel.end(), std::greater<K>());
-        const K T = sel[k - 1];
+      kept[s] = std::min(n, k);
+      if (n > k && k > 0) {
+        std::nth_element(kp, kp + (k - 1), kp + n, std::greater<K>());
+        const K T = kp[k - 1];
+        // kp[0, k-1) holds keys >= T after nth_element: count those above T
         int64_t gt = 0;
-        for (K kk : keys) gt += kk > T;
-        const int64_t ties = k - gt;
-        int64_t taken = 0;
-        for (int64_t q = 0; q < n; ++q) {
-          const K kk = keys[q];
-          u_keep[base + q] = (kk > T || (kk == T && taken++ < ties)) ? 1 : 0;
-        }
-        kept[s] = k;
-      }
-      for (int64_t q = base; q < base + n; ++q) {
-        if (u_a[q] >= 0) keep_a[u_a[q]] = u_keep[q] != 0;
-        if (u_b[q] >= 0) keep_b[u_b[q]] = u_keep[q] != 0;
+        for (int64_t q = 0; q < k - 1; ++q) gt += kp[q] > T;
+        thr[s] = T;
+        ties[s] = k - gt;
       }
     }
   });
-
   std::vector<int64_t> start(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + kept[s];
   out_idx = at::empty({start[S]}, out_idx.options());
   out_val = at::empty({start[S]}, out_val.options());
   index_t* oi = out_idx.data_ptr<index_t>();
   scalar_t* ov = out_val.data_ptr<scalar_t>();
+  // Walk 2.
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      int64_t w = start[s];
-      const int64_t base = ab[s] + bb[s];
-      for (int64_t q = base; q < base + u_n[s]; ++q) {
-        if (u_keep[q]) {
-          oi[w] = static_cast<index_t>(u_idx[q]);
-          ov[w] = u_val[q];
-          ++w;
-        }
-      }
+      const int64_t k = std::max<int64_t>(0, ks[s]);
+      const bool all = u_n[s] <= k, none = k == 0;
+      const K T = thr[s];
+      int64_t left = ties[s], w = start[s];
+      walk_union(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
+                 [&](index_t idx, scalar_t v, int64_t pa, int64_t pb) {
+                   bool keep;
+                   if (all) {
+                     keep = true;
+                   } else if (none) {
+                     keep = false;
+                   } else {  // ties at T: the first (smallest-index) ones
+                     const K kk = key_of(v);
+                     keep = kk > T || (kk == T && left-- > 0);
+                   }
+                   if (pa >= 0) keep_a[pa] = keep;
+                   if (pb >= 0) keep_b[pb] = keep;
+                   if (keep) {
+                     oi[w] = idx;
+                     ov[w] = v;
+                     ++w;
+                   }
+                 });
     }
   });
 }
