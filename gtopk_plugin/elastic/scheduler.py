@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..consistency import LayoutMismatchError, PeerInputError
 from .apply import OptimizerApplier, check_optimizer
 from .backend import AsyncReduction, resolve
 from .core import ElasticCore
@@ -112,9 +113,14 @@ class ElasticScheduler:
             # Other ranks may be fine: run the same collectives as they do
             # (setup, agree), so every rank raises (ValueError here,
             # PeerInputError there) instead of some hanging.
-            backend.setup([], max_in_flight=2)
-            backend.agree([("elastic", "invalid")], bad)
-            raise ValueError(bad)  # P = 1 back ends without a check
+            try:
+                backend.setup([], max_in_flight=2)
+                backend.agree([("elastic", "invalid")], bad)
+            except (ValueError, PeerInputError, LayoutMismatchError):
+                raise
+            except Exception as e:  # noqa: BLE001 - no process group etc.: the settings error is the news
+                raise ValueError(bad) from e
+            raise ValueError(bad)
         self.model = model
         self.optimizer = optimizer
         self.backend: AsyncReduction = backend
