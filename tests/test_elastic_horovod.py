@@ -62,7 +62,7 @@ def test_horovod_barrier_and_beta1_bit_identical_and_policies_agree_across_ranks
                 params, stats = ok(res[r], f"{opt}/{cfg}")
                 assert same(params, ref), f"{opt}/{cfg} differs from synchronous Horovod on rank {r}"
                 assert stats["barrier_breaks"] == 0 and set(stats["staleness"]) == {0}
-            for cfg in ("beta0.5", "variance"):
+            for cfg in ("beta0.5", "variance") if opt == "sgd_momentum" else ("beta0.5",):
                 params, stats = ok(res[r], f"{opt}/{cfg}")
                 assert same(params, ok(res[0], f"{opt}/{cfg}")[0]), f"{opt}/{cfg}: rank {r} != rank 0"
                 assert max(stats["staleness"]) <= (2 if cfg == "variance" else 1)
