@@ -1,0 +1,185 @@
+// Segmented exact top-k and threshold selection on CUDA; mirrors
+// csrc/cpu/select.cpp (same operations, same results: the reference's).
+//
+// Exact top-k: the radix select of radix.cuh over the dense segments of x
+// (gtopk_radix_init, then gtopk_topk_pass_* for j = 0 .. npass; the host
+// sorts the selected positions and gathers the values).
+//
+// Threshold selection, exactly reference._threshold_segment, per segment:
+//   1. gtopk_thr_sample_*: t = the ks-th largest key of the fixed sample
+//      (all entries up to 4096, else 32 runs of 128 entries at r * (n / 32));
+//      ks is computed on the host with the reference's own float arithmetic;
+//   2. gtopk_thr_count_*: one pass over x counting the entries with key >= t
+//      and writing their positions into the segment's output slots (as many
+//      as fit; there is room for floor(1.1 k), the most that can be kept);
+//   3. gtopk_thr_decide: a count within [ceil(0.9 k), floor(1.1 k)] is the
+//      result; otherwise the segment's slots are cleared (gtopk_thr_clear)
+//      and the radix select computes its exact top-k (the reference's two
+//      corrections both come down to the exact top-k of the segment: with
+//      too many entries >= t the k-th largest key is >= t, so the exact
+//      top-k lies among them).
+// Every entry >= t is either returned, or the exact top-k is: nothing that
+// was selected is ever dropped, and the count is known only after the
+// kernels (the host reads it once).
+#include "radix.cuh"
+
+namespace gtopk {
+
+#define GTOPK_SAMPLE 4096  // reference.THRESHOLD_SAMPLE
+#define GTOPK_RUN 128      // reference.THRESHOLD_RUN
+
+template <class V>
+__device__ __forceinline__ void thr_sample(const typename V::bits_t* x, const gtopk_i64* seg,
+                                           const gtopk_i64* tpar, gtopk_u64* thr) {
+  __shared__ gtopk_u64 keys[GTOPK_SAMPLE];
+  const int s = blockIdx.x;
+  const gtopk_i64 ks = tpar[s];
+  if (ks <= 0) {  // decided on the host: 0 -> take everything, -1 -> nothing
+    if (threadIdx.x == 0) thr[s] = ks == 0 ? 0ull : ~0ull;
+    return;
+  }
+  const gtopk_i64 lo = seg[s], n = seg[s + 1] - seg[s];
+  const gtopk_i64 m = n <= GTOPK_SAMPLE ? n : GTOPK_SAMPLE;
+  const gtopk_i64 step = n / (GTOPK_SAMPLE / GTOPK_RUN);
+  for (int p = threadIdx.x; p < GTOPK_SAMPLE; p += blockDim.x) {
+    gtopk_u64 kk = 0ull;  // padding ranks below every real key (keys are >= 0)
+    if (p < m) {
+      const gtopk_i64 pos = n <= GTOPK_SAMPLE ? p : (p / GTOPK_RUN) * step + (p % GTOPK_RUN);
+      kk = V::key(x[lo + pos]);
+    }
+    keys[p] = kk;
+  }
+  // Bitonic sort, descending.
+  for (int size = 2; size <= GTOPK_SAMPLE; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < GTOPK_SAMPLE; i += blockDim.x) {
+        const int l = i ^ stride;
+        if (l > i) {
+          const gtopk_u64 a = keys[i], b = keys[l];
+          const bool desc = (i & size) == 0;
+          if (desc ? (a < b) : (a > b)) {
+            keys[i] = b;
+            keys[l] = a;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) thr[s] = keys[ks - 1];
+}
+
+// Positions of the entries with key >= thr[s]; ctr[S + s] counts them all,
+// the first (output capacity) are written.
+template <class V, typename I>
+__device__ __forceinline__ void thr_count(const typename V::bits_t* x, const gtopk_i64* lay, int S,
+                                          const gtopk_u64* thr, gtopk_u64* ctr, I* out) {
+  __shared__ gtopk_u64 sh_scan[32];
+  __shared__ gtopk_i64 sh_base;
+  const gtopk_i64* seg = lay;
+  const gtopk_i64* blk = lay + (S + 1);
+  const gtopk_i64* outo = lay + 3 * (S + 1);
+  const int tid = threadIdx.x;
+  const int s = find_range(blk, S, static_cast<gtopk_i64>(blockIdx.x));
+  const gtopk_i64 c = static_cast<gtopk_i64>(blockIdx.x) - blk[s];
+  const gtopk_i64 lo = seg[s], n = seg[s + 1] - lo;
+  const gtopk_u64 t = thr[s];
+  gtopk_u64 emask = 0ull;
+  const gtopk_i64 first = c * GTOPK_CHUNK + tid;
+  for (int m = 0; m < GTOPK_ITEMS; ++m) {
+    const gtopk_i64 i = first + static_cast<gtopk_i64>(m) * GTOPK_THREADS;
+    if (i >= n) break;
+    if (V::key(x[lo + i]) >= t) emask |= 1ull << m;
+  }
+  const gtopk_u64 ne = static_cast<gtopk_u64>(__popcll(emask));
+  gtopk_u64 tot;
+  const gtopk_u64 excl = block_inclusive_scan(ne, sh_scan, &tot) - ne;
+  if (tid == 0) sh_base = tot ? static_cast<gtopk_i64>(atomicAdd(&ctr[S + s], tot)) : 0;
+  __syncthreads();
+  const gtopk_i64 obase = outo[s], ocap = outo[s + 1] - obase;
+  gtopk_i64 e = sh_base + static_cast<gtopk_i64>(excl);
+  for (gtopk_u64 mk = emask; mk; mk &= mk - 1ull) {
+    const int m = __ffsll(static_cast<long long>(mk)) - 1;
+    if (e < ocap) out[obase + e] = static_cast<I>(lo + first + static_cast<gtopk_i64>(m) * GTOPK_THREADS);
+    ++e;
+  }
+}
+
+}  // namespace gtopk
+
+// Segments whose count is within [cpar[2s], cpar[2s+1]] keep it; the others
+// restart as an exact top-k (output count reset, radix state initialised).
+extern "C" __global__ void gtopk_thr_decide(const gtopk_i64* seg, const gtopk_i64* k,
+                                            const gtopk_i64* cpar, int S, gtopk_u64* ctr,
+                                            gtopk_i64* st) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= S) return;
+  const gtopk_i64 cnt = static_cast<gtopk_i64>(ctr[S + s]);
+  gtopk_i64* p = st + static_cast<gtopk_i64>(s) * gtopk::ST_N;
+  const gtopk_i64 n = seg[s + 1] - seg[s];
+  const gtopk_i64 r0 = k[s] < n ? k[s] : n;
+  const bool keep = (cpar[2 * s] <= cnt && cnt <= cpar[2 * s + 1]) || r0 <= 0;
+  p[gtopk::ST_R] = keep ? 0 : r0;
+  p[gtopk::ST_KP] = 0;
+  p[gtopk::ST_IP] = 0;
+  p[gtopk::ST_B] = 0;
+  p[gtopk::ST_FIN] = keep ? -1 : GTOPK_I64_MAX;
+  p[gtopk::ST_SRC] = 0;
+  p[gtopk::ST_SRCN] = 0;
+  p[gtopk::ST_DST] = 0;
+  if (!keep) ctr[S + s] = 0ull;
+}
+
+#define GTOPK_THR_CLEAR(SUF, I)                                                              \
+  extern "C" __global__ void gtopk_thr_clear_##SUF(const gtopk_i64* outo, int S,             \
+                                                   const gtopk_i64* st, I* out) {            \
+    const gtopk_i64 p = static_cast<gtopk_i64>(blockIdx.x) * blockDim.x + threadIdx.x;       \
+    if (p >= outo[S]) return;                                                                \
+    const int s = gtopk::find_range(outo, S, p);                                             \
+    if (st[static_cast<gtopk_i64>(s) * gtopk::ST_N + gtopk::ST_FIN] != -1)                   \
+      out[p] = gtopk::IndexMax<I>::value();                                                  \
+  }
+GTOPK_THR_CLEAR(i32, int)
+GTOPK_THR_CLEAR(i64, long long)
+
+#define GTOPK_SELECT_VALUE(VS, V)                                                            \
+  extern "C" __global__ void __launch_bounds__(GTOPK_THREADS)                                \
+      gtopk_thr_sample_##VS(const V::bits_t* x, const gtopk_i64* seg, const gtopk_i64* tpar, \
+                            gtopk_u64* thr) {                                                \
+    gtopk::thr_sample<V>(x, seg, tpar, thr);                                                 \
+  }
+
+#define GTOPK_SELECT_VALUE_INDEX(VS, V, IS, I)                                               \
+  extern "C" __global__ void __launch_bounds__(GTOPK_THREADS) gtopk_topk_pass_##VS##_##IS(   \
+      const V::bits_t* x, const gtopk_i64* lay, int S, int j, int kbits, int wbits,          \
+      gtopk_i64* st, gtopk_u64* hist, gtopk_u64* ctr, gtopk_i64* cand0, gtopk_i64* cand1,    \
+      I* out) {                                                                              \
+    gtopk::DenseSrc<V> src;                                                                  \
+    src.x = x;                                                                               \
+    gtopk::radix_pass<V>(src, lay, lay, S, j, kbits, wbits, st, hist, ctr, cand0, cand1,     \
+                         out);                                                               \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(GTOPK_THREADS) gtopk_thr_count_##VS##_##IS(   \
+      const V::bits_t* x, const gtopk_i64* lay, int S, const gtopk_u64* thr, gtopk_u64* ctr, \
+      I* out) {                                                                              \
+    gtopk::thr_count<V>(x, lay, S, thr, ctr, out);                                           \
+  }
+
+using gtopk::BF16;
+using gtopk::F16;
+using gtopk::F32;
+using gtopk::F64;
+
+GTOPK_SELECT_VALUE(f32, F32)
+GTOPK_SELECT_VALUE(f64, F64)
+GTOPK_SELECT_VALUE(f16, F16)
+GTOPK_SELECT_VALUE(bf16, BF16)
+GTOPK_SELECT_VALUE_INDEX(f32, F32, i32, int)
+GTOPK_SELECT_VALUE_INDEX(f32, F32, i64, long long)
+GTOPK_SELECT_VALUE_INDEX(f64, F64, i32, int)
+GTOPK_SELECT_VALUE_INDEX(f64, F64, i64, long long)
+GTOPK_SELECT_VALUE_INDEX(f16, F16, i32, int)
+GTOPK_SELECT_VALUE_INDEX(f16, F16, i64, long long)
+GTOPK_SELECT_VALUE_INDEX(bf16, BF16, i32, int)
+GTOPK_SELECT_VALUE_INDEX(bf16, BF16, i64, long long)
