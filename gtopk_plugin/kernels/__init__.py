@@ -13,7 +13,10 @@ Fixed public names: ``select_topk(x, offsets, k)``,
 
 On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
 docs/kernels.md) is used automatically once it loads; it is compiled at
-install or on first use, and without a compiler the reference serves.
+install or on first use, and without a compiler the reference serves.  On
+CUDA the ``cuda`` back end (``csrc/cuda`` through CuPy, see :mod:`.cuda`)
+is used when CuPy imports; without it the reference serves, after one
+warning naming ``pip install gtopk-plugin[cuda]``.
 """
 from __future__ import annotations
 
@@ -116,6 +119,13 @@ def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor, *,
 from . import cpu as _cpu  # noqa: E402
 
 register_backend("cpu", loader=_cpu.load)
+
+# The CUDA back end compiles csrc/cuda with CuPy (NVRTC) on the first kernel
+# call on a CUDA tensor; without CuPy it warns once and the reference serves.
+# See kernels/cuda.py (it imports CuPy only inside its loader).
+from . import cuda as _cuda  # noqa: E402
+
+register_backend("cuda", loader=_cuda.load)
 
 
 __all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",

@@ -1,0 +1,545 @@
+"""CUDA back end: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
+
+Same signatures and results as :mod:`gtopk_plugin.kernels.reference` run on
+the same CUDA tensors (bit for bit; ``benchmarks/gpu_check.py`` and
+``tests/test_kernels_cuda.py`` compare the two on a GPU).
+
+Loading.  :func:`load` (called once, on the first kernel call on a CUDA
+tensor, by the dispatcher in ``kernels/__init__.py``) imports CuPy and
+compiles the ``.cu`` files shipped as package data (``gtopk_plugin/csrc/cuda``,
+or ``csrc/cuda`` next to the package in a checkout) with ``cupy.RawModule``
+(NVRTC).  The sources are self-contained; their ``#include "..."`` lines are
+pasted in here, so CuPy's compile cache (``~/.cupy/kernel_cache``), keyed by
+the source text, is never stale.  Without CuPy -- or if NVRTC fails -- it
+warns once (naming ``pip install gtopk-plugin[cuda]``) and returns ``None``:
+CUDA tensors then use the pure-torch reference kernels.
+
+Launching.  Kernels receive the tensors' raw device pointers (the address
+``__cuda_array_interface__`` / DLPack would export: no copy, no CuPy array)
+and run on the tensor's device, on torch's *current* stream
+(``cupy.cuda.ExternalStream``), so they order with the surrounding torch
+work.  Every temporary is a torch tensor (torch's caching allocator, same
+stream).  The selected positions come out of the kernels unordered and are
+sorted here with ``torch.sort`` (segments occupy ascending index ranges, so
+one sort orders every segment); values are gathered with ``index_select``
+(the stored bits, NaN payloads and -0.0 included).
+
+Inputs the kernels do not take (other dtypes, unsorted merge operands,
+non-integer divisors, non-1-D buffers, CPU tensors) go to the reference.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import re
+import sys
+import threading
+import warnings
+from types import ModuleType
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import _build, reference
+
+log = logging.getLogger("gtopk_plugin.kernels")
+
+#: Value dtypes the kernels handle: name suffix and magnitude-key bits.
+_VALUES = {torch.float32: ("f32", 31), torch.float64: ("f64", 63),
+           torch.float16: ("f16", 15), torch.bfloat16: ("bf16", 15)}
+SUPPORTED = tuple(_VALUES)
+_INDEX = {torch.int32: "i32", torch.int64: "i64"}
+_IMAX = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
+
+# Must match csrc/cuda/radix.cuh and select.cu.
+THREADS = 256
+CHUNK = 256 * 64          # items per block (GTOPK_CHUNK)
+BINS = 2048               # histogram bins per segment (GTOPK_BINS)
+ST_N = 8                  # per-segment state words
+DIGIT = 11
+KERNEL_SAMPLE, KERNEL_RUN = 4096, 128  # GTOPK_SAMPLE, GTOPK_RUN
+
+FILES = ("select.cu", "merge.cu", "scatter.cu")
+INSTALL_HINT = "pip install gtopk-plugin[cuda]"
+
+_cupy = None
+_lock = threading.Lock()
+_failed = False
+_sources: Dict[str, str] = {}
+_modules: Dict[str, object] = {}          # file -> cupy.RawModule
+_kernels: Dict[Tuple[str, str], object] = {}  # (file, name) -> RawKernel
+_layouts: "collections.OrderedDict" = collections.OrderedDict()
+_LAYOUT_CACHE = 32
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+def _inline(path, seen) -> str:
+    """The source of ``path`` with its ``#include "..."`` lines replaced by
+    the included files (each at most once)."""
+    out: List[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = re.match(r'\s*#\s*include\s*"([^"]+)"', line)
+        if m:
+            inc = path.parent / m.group(1)
+            if inc.name not in seen:
+                seen.add(inc.name)
+                out.append(_inline(inc, seen))
+            continue
+        if re.match(r"\s*#\s*pragma\s+once", line):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def sources() -> Dict[str, str]:
+    """file name -> self-contained source text (what NVRTC compiles)."""
+    if not _sources:
+        d = _build.source_dir("cuda")
+        if d is None:
+            raise FileNotFoundError("the csrc/cuda sources are missing from this installation")
+        for f in FILES:
+            _sources[f] = _inline(d / f, {f})
+    return _sources
+
+
+def _compile(cupy) -> None:
+    srcs = sources()
+    log.info("gtopk_plugin: compiling the CUDA kernels with NVRTC (once; CuPy caches them)")
+    for f, code in srcs.items():
+        mod = cupy.RawModule(code=code, options=("--std=c++14",))
+        mod.compile()
+        _modules[f] = mod
+
+
+def load() -> Optional[ModuleType]:
+    """Import CuPy and compile the kernels; this module when usable, ``None``
+    (after one warning) when not."""
+    global _cupy, _failed
+    with _lock:
+        if _cupy is not None:
+            return sys.modules[__name__]
+        if _failed:
+            return None
+        try:
+            import cupy  # noqa: F401
+        except Exception as e:  # ImportError, or a CuPy that cannot find its CUDA libraries
+            _failed = True
+            warnings.warn(
+                f"gtopk_plugin: CuPy is not available ({type(e).__name__}: {e}); CUDA tensors use "
+                f"the pure-torch reference kernels (slower). `{INSTALL_HINT}` installs it "
+                "(cupy-cuda12x; `pip install cupy-cuda13x` for CUDA 13).",
+                RuntimeWarning, stacklevel=3)
+            return None
+        try:
+            with cupy.cuda.Device(torch.cuda.current_device()):
+                _compile(cupy)
+        except Exception as e:  # missing sources, NVRTC errors, no driver
+            _failed = True
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            warnings.warn(f"gtopk_plugin: the CUDA kernels could not be compiled ({reason}); "
+                          "CUDA tensors use the pure-torch reference kernels (slower).",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        _cupy = cupy
+        return sys.modules[__name__]
+
+
+def _kernel(f: str, name: str):
+    key = (f, name)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = _modules[f].get_function(name)
+    return k
+
+
+class _On:
+    """Runs launches on ``device`` and on torch's current stream there."""
+
+    def __init__(self, device: torch.device):
+        self.dev = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __enter__(self):
+        cp = _cupy
+        self._d = cp.cuda.Device(self.dev)
+        self._d.__enter__()
+        self._s = cp.cuda.ExternalStream(torch.cuda.current_stream(self.dev).cuda_stream)
+        self._s.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._s.__exit__(*exc)
+        self._d.__exit__(*exc)
+        return False
+
+
+def _p(t: torch.Tensor):
+    """A tensor as a kernel argument: its device pointer."""
+    import numpy as np
+
+    return np.uint64(t.data_ptr())
+
+
+def _i64(v: int):
+    import numpy as np
+
+    return np.int64(v)
+
+
+def _i32(v: int):
+    import numpy as np
+
+    return np.int32(v)
+
+
+def _launch(f: str, name: str, blocks: int, args) -> None:
+    _kernel(f, name)((max(1, int(blocks)),), (THREADS,), tuple(args))
+
+
+def _blocks(n: int) -> int:
+    return (int(n) + THREADS - 1) // THREADS
+
+
+# --------------------------------------------------------------------------
+# Segment layouts (host arithmetic once per (offsets, k) pattern, cached)
+
+
+class _Layout:
+    pass
+
+
+def _cum(sizes: List[int]) -> List[int]:
+    out = [0]
+    for v in sizes:
+        out.append(out[-1] + v)
+    return out
+
+
+def _threshold_params(n: int, k: int):
+    """(tpar, cmin, cmax, slots) of one segment, with the reference's
+    arithmetic (reference._threshold_segment): tpar = the sample rank ks, or
+    0 (take everything) / -1 (nothing)."""
+    if k >= n:
+        return 0, 0, n, n
+    if k <= 0:
+        return -1, 0, 0, 0
+    m = n if n <= reference.THRESHOLD_SAMPLE else (
+        reference.THRESHOLD_SAMPLE // reference.THRESHOLD_RUN) * reference.THRESHOLD_RUN
+    q = k * m / n
+    ks = max(1, min(m, math.ceil(q + reference.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
+    lo = (1 - reference.THRESHOLD_TOLERANCE) * k
+    hi = (1 + reference.THRESHOLD_TOLERANCE) * k
+    cmin, cmax = math.ceil(lo), math.floor(hi)
+    return ks, cmin, cmax, max(cmax, k)
+
+
+def _cand_capacity(n: int, k: int) -> int:
+    """Candidate slots of a segment: room for the bucket of a typical first
+    digit (about k entries); larger buckets keep reading x instead."""
+    if n <= CHUNK:
+        return 0  # one block reads the whole segment anyway
+    return min(n, max(4 * max(k, 0), n // 32, CHUNK))
+
+
+def _make_layout(device, offs: List[int], ks: List[int], kind: str) -> _Layout:
+    S = len(ks)
+    L = _Layout()
+    L.S = S
+    sizes = [offs[s + 1] - offs[s] for s in range(S)]
+    L.blocks_per = [(n + CHUNK - 1) // CHUNK for n in sizes]
+    blk = _cum(L.blocks_per)
+    cap = _cum([_cand_capacity(sizes[s], ks[s]) for s in range(S)])
+    if kind == "topk":
+        slots = [max(0, min(ks[s], sizes[s])) for s in range(S)]
+    else:  # "threshold"
+        par = [_threshold_params(sizes[s], ks[s]) for s in range(S)]
+        slots = [p[3] for p in par]
+        L.tpar = torch.tensor([p[0] for p in par], dtype=torch.int64).to(device)
+        L.cpar = torch.tensor([v for p in par for v in (p[1], p[2])], dtype=torch.int64).to(device)
+    outo = _cum(slots)
+    L.nblocks, L.ncand, L.nslots = blk[-1], cap[-1], outo[-1]
+    L.lay = torch.tensor(offs + blk + cap + outo, dtype=torch.int64).to(device)
+    L.seg = L.lay[: S + 1]
+    L.outo = L.lay[3 * (S + 1):]
+    L.k = torch.tensor(ks, dtype=torch.int64).to(device)
+    L.wbits = max(1, (max(sizes, default=1) - 1).bit_length())
+    return L
+
+
+def _layout(device, offsets, k, kind: str, numel: int) -> _Layout:
+    offs = [int(v) for v in offsets.tolist()]
+    ks = [int(v) for v in k.tolist()]
+    if len(offs) != len(ks) + 1:
+        raise ValueError(f"offsets must have len(k) + 1 = {len(ks) + 1} entries, got {len(offs)}")
+    if ks and (offs[0] < 0 or offs[-1] > numel):
+        raise ValueError("offsets must lie within [0, x.numel()]")
+    key = (str(device), kind, tuple(offs), tuple(ks))
+    L = _layouts.get(key)
+    if L is None:
+        if any(offs[s] > offs[s + 1] for s in range(len(ks))):
+            raise ValueError("offsets must be non-decreasing")
+        L = _make_layout(device, offs, ks, kind)
+        _layouts[key] = L
+        if len(_layouts) > _LAYOUT_CACHE:
+            _layouts.popitem(last=False)
+    else:
+        _layouts.move_to_end(key)
+    return L
+
+
+def _passes(kbits: int, wbits: int) -> int:
+    return -(-kbits // DIGIT) + -(-wbits // DIGIT)
+
+
+def _work(L: _Layout, device) -> Tuple[torch.Tensor, ...]:
+    S = L.S
+    st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=device)
+    hist = torch.zeros(max(1, S * BINS), dtype=torch.int64, device=device)
+    ctr = torch.zeros(max(1, 3 * S), dtype=torch.int64, device=device)
+    cand = torch.empty(2 * max(1, L.ncand), dtype=torch.int64, device=device)
+    return st, hist, ctr, cand
+
+
+# --------------------------------------------------------------------------
+# Kernels (reference signatures)
+
+
+def _ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and x.dtype in _VALUES and x.dim() == 1
+
+
+def _radix(x, L, out, kind_out, st, hist, ctr, cand, init: bool):
+    """The radix passes of select.cu over the dense segments of ``x``."""
+    vs, kbits = _VALUES[x.dtype]
+    S = L.S
+    if init:
+        _launch("select.cu", "gtopk_radix_init", _blocks(S),
+                (_p(L.seg), _p(L.k), _i32(S), _p(st)))
+    half = max(1, L.ncand)
+    cand0, cand1 = cand[:half], cand[half:]
+    name = f"gtopk_topk_pass_{vs}_{kind_out}"
+    for j in range(_passes(kbits, L.wbits) + 1):
+        _launch("select.cu", name, L.nblocks,
+                (_p(x), _p(L.lay), _i32(S), _i32(j), _i32(kbits), _i32(L.wbits), _p(st),
+                 _p(hist), _p(ctr), _p(cand0), _p(cand1), _p(out)))
+
+
+def select_topk(x, offsets, k):
+    if not _ok(x):
+        return reference.select_topk(x, offsets, k)
+    x = x.contiguous()
+    itype = reference.index_dtype(x.numel())
+    L = _layout(x.device, offsets, k, "topk", x.numel())
+    if L.nslots == 0:
+        idx = torch.empty(0, dtype=itype, device=x.device)
+        return idx, x[:0]
+    out = torch.empty(L.nslots, dtype=itype, device=x.device)
+    st, hist, ctr, cand = _work(L, x.device)
+    with _On(x.device):
+        _radix(x, L, out, _INDEX[itype], st, hist, ctr, cand, init=True)
+    idx = torch.sort(out).values
+    return idx, x.index_select(0, idx)
+
+
+def select_threshold(x, offsets, k):
+    if not _ok(x) or (reference.THRESHOLD_SAMPLE, reference.THRESHOLD_RUN) != (KERNEL_SAMPLE,
+                                                                              KERNEL_RUN):
+        return reference.select_threshold(x, offsets, k)
+    x = x.contiguous()
+    itype = reference.index_dtype(x.numel())
+    L = _layout(x.device, offsets, k, "threshold", x.numel())
+    if L.nslots == 0:
+        idx = torch.empty(0, dtype=itype, device=x.device)
+        return idx, x[:0]
+    vs, _ = _VALUES[x.dtype]
+    ks = _INDEX[itype]
+    S = L.S
+    out = torch.full((L.nslots,), _IMAX[itype], dtype=itype, device=x.device)
+    thr = torch.empty(S, dtype=torch.int64, device=x.device)
+    st, hist, ctr, cand = _work(L, x.device)
+    with _On(x.device):
+        _launch("select.cu", f"gtopk_thr_sample_{vs}", S,
+                (_p(x), _p(L.seg), _p(L.tpar), _p(thr)))
+        _launch("select.cu", f"gtopk_thr_count_{vs}_{ks}", L.nblocks,
+                (_p(x), _p(L.lay), _i32(S), _p(thr), _p(ctr), _p(out)))
+        _launch("select.cu", "gtopk_thr_decide", _blocks(S),
+                (_p(L.seg), _p(L.k), _p(L.cpar), _i32(S), _p(ctr), _p(st)))
+        _launch("select.cu", f"gtopk_thr_clear_{ks}", _blocks(L.nslots),
+                (_p(L.outo), _i32(S), _p(st), _p(out)))
+        _radix(x, L, out, ks, st, hist, ctr, cand, init=False)
+    total = int(ctr[S:2 * S].sum())  # the one read-back: the result's size
+    idx = torch.sort(out).values[:total]
+    return idx, x.index_select(0, idx)
+
+
+def merge_select(idx_a, val_a, idx_b, val_b, offsets, k):
+    dev = val_a.device
+    if (not _ok(val_a) or val_b.device != dev or idx_a.device != dev or idx_b.device != dev
+            or idx_a.dtype not in _INDEX or idx_b.dtype not in _INDEX or idx_a.dim() != 1
+            or idx_b.dim() != 1 or val_b.dim() != 1 or idx_a.numel() != val_a.numel()
+            or idx_b.numel() != val_b.numel()):
+        return reference.merge_select(idx_a, val_a, idx_b, val_b, offsets, k)
+    itype = idx_a.dtype
+    ia, ib = idx_a.contiguous(), idx_b.to(itype).contiguous()
+    va, vb = val_a.contiguous(), val_b.to(val_a.dtype).contiguous()
+    na, nb = ia.numel(), ib.numel()
+    offs = [int(v) for v in offsets.tolist()]
+    ks = [int(v) for v in k.tolist()]
+    S = len(ks)
+    if len(offs) != S + 1:
+        raise ValueError(f"offsets must have len(k) + 1 = {S + 1} entries, got {len(offs)}")
+    if na + nb == 0:
+        e = torch.empty(0, dtype=torch.bool, device=dev)
+        return ia[:0], va[:0], e, e.clone()
+    vs, kbits = _VALUES[va.dtype]
+    isuf = _INDEX[itype]
+    off_d = torch.tensor(offs, dtype=torch.int64).to(dev)
+    bnd = torch.empty(2 * (S + 1), dtype=torch.int64, device=dev)
+    with _On(dev):
+        _launch("merge.cu", f"gtopk_merge_bounds_{isuf}", _blocks(2 * (S + 1)),
+                (_p(ia), _i64(na), _p(ib), _i64(nb), _p(off_d), _i32(S), _p(bnd)))
+    inc = torch.stack([(ia[1:] > ia[:-1]).all(), (ib[1:] > ib[:-1]).all()]).to(torch.int64)
+    host = torch.cat([bnd, inc]).tolist()  # one read-back: ranges and the sortedness check
+    if not (host[-2] and host[-1]):
+        return reference.merge_select(idx_a, val_a, idx_b, val_b, offsets, k)
+    ab, bb = host[: S + 1], host[S + 1: 2 * (S + 1)]
+    if not (S > 0 and ab[0] == 0 and ab[S] == na and bb[0] == 0 and bb[S] == nb):
+        raise RuntimeError("merge_select: indices must lie within [offsets[0], offsets[-1])")
+    useg = [ab[s] + bb[s] for s in range(S + 1)]
+    usize = [useg[s + 1] - useg[s] for s in range(S)]
+    dsize = [offs[s + 1] - offs[s] for s in range(S)]
+    blk = _cum([(n + CHUNK - 1) // CHUNK for n in usize])
+    cap = _cum([_cand_capacity(usize[s], ks[s]) for s in range(S)])
+    outo = _cum([max(0, min(ks[s], usize[s])) for s in range(S)])
+    nslots = outo[-1]
+    lay = torch.tensor(useg + blk + cap + outo, dtype=torch.int64).to(dev)
+    k_d = torch.tensor(ks, dtype=torch.int64).to(dev)
+    wbits = max(1, (max(dsize, default=1) - 1).bit_length())
+    n = na + nb
+    uidx = torch.empty(n, dtype=torch.int64, device=dev)
+    uval = torch.empty(n, dtype=va.dtype, device=dev)
+    uvalid = torch.empty(n, dtype=torch.uint8, device=dev)
+    posa = torch.empty(max(1, na), dtype=torch.int64, device=dev)
+    posb = torch.empty(max(1, nb), dtype=torch.int64, device=dev)
+    sel = torch.zeros(n, dtype=torch.uint8, device=dev)
+    keep_a = torch.empty(na, dtype=torch.uint8, device=dev)
+    keep_b = torch.empty(nb, dtype=torch.uint8, device=dev)
+    slots = torch.full((max(1, nslots),), _IMAX[torch.int64], dtype=torch.int64, device=dev)
+    oidx = torch.empty(max(1, nslots), dtype=itype, device=dev)
+    oval = torch.empty(max(1, nslots), dtype=va.dtype, device=dev)
+    st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=dev)
+    hist = torch.zeros(max(1, S * BINS), dtype=torch.int64, device=dev)
+    ctr = torch.zeros(max(1, 3 * S), dtype=torch.int64, device=dev)
+    half = max(1, cap[-1])
+    cand = torch.empty(2 * half, dtype=torch.int64, device=dev)
+    with _On(dev):
+        _launch("merge.cu", f"gtopk_merge_union_{vs}_{isuf}", _blocks(n),
+                (_p(ia), _p(va), _i64(na), _p(ib), _p(vb), _i64(nb), _p(bnd), _i32(S),
+                 _p(uidx), _p(uval), _p(uvalid), _p(posa), _p(posb)))
+        if nslots:
+            _launch("merge.cu", "gtopk_radix_init", _blocks(S),
+                    (_p(lay[: S + 1]), _p(k_d), _i32(S), _p(st)))
+            for j in range(_passes(kbits, wbits) + 1):
+                _launch("merge.cu", f"gtopk_merge_pass_{vs}", blk[-1],
+                        (_p(uval), _p(uidx), _p(uvalid), _p(lay), _p(off_d), _i32(S), _i32(j),
+                         _i32(kbits), _i32(wbits), _p(st), _p(hist), _p(ctr), _p(cand[:half]),
+                         _p(cand[half:]), _p(slots)))
+            _launch("merge.cu", f"gtopk_merge_finish_{vs}_{isuf}", _blocks(nslots),
+                    (_p(slots), _i64(nslots), _p(uidx), _p(uval), _p(sel), _p(oidx), _p(oval)))
+        _launch("merge.cu", "gtopk_merge_keep", _blocks(n),
+                (_p(posa), _i64(na), _p(posb), _i64(nb), _p(sel), _p(keep_a), _p(keep_b)))
+    if nslots == 0:
+        return ia[:0], va[:0], keep_a.view(torch.bool), keep_b.view(torch.bool)
+    total = int(ctr[S:2 * S].sum())
+    sorted_idx, perm = torch.sort(oidx)
+    return (sorted_idx[:total], oval.index_select(0, perm[:total]), keep_a.view(torch.bool),
+            keep_b.view(torch.bool))
+
+
+def _sparse_ok(idx, vals, dev) -> bool:
+    return (idx.dtype in _INDEX and idx.device == dev and vals.device == dev and idx.dim() == 1
+            and vals.dim() == 1 and idx.numel() == vals.numel())
+
+
+def scatter_update(numel, idx, vals, divisor, dtype):
+    dev = vals.device
+    if (dtype not in _VALUES or dev.type != "cuda" or not _sparse_ok(idx, vals, dev)
+            or not isinstance(divisor, int) or divisor == 0):
+        return reference.scatter_update(numel, idx, vals, divisor, dtype)
+    out = torch.zeros(int(numel), dtype=dtype, device=dev)
+    n = idx.numel()
+    if n:
+        v = vals.to(dtype).contiguous()
+        i = idx.contiguous()
+        vs, _ = _VALUES[dtype]
+        with _On(dev):
+            _launch("scatter.cu", f"gtopk_scatter_{vs}_{_INDEX[i.dtype]}", _blocks(n),
+                    (_p(i), _p(v), _i64(n), _i64(divisor), _p(out), _i64(numel)))
+    return out
+
+
+def residual_update(acc, idx, sent):
+    dev = acc.device
+    if not _ok(acc) or not _sparse_ok(idx, sent, dev):
+        return reference.residual_update(acc, idx, sent)
+    res = acc.clone(memory_format=torch.contiguous_format)
+    n = idx.numel()
+    if n:
+        a = acc.contiguous()
+        i = idx.contiguous()
+        sv = sent.to(acc.dtype).contiguous()
+        vs, _ = _VALUES[acc.dtype]
+        with _On(dev):
+            _launch("scatter.cu", f"gtopk_residual_{vs}_{_INDEX[i.dtype]}", _blocks(n),
+                    (_p(a), _p(i), _p(sv), _i64(n), _p(res), _i64(acc.numel())))
+    return res
+
+
+def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor):
+    dev = acc.device
+    if (not _ok(acc) or not _sparse_ok(sent_idx, sent, dev) or not _sparse_ok(idx, vals, dev)
+            or sent_idx.dtype != idx.dtype or not isinstance(divisor, int) or divisor == 0):
+        return reference.scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
+    a = acc.contiguous()
+    numel = a.numel()
+    upd = torch.empty_like(a)
+    res = torch.empty_like(a)
+    si, i = sent_idx.contiguous(), idx.contiguous()
+    sv, v = sent.to(a.dtype).contiguous(), vals.to(a.dtype).contiguous()
+    ns, n = si.numel(), i.numel()
+    vs, _ = _VALUES[a.dtype]
+    with _On(dev):
+        if numel:
+            _launch("scatter.cu", f"gtopk_fill2_{vs}", min(_blocks(numel), 65536),
+                    (_p(a), _p(upd), _p(res), _i64(numel)))
+        if max(n, ns):
+            _launch("scatter.cu", f"gtopk_patch2_{vs}_{_INDEX[i.dtype]}", _blocks(max(n, ns)),
+                    (_p(a), _p(si), _p(sv), _i64(ns), _p(i), _p(v), _i64(n), _i64(divisor),
+                     _p(upd), _p(res), _i64(numel)))
+    return upd, res
+
+
+def kernel_names() -> Dict[str, List[str]]:
+    """file -> every kernel name this module may launch from it (the compile
+    test checks each one exists in the compiled code)."""
+    vals = [v for v, _ in _VALUES.values()]
+    idxs = list(_INDEX.values())
+    return {
+        "select.cu": (["gtopk_radix_init", "gtopk_thr_decide"]
+                      + [f"gtopk_thr_clear_{i}" for i in idxs]
+                      + [f"gtopk_thr_sample_{v}" for v in vals]
+                      + [f"gtopk_{op}_{v}_{i}" for op in ("topk_pass", "thr_count")
+                         for v in vals for i in idxs]),
+        "merge.cu": (["gtopk_radix_init", "gtopk_merge_keep"]
+                     + [f"gtopk_merge_bounds_{i}" for i in idxs]
+                     + [f"gtopk_merge_pass_{v}" for v in vals]
+                     + [f"gtopk_merge_{op}_{v}_{i}" for op in ("union", "finish")
+                        for v in vals for i in idxs]),
+        "scatter.cu": ([f"gtopk_fill2_{v}" for v in vals]
+                       + [f"gtopk_{op}_{v}_{i}" for op in ("scatter", "residual", "patch2")
+                          for v in vals for i in idxs]),
+    }
