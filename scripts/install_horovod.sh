@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# Build (or reuse) Horovod 0.28.1 against the torch installed in a venv,
-# install it there and check it with a 2-process horovodrun job.
+# Build (or reuse) Horovod 0.28.1 against the torch (and, optionally, the
+# TensorFlow) installed in a venv, install it there and check it with a
+# 2-process horovodrun job.
 #
 #   bash scripts/install_horovod.sh [VENV]        (default: $VENV or ./.venv)
+#   GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh [VENV]
 #
 # Why a script: Horovod 0.28.1 (the newest release) sets CMAKE_CXX_STANDARD 14,
 # but the headers of torch >= 2.1 need C++17, so the published sdist does not
 # build against current torch.  This script downloads that sdist, raises the
-# standard to 17 in the two CMake files that set it (nothing else is changed),
-# and builds a wheel with:
+# standard to 17 in the two CMake files that set it (nothing else is changed;
+# horovod/tensorflow/CMakeLists.txt already uses 17), and builds a wheel with:
 #   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
-#   TensorFlow on only when `import tensorflow` works in the venv,
+#   TensorFlow on when `import tensorflow` works in the venv,
 #   MPI on only when an MPI compiler wrapper (mpicxx) is found.
+#
+# TensorFlow: GTOPK_HOROVOD_TF=1 first installs $GTOPK_TF_SPEC (default
+# tensorflow-cpu==2.15.1, the newest release Horovod 0.28.1 builds against:
+# the headers of TF >= 2.16 include highwayhash/arch_specific.h, which the
+# TF wheels do not ship) and then builds Horovod with TensorFlow too.
+# GTOPK_HOROVOD_TF=0 builds without TensorFlow even when it is importable.
+# Unset: TensorFlow support follows `import tensorflow`.
+#
 # The wheel is cached under ${XDG_CACHE_HOME:-~/.cache}/gtopk_plugin/horovod/,
-# keyed by Horovod, torch and Python versions (and the TF/MPI choice), so a
+# keyed by Horovod, torch, Python and TensorFlow versions (and MPI), so a
 # later run on the same machine installs in seconds.  The build itself takes
-# about 9 minutes on 2 cores.
+# about 9 minutes on 2 cores (longer with TensorFlow).
 #
 # Idempotent: when the venv already holds a verified install for the same key
 # (a stamp file written after the smoke test passed), it exits at once.
@@ -37,13 +47,35 @@ TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 PY_TAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 ARCH="$(uname -m)"
 
-# TensorFlow / MPI choices are part of the cache key: a wheel built without
-# TF must not be reused once TF is installed.
+# TensorFlow: Horovod 0.28.1 builds against TF 2.12-2.15 only (newer TF
+# headers include highwayhash/arch_specific.h, which TF's wheels lack).
+TF_SPEC="${GTOPK_TF_SPEC:-tensorflow-cpu==2.15.1}"
+TF_WANT="${GTOPK_HOROVOD_TF:-auto}"
+tf_version() { "$PY" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null; }
+tf_supported() { case "$1" in 2.12.*|2.13.*|2.14.*|2.15.*) return 0 ;; *) return 1 ;; esac; }
+if [ "$TF_WANT" = 1 ] && ! tf_supported "$(tf_version || true)"; then
+    log "installing $TF_SPEC (found: $(tf_version || echo 'no TensorFlow'))"
+    "$PY" -m pip install -q "$TF_SPEC" || die "could not install $TF_SPEC into $VENV"
+fi
 WITH_TF=0
-if "$PY" -c 'import tensorflow' >/dev/null 2>&1; then WITH_TF=1; fi
+TF_VERSION=""
+if [ "$TF_WANT" != 0 ]; then
+    TF_VERSION="$(tf_version || true)"
+    if [ -n "$TF_VERSION" ] && tf_supported "$TF_VERSION"; then
+        WITH_TF=1
+    elif [ "$TF_WANT" = 1 ]; then
+        die "TensorFlow '${TF_VERSION:-none}' in $VENV after installing $TF_SPEC; Horovod $HVD_VERSION builds against TF 2.12-2.15 only (or set GTOPK_HOROVOD_TF=0)"
+    elif [ -n "$TF_VERSION" ]; then
+        log "TensorFlow $TF_VERSION is installed, but Horovod $HVD_VERSION builds against TF 2.12-2.15 only: building without TensorFlow (GTOPK_HOROVOD_TF=1 installs $TF_SPEC)"
+    fi
+fi
+[ "$WITH_TF" = 1 ] || TF_VERSION=""
 WITH_MPI=0
 if command -v mpicxx >/dev/null 2>&1; then WITH_MPI=1; fi
-KEY="horovod-${HVD_VERSION}-torch-${TORCH_VERSION}-${PY_TAG}-${ARCH}-tf${WITH_TF}-mpi${WITH_MPI}"
+# TensorFlow / MPI choices are part of the cache key: a wheel built without
+# TF must not be reused once TF is installed, nor one built against another TF.
+if [ "$WITH_TF" = 1 ]; then TF_KEY="tf-${TF_VERSION}"; else TF_KEY="tf0"; fi
+KEY="horovod-${HVD_VERSION}-torch-${TORCH_VERSION}-${PY_TAG}-${ARCH}-${TF_KEY}-mpi${WITH_MPI}"
 CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/gtopk_plugin/horovod"
 CACHE_DIR="$CACHE_ROOT/$KEY"
 STAMP="$VENV/.horovod-installed"
@@ -55,6 +87,9 @@ installed_ok() {
 import horovod, horovod.torch as hvd
 assert horovod.__version__ == "$HVD_VERSION", horovod.__version__
 assert hvd.gloo_built()
+if "$WITH_TF" == "1":
+    import horovod.tensorflow as hvd_tf
+    assert hvd_tf.gloo_built()
 EOF
 }
 
@@ -128,7 +163,7 @@ if [ -z "$WHEEL" ]; then
     else export HOROVOD_WITHOUT_MPI=1; unset HOROVOD_WITH_MPI || true; fi
     JOBS="$(nproc 2>/dev/null || echo 2)"
     export CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" MAKEFLAGS="-j$JOBS"
-    log "building the wheel ($KEY); this takes about 9 minutes on 2 cores"
+    log "building the wheel ($KEY); this takes about 9 minutes on 2 cores (longer with TensorFlow)"
     mkdir -p "$WORK/wheel"
     "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/wheel" "$SRC" \
         || die "the Horovod build failed (see the compiler output above)"
@@ -150,7 +185,7 @@ fi
 # psutil, pyyaml, packaging) without reinstalling Horovod.
 "$PY" -m pip install -q "$WHEEL"
 rm -f "$STAMP"
-installed_ok || die "Horovod installed but 'import horovod.torch' fails in $VENV (torch ABI mismatch? rerun with GTOPK_HOROVOD_FORCE=1)"
+installed_ok || die "Horovod installed but 'import horovod.torch' (or horovod.tensorflow) fails in $VENV (torch/TF ABI mismatch? rerun with GTOPK_HOROVOD_FORCE=1)"
 
 if [ "${GTOPK_HOROVOD_SKIP_SMOKE:-0}" != 1 ]; then
     log "smoke test: horovodrun -np 2 -H localhost:2 --gloo"
@@ -171,6 +206,17 @@ src = (r - 1) % P
 assert torch.equal(out, torch.full((src + 1,), float(src))), out
 print("horovod smoke ok on rank", r, flush=True)
 EOF
+    if [ "$WITH_TF" = 1 ]; then
+        cat >> "$SMOKE" <<'EOF'
+import tensorflow as tf, horovod.tensorflow as hvd_tf
+hvd_tf.init()
+s = hvd_tf.allreduce(tf.ones(3) * (r + 1), op=hvd_tf.Sum, name="smoke.tf.ar")
+assert (s.numpy() == P * (P + 1) // 2).all(), s
+g = hvd_tf.allgather(tf.fill([r + 1, 2], float(r)), name="smoke.tf.ag")
+assert g.shape[0] == P * (P + 1) // 2, g.shape
+print("horovod-tensorflow smoke ok on rank", r, flush=True)
+EOF
+    fi
     PATH="$VENV/bin:$PATH" timeout 180 "$VENV/bin/horovodrun" -np 2 -H localhost:2 --gloo "$PY" "$SMOKE" \
         || { rm -f "$SMOKE"; die "the 2-process horovodrun smoke test failed"; }
     rm -f "$SMOKE"

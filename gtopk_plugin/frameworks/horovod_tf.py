@@ -1,0 +1,611 @@
+"""Horovod-TensorFlow layer: the sparse methods of the core for
+``horovod.tensorflow`` users, as a drop-in ``DistributedGradientTape`` and a
+Keras ``DistributedOptimizer`` whose ``compression=`` takes the same names as
+the PyTorch side (none, fp16, topk, gtopk, rtopk, randomk, threshold)::
+
+    import horovod.tensorflow as hvd
+    from gtopk_plugin.tensorflow import DistributedGradientTape, Compression
+
+    hvd.init()
+    compression = Compression.gtopk(0.01)          # once: it holds the residuals
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x), y)
+    tape = DistributedGradientTape(tape, compression=compression)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+Everything here is TensorFlow ops, so it runs eagerly and inside
+``tf.function`` (Keras ``fit`` included): selection with ``tf.math.top_k``
+(which orders equal values by lower index first, i.e. DESIGN.md §3's tie
+rule), exchange with ``horovod.tensorflow``'s ``allgather`` (sparse
+allgather), ``alltoall`` with ``splits`` (the gTop-k butterfly, one op per
+round, every rank taking part in every round as the PyTorch
+``HorovodTransport`` does) and ``allreduce`` (random-k values, the
+consistency check).  The arithmetic is the core's, step for step:
+``acc = grad + residual``; selection; the aggregation; ``residual = acc``
+less what reached the global result, as it travelled (wire-rounded); the
+update is the sum divided by P (average) or the sum.  The only torch code
+used at run time draws random-k's and rTop-k's random positions
+(``tf.numpy_function``), so that both frameworks draw the same positions
+from the same (seed, step, tensor name[, rank]) key.  The tests feed
+identical gradients to this layer and to the single-process oracle of the
+PyTorch side and compare bits.
+
+Dense compression (``Compression.none``/``fp16`` or any Horovod
+``Compressor``) returns Horovod's own tape/optimizer unchanged.
+
+Residuals and the step counter are non-trainable ``tf.Variable`` objects
+held by the compression object (a ``tf.Module``): create it once, not per
+step.  The Keras optimizer tracks it, so ``tf.train.Checkpoint(model=...,
+optimizer=opt)`` and ``model.save_weights`` (TF format) save and restore the
+residuals with the model; with the tape, add it to the checkpoint yourself
+(``tf.train.Checkpoint(model=model, gtopk=compression)``).
+
+This is the only module of the package that imports TensorFlow
+(DESIGN.md §2); ``import gtopk_plugin`` never does.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+_INSTALL_HINT = ("Install TensorFlow 2.12-2.15 and Horovod built with TensorFlow support into this "
+                 "environment with:  GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh  "
+                 "(installs tensorflow-cpu==2.15.1 and builds horovod==0.28.1 against it; "
+                 "`make horovod` does this too)")
+try:
+    import tensorflow as tf
+except ImportError as _e:  # pragma: no cover - exercised only without TensorFlow
+    raise ImportError(f"gtopk_plugin.tensorflow needs TensorFlow (import failed: {_e}). {_INSTALL_HINT}") from _e
+try:
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    from horovod.tensorflow.compression import Compression as _HvdCompression
+    from horovod.tensorflow.compression import Compressor as _HvdCompressor
+except Exception as _e:  # pragma: no cover - a Horovod built without TF fails with various types
+    raise ImportError(
+        f"gtopk_plugin.tensorflow needs Horovod built with TensorFlow support (import failed: "
+        f"{type(_e).__name__}: {_e}). {_INSTALL_HINT}") from _e
+
+import torch  # noqa: E402  (validation and the shared random draws only)
+
+from .. import consistency  # noqa: E402
+from ..config import ReducerConfig  # noqa: E402
+from ..kernels import reference as _ref  # noqa: E402
+from ..reducer import k_for  # noqa: E402
+from .horovod_tf_kernels import (  # noqa: E402,F401
+    _member_of, _pack, _pack_bits, _randomk_positions, _rtopk_picks, _unpack, _unpack_bits, magnitude,
+    merge_select, select_threshold, select_topk, topk_mask_sparse)
+
+__all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "DistributedOptimizer",
+           "magnitude", "select_topk", "select_threshold", "merge_select"]
+
+_SPARSE_METHODS = ("topk", "gtopk", "rtopk", "randomk", "threshold")
+_TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16}
+_TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------
+# Collectives on horovod.tensorflow
+# ---------------------------------------------------------------------------
+class _Ops:
+    """Named Horovod-TF collectives of one reduce call.  Names are
+    ``{prefix}.{kind}.{n}`` with ``n`` counting ops within the call, so the
+    same op has the same name on every rank (Horovod pairs ops by name) and
+    on every step."""
+
+    def __init__(self, process_set, prefix):
+        self.ps = process_set
+        self.prefix = prefix
+        self.n = 0
+        self.P = process_set.size()
+        self.rank = process_set.rank()
+
+    def _name(self, kind):
+        self.n += 1
+        return f"{self.prefix}.{kind}.{self.n}"
+
+    def allgather(self, t, kind="allgather"):
+        return hvd.allgather(t, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
+
+    def allreduce(self, t, op, kind):
+        return hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
+
+    def phase(self, send_to: Optional[int], blob, recv_from: Optional[int]):
+        """One butterfly step for every rank: an alltoall whose only
+        non-zero split goes to ``send_to`` (idle ranks send nothing but
+        still take part, as Horovod's collectives require)."""
+        if send_to is None:
+            blob = tf.zeros([0], tf.uint8)
+            splits = tf.zeros([self.P], tf.int32)
+        else:
+            splits = tf.one_hot(send_to, self.P, dtype=tf.int32) * tf.size(blob)
+        out, _ = hvd.alltoall(blob, splits=splits, name=self._name("phase"), ignore_name_scope=True,
+                              process_set=self.ps)
+        return out if recv_from is not None else None
+
+
+def _allgather_sum(ops: _Ops, idx, vals, numel, sum_dtype, static_count):
+    """Sparse allgather: every rank's (index, value) set, summed into a dense
+    buffer in rank order (identical bits on every rank)."""
+    P = ops.P
+    blob = _pack(idx, vals)
+    out = tf.zeros([numel], sum_dtype)
+    if P == 1:
+        blobs = [blob]
+    elif static_count:
+        gathered = ops.allgather(blob)
+        blobs = tf.split(gathered, P)  # every rank's blob has the same size
+    else:
+        sizes = ops.allgather(tf.reshape(tf.size(blob), [1]), "sizes")
+        blobs = tf.split(ops.allgather(blob), sizes, num=P)
+    for b in blobs:  # rank order
+        i, v, _ = _unpack(b, vals.dtype)
+        out = tf.tensor_scatter_nd_add(out, i[:, None], tf.cast(v, sum_dtype))
+    return out
+
+
+def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
+    """gTop-k butterfly for any P (DESIGN.md §3), as collectives.gtopk does:
+    fold-in of ranks >= P', log2 P' exchange rounds, fold-out with a bitmask
+    of the folded rank's surviving entries.  Returns ``(idx, vals, alive)``:
+    the global set (same bits on every rank) and which of this rank's own
+    entries reached it."""
+    P, r = ops.P, ops.rank
+    alive = tf.ones_like(idx, dtype=tf.bool)
+    if P == 1:
+        return idx, vals, alive
+    Pp = 1 << (P.bit_length() - 1)
+    n_extra = P - Pp
+    own = idx
+    cur_i, cur_v = idx, vals
+    folded_i = folded_alive = None
+    if n_extra:
+        send_to = r - Pp if r >= Pp else None
+        recv_from = r + Pp if r < n_extra else None
+        blob = ops.phase(send_to, _pack(cur_i, cur_v) if send_to is not None else None, recv_from)
+        if recv_from is not None:
+            o_i, o_v, _ = _unpack(blob, vals.dtype)
+            cur_i, cur_v, keep_a, keep_b = merge_select(cur_i, cur_v, o_i, o_v, offsets_t, k_t)
+            alive = alive & keep_a
+            folded_i, folded_alive = o_i, keep_b
+    for j in range(Pp.bit_length() - 1):
+        peer = (r ^ (1 << j)) if r < Pp else None
+        blob = ops.phase(peer, _pack(cur_i, cur_v) if peer is not None else None, peer)
+        if peer is None:
+            continue
+        o_i, o_v, _ = _unpack(blob, vals.dtype)
+        cur_i, cur_v, _, _ = merge_select(cur_i, cur_v, o_i, o_v, offsets_t, k_t)
+        alive = alive & _member_of(own, cur_i)
+        if folded_i is not None:
+            folded_alive = folded_alive & _member_of(folded_i, cur_i)
+    if n_extra:
+        send_to = r + Pp if r < n_extra else None
+        recv_from = r - Pp if r >= Pp else None
+        out = tf.concat([_pack(cur_i, cur_v), _pack_bits(folded_alive)], 0) if send_to is not None else None
+        blob = ops.phase(send_to, out, recv_from)
+        if recv_from is not None:
+            mask_bytes = (int(own.shape[0]) + 7) // 8 if own.shape[0] is not None else None
+            if mask_bytes is None:
+                mask_bytes = (tf.size(own) + 7) // 8
+            res_i, res_v, bits = _unpack(blob, vals.dtype, mask_bytes)
+            return res_i, res_v, _unpack_bits(bits, tf.size(own))
+    return cur_i, cur_v, alive
+
+
+# ---------------------------------------------------------------------------
+# Compression (holds the state: residuals and step counter)
+# ---------------------------------------------------------------------------
+def _wire_name(value_dtype) -> Optional[str]:
+    if value_dtype is None:
+        return None
+    for name, tdt in (("float16", tf.float16), ("bfloat16", tf.bfloat16)):
+        if value_dtype in (name, tdt, _TORCH_WIRE[name]):
+            return name
+    raise ValueError(f"value_dtype must be None, tf.float16 or tf.bfloat16; got {value_dtype!r}")
+
+
+def _promote(dtypes) -> "tf.DType":
+    """The flat buffer's dtype, as torch.promote_types over the gradients."""
+    ds = set(dtypes)
+    if len(ds) == 1:
+        return dtypes[0]
+    if tf.float64 in ds:
+        return tf.float64
+    return tf.float32
+
+
+class SparseCompression(tf.Module):
+    """A sparse method of the core as a Horovod-TF ``compression=``; made by
+    ``Compression.topk/gtopk/rtopk/randomk/threshold(density, ...)``.
+
+    It holds this worker's error-feedback residuals (one non-trainable
+    ``tf.Variable`` per gradient, flat, created at the first step) and the
+    step counter (``tf.Variable``, int64), so create it once and pass the
+    same object to every step's ``DistributedGradientTape``.  One object per
+    list of variables: residuals are keyed by position in that list.
+
+    Args:
+        method, density: as :class:`~gtopk_plugin.GradientReducer`.
+        r_factor: rTop-k's r (keep k of the top r·k).
+        value_dtype: None, ``tf.float16`` or ``tf.bfloat16`` (values on the wire).
+        merge: None, ``"allgather"`` or ``"gtopk"`` (any selector on the butterfly).
+        granularity: ``"layer"`` (k per tensor) or ``"global"`` (k over all).
+        seed: key of random-k's shared and rTop-k's per-rank draws.
+        nonfinite: ``"raise"`` (every rank raises; nothing applied) or
+            ``"skip"`` (every rank applies zero for the step; residuals kept).
+        error_feedback: keep the residual (default True).
+        name: prefix of the Horovod op names (distinct per object when
+            several compressions reduce in the same step).
+    """
+
+    def __init__(self, method: str, density: float, *, r_factor: float = 4.0, value_dtype=None,
+                 merge: Optional[str] = None, granularity: str = "layer", seed: int = 0,
+                 nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
+                 name: Optional[str] = None):
+        if method == "dense":
+            raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
+                             "compression")
+        if warmup is not None:
+            raise ValueError("warmup (a density schedule) is not supported by the TensorFlow layer yet: "
+                             "k is part of the traced graph; pass a fixed density")
+        wire = _wire_name(value_dtype)
+        self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
+                                    granularity=granularity, value_dtype=_TORCH_WIRE[wire], seed=seed,
+                                    nonfinite=nonfinite, error_feedback=bool(error_feedback),
+                                    kernels="reference")  # validates (ValueError)
+        prefix = name or f"gtopk_tf_{method}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+            raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
+        super().__init__(name=prefix)
+        self.prefix = prefix
+        self.wire_dtype = _TF_WIRE[wire]
+        with tf.init_scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def density(self) -> float:
+        return self.config.density
+
+    def __repr__(self):
+        c = self.config
+        extra = "".join(f", {k}={v!r}" for k, v in (("r_factor", c.r_factor), ("merge", c.merge),
+                                                     ("granularity", c.granularity), ("seed", c.seed),
+                                                     ("nonfinite", c.nonfinite))
+                        if v != _DEFAULTS[k])
+        if self.wire_dtype is not None:
+            extra += f", value_dtype=tf.{self.wire_dtype.name}"
+        return f"Compression.{c.method}({c.density!r}{extra})"
+
+    # Horovod's own tape/optimizer call these: say plainly that they cannot run us.
+    def compress(self, tensor):
+        raise TypeError(f"{self!r} is a sparse gtopk_plugin compression: pass it to "
+                        "gtopk_plugin.tensorflow.DistributedGradientTape / DistributedOptimizer, "
+                        "not to horovod.tensorflow's")
+
+    decompress = compress
+
+    # -- state ----------------------------------------------------------------
+    def _residual(self, key: str, numel: int, dtype):
+        v = self.residuals.get(key)
+        if v is None:
+            with tf.init_scope():  # created once, eagerly, even while tracing
+                v = tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"residual_{key}")
+            self.residuals[key] = v
+        elif v.shape[0] != numel or v.dtype != dtype:
+            raise ValueError(
+                f"{self!r}: the residual {key} has {v.shape[0]} {v.dtype.name} entries but the gradient "
+                f"has {numel} {dtype.name}: pass the same variables in the same order every step "
+                "(one compression object per variable list)")
+        return v
+
+    def residual_values(self) -> dict:
+        """This worker's residuals as numpy arrays (flat), by key."""
+        return {k: v.numpy() for k, v in self.residuals.items()}
+
+    # -- the reduction ------------------------------------------------------------
+    def reduce(self, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
+        """Reduce the list ``grads`` (tensors, ``IndexedSlices`` or None)
+        across the Horovod workers of ``process_set``; returns the list of
+        updates (None stays None).  Collective: every rank calls it with the
+        same shapes.  Works eagerly and while tracing a ``tf.function``."""
+        ps = hvd.global_process_set if process_set is None else process_set
+        op = hvd.Average if op is None else op
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("sparse compression supports op=hvd.Average and hvd.Sum")
+        average = op == hvd.Average
+        pre = 1.0 / gradient_predivide_factor if average else 1.0
+        post = gradient_predivide_factor if average else 1.0
+        cfg = self.config
+        ops = _Ops(ps, self.prefix)
+        P = ops.P
+
+        pos, tensors = [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            if not g.dtype.is_floating:
+                raise ValueError(f"gradient {i} has dtype {g.dtype.name}; sparse compression needs floats")
+            if not g.shape.is_fully_defined():
+                raise ValueError(f"gradient {i} has shape {g.shape}, not fully known; sparse compression "
+                                 "needs static shapes")
+            if g.shape.num_elements() == 0:
+                raise ValueError(f"gradient {i} is empty (shape {g.shape})")
+            if pre != 1.0:
+                g = g * tf.cast(pre, g.dtype)
+            pos.append(i)
+            tensors.append(g)
+        if not tensors:
+            return list(grads)
+        names = [f"t{i:04d}" for i in pos]     # positional: stable across model instances
+        sizes = [int(t.shape.num_elements()) for t in tensors]
+        dtype = _promote([t.dtype for t in tensors])
+        wire = self.wire_dtype or dtype
+        density = cfg.density
+        if cfg.granularity == "layer":
+            offsets = [0]
+            for s in sizes:
+                offsets.append(offsets[-1] + s)
+            ks = [k_for(density, s) for s in sizes]
+            seg_names = names
+        else:
+            offsets = [0, sum(sizes)]
+            ks = [k_for(density, sum(sizes))]
+            seg_names = ["__global__"]
+        N = offsets[-1]
+        if N > _ref.INT32_LIMIT:
+            raise ValueError(f"{N} gradient entries exceed int32 indices; reduce fewer variables per call")
+        res_vars = [self._residual(f"r{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+
+        # Consistency: one MAX-allreduce of [non-finite, layout, -layout, step]
+        # tells every rank at once about NaN/Inf anywhere and about ranks that
+        # disagree on the layout, and agrees on the step counter (the largest:
+        # a worker that restored a checkpoint carries the others along).
+        layout = [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(names, tensors)]
+        layout.append(("settings", cfg.method, cfg.aggregation, cfg.granularity, str(self.wire_dtype),
+                       "average" if average else "sum", tuple(ks)))
+        fp = consistency.fingerprint(layout)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+        v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
+                      tf.constant(-fp, tf.int64), self.step.read_value()])
+        if P > 1:
+            v = ops.allreduce(v, hvd.Max, "check")
+        step = v[3]
+        mismatch_msg = ("gtopk_plugin: ranks reduced different tensors or settings (shapes, dtypes, "
+                        "k or method must match)")
+        nonfinite_msg = ("gtopk_plugin: non-finite gradient (NaN or Inf) on some rank; nothing was applied "
+                         "and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
+        if tf.executing_eagerly():
+            if int(v[1]) != -int(v[2]):
+                raise consistency.LayoutMismatchError(mismatch_msg)
+            if cfg.nonfinite == "raise" and int(v[0]):
+                raise consistency.NonFiniteGradientError(nonfinite_msg)
+            checks = []
+        else:
+            checks = [tf.debugging.Assert(tf.equal(v[1], -v[2]), [mismatch_msg])]
+            if cfg.nonfinite == "raise":
+                checks.append(tf.debugging.Assert(tf.equal(v[0], 0), [nonfinite_msg]))
+        with tf.control_dependencies(checks):
+            skip = v[0] > 0
+            acc = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) + r.read_value() if cfg.error_feedback
+                             else tf.reshape(tf.cast(t, dtype), [-1]) for t, r in zip(tensors, res_vars)], 0)
+
+        def run():
+            return self._sparse(ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average)
+
+        def skipped():
+            return tf.zeros([N], dtype), acc
+
+        if tf.executing_eagerly():
+            update, residual = skipped() if bool(skip) else run()
+        elif cfg.nonfinite == "skip":
+            update, residual = tf.cond(skip, skipped, run)
+        else:
+            update, residual = run()
+        if cfg.error_feedback:
+            if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
+                residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
+            for r, part in zip(res_vars, tf.split(residual, sizes)):
+                r.assign(part)
+        self.step.assign(step + 1)
+        out = list(grads)
+        for i, t, u in zip(pos, tensors, tf.split(update, sizes)):
+            u = tf.cast(tf.reshape(u, t.shape), t.dtype)
+            out[i] = u * tf.cast(post, u.dtype) if post != 1.0 else u
+        return out
+
+    def _sparse(self, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average):
+        """One sparse step on the flat accumulator: (dense update, residual)."""
+        cfg = self.config
+        P = ops.P
+        method, agg = cfg.method, cfg.aggregation
+        offsets_t = tf.constant(offsets, tf.int32)
+        k_t = tf.constant(ks, tf.int32)
+        if method in ("topk", "gtopk") or (method == "rtopk" and cfg.r_factor == 1.0):
+            idx, vals = select_topk(acc, offsets, ks)
+        elif method == "threshold":
+            idx, vals = select_threshold(acc, offsets, ks)
+        elif method == "rtopk":
+            sizes = [offsets[s + 1] - offsets[s] for s in range(len(ks))]
+            rs = [min(n, math.ceil(cfg.r_factor * k)) for n, k in zip(sizes, ks)]
+            top_idx, _ = select_topk(acc, offsets, rs)
+            idx = tf.gather(top_idx, _rtopk_picks(step, rs, ks, seg_names, cfg.seed, ops.rank))
+            vals = tf.gather(acc, idx)
+        elif method == "randomk":
+            idx = _randomk_positions(step, offsets, ks, seg_names, cfg.seed)
+            vals = tf.gather(acc, idx)
+        else:  # pragma: no cover - ReducerConfig validated the method
+            raise ValueError(method)
+        wire_vals = tf.cast(vals, wire)
+        divisor = tf.cast(P if average else 1, dtype)
+        alive = None
+        if agg == "allgather":
+            summed = _allgather_sum(ops, idx, wire_vals, N, dtype, static_count=method != "threshold")
+            update = summed / divisor if average else summed
+        elif agg == "gtopk":
+            res_i, res_v, alive = _butterfly(ops, idx, wire_vals, offsets_t, k_t)
+            v = tf.cast(res_v, dtype)
+            update = tf.scatter_nd(res_i[:, None], v / divisor if average else v, [N])
+        elif agg == "allreduce_values":
+            summed = wire_vals if P == 1 else ops.allreduce(wire_vals, hvd.Sum, "values")
+            v = tf.cast(summed, dtype)
+            update = tf.scatter_nd(idx[:, None], v / divisor if average else v, [N])
+        else:  # pragma: no cover
+            raise ValueError(agg)
+        sent = tf.cast(wire_vals, dtype)
+        if alive is not None:
+            idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(sent, alive)
+        residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
+        return update, residual
+
+
+_DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise")
+
+
+class _CompressionMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"unknown compression {name!r}: gtopk_plugin.tensorflow.Compression has none, fp16, "
+            "topk(density), gtopk(density), rtopk(density, r_factor=4), randomk(density), "
+            "threshold(density)")
+
+
+class Compression(metaclass=_CompressionMeta):
+    """Gradient compression for :func:`DistributedGradientTape` and
+    :func:`DistributedOptimizer`: the names of the PyTorch side.
+
+    ``none`` and ``fp16`` are Horovod's own compressors (dense allreduce:
+    Horovod's own tape/optimizer is returned).  The others take the density
+    (fraction of entries sent per tensor) and the keywords of
+    :class:`SparseCompression`.
+    """
+
+    none = _HvdCompression.none
+    fp16 = _HvdCompression.fp16
+
+    @staticmethod
+    def topk(density: float, **kwargs) -> SparseCompression:
+        return SparseCompression("topk", density, **kwargs)
+
+    @staticmethod
+    def gtopk(density: float, **kwargs) -> SparseCompression:
+        return SparseCompression("gtopk", density, **kwargs)
+
+    @staticmethod
+    def rtopk(density: float, r_factor: float = 4.0, **kwargs) -> SparseCompression:
+        return SparseCompression("rtopk", density, r_factor=r_factor, **kwargs)
+
+    @staticmethod
+    def randomk(density: float, **kwargs) -> SparseCompression:
+        return SparseCompression("randomk", density, **kwargs)
+
+    @staticmethod
+    def threshold(density: float, **kwargs) -> SparseCompression:
+        return SparseCompression("threshold", density, **kwargs)
+
+    @staticmethod
+    def from_name(name: str, density: Optional[float] = None, **kwargs):
+        """``"none"``, ``"fp16"`` or a sparse method name (then ``density`` is
+        required); ``ValueError`` for anything else."""
+        if name in ("none", "fp16"):
+            return getattr(Compression, name)
+        if name not in _SPARSE_METHODS:
+            raise ValueError(f"unknown compression {name!r}; choose one of none, fp16, "
+                             f"{', '.join(_SPARSE_METHODS)}")
+        if density is None:
+            raise ValueError(f"compression {name!r} needs a density, e.g. 0.01")
+        return getattr(Compression, name)(density, **kwargs)
+
+
+def _check_compression(compression):
+    if isinstance(compression, SparseCompression):
+        return True
+    is_dense = (isinstance(compression, type) and issubclass(compression, _HvdCompressor)) or \
+        isinstance(compression, _HvdCompressor)
+    if not is_dense:
+        hint = (f" (did you mean Compression.{compression}(density)?)"
+                if isinstance(compression, str) and compression in _SPARSE_METHODS else "")
+        raise ValueError(
+            f"unknown compression {compression!r}{hint}: pass Compression.none, Compression.fp16, "
+            "Compression.topk/gtopk/rtopk/randomk/threshold(density), or a Horovod Compressor")
+    return False
+
+
+def _sparse_reduce_fn(compression: SparseCompression, process_set, op, gradient_predivide_factor):
+    """Replacement for the ``_allreduce_grads(grads, vars[, use_generic_names])``
+    function that Horovod's tape and Keras optimizer call."""
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+
+    def allreduce_grads(grads, vars=None, use_generic_names=False):  # noqa: A002 - Horovod's signature
+        return compression.reduce(list(grads), process_set=process_set, op=op,
+                                  gradient_predivide_factor=gradient_predivide_factor)
+
+    return allreduce_grads
+
+
+# ---------------------------------------------------------------------------
+# Front ends
+# ---------------------------------------------------------------------------
+def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,
+                            sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=hvd.global_process_set,
+                            scale_local_gradients=True):
+    """``horovod.tensorflow.DistributedGradientTape`` with the same signature,
+    plus the sparse ``compression=`` choices.  With ``Compression.none`` /
+    ``fp16`` (or any Horovod ``Compressor``) it is Horovod's own tape.  With
+    a sparse compression, ``gradient()`` reduces all gradients of the call in
+    one sparse exchange (``groups`` and ``sparse_as_dense`` do not apply:
+    gradients are always reduced as dense tensors, together); local sources
+    (``register_local_source``) and ``scale_local_gradients`` work as in
+    Horovod.  Pass the same compression object every step: it holds the
+    residuals."""
+    sparse = _check_compression(compression)
+    tape = hvd.DistributedGradientTape(
+        gradtape, device_dense=device_dense, device_sparse=device_sparse,
+        compression=_HvdCompression.none if sparse else compression, sparse_as_dense=sparse_as_dense,
+        op=op, gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if sparse:
+        tape._allreduce_grads = _sparse_reduce_fn(compression, process_set, op, gradient_predivide_factor)
+        tape.gtopk_compression = compression
+    return tape
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
+                         compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                         op=hvd.Average, backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=hvd.global_process_set,
+                         scale_local_gradients=True):
+    """``horovod.tensorflow.keras.DistributedOptimizer`` with the same
+    signature, plus the sparse ``compression=`` choices.  With a sparse
+    compression the optimizer tracks it (attribute ``gtopk_compression``),
+    so its residuals and step counter checkpoint with the optimizer:
+    ``tf.train.Checkpoint(model=model, optimizer=opt)`` or
+    ``model.save_weights`` in TF format."""
+    sparse = _check_compression(compression)
+    if sparse and backward_passes_per_step != 1:
+        raise ValueError("backward_passes_per_step > 1 is not supported with a sparse compression in the "
+                         "TensorFlow layer yet; accumulate gradients before the optimizer or use 1")
+    opt = hvd_keras.DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=_HvdCompression.none if sparse else compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if sparse:
+        opt._allreduce_grads = _sparse_reduce_fn(compression, process_set, op, gradient_predivide_factor)
+        opt.gtopk_compression = compression
+    return opt

@@ -1,0 +1,203 @@
+"""TensorFlow twins of the reference kernels (gtopk_plugin.kernels.reference)
+used by the Horovod-TensorFlow layer (:mod:`gtopk_plugin.frameworks.horovod_tf`):
+selection, the butterfly merge and the wire format, in TensorFlow ops only, so
+they run eagerly and inside ``tf.function``.  Needs TensorFlow, not Horovod;
+the tests compare every function here with the reference kernel bit for bit
+(ties, NaN/Inf, fp16/bf16/fp64).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+from ..compress.base import seeded_generator
+from ..kernels import reference as _ref
+
+# ---------------------------------------------------------------------------
+# Kernels in TensorFlow ops (twins of gtopk_plugin.kernels.reference; the
+# tests compare them bit for bit on random data with ties and NaN/Inf).
+# Indices are int32 global positions into the flat buffer, ascending.
+# ---------------------------------------------------------------------------
+def magnitude(v):
+    """|v| as float32 (float64 stays float64), NaN mapped to +inf: the
+    selection order of the reference kernels."""
+    m = tf.abs(v)
+    if m.dtype not in (tf.float32, tf.float64):
+        m = tf.cast(m, tf.float32)
+    return tf.where(tf.math.is_nan(m), tf.constant(np.inf, m.dtype), m)
+
+
+def _topk_positions(mag, k):
+    """Positions (ascending) of the top-``k`` of ``mag`` under the tie rule:
+    ``tf.math.top_k`` returns equal values lower index first."""
+    n = tf.size(mag)
+    k = tf.minimum(tf.cast(k, tf.int32), n)
+    pos = tf.math.top_k(mag, k=k, sorted=True).indices
+    return tf.sort(pos)
+
+
+def select_topk(x, offsets: Sequence[int], ks: Sequence[int]):
+    """Exact per-segment top-k of the flat ``x`` (segments ``offsets``,
+    counts ``ks``, Python ints): ``(int32 indices ascending, values)``."""
+    mag = magnitude(x)
+    parts = []
+    for s, k in enumerate(ks):
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        if k >= hi - lo:
+            parts.append(tf.range(lo, hi, dtype=tf.int32))
+        else:
+            parts.append(_topk_positions(mag[lo:hi], k) + lo)
+    idx = tf.concat(parts, 0)
+    return idx, tf.gather(x, idx)
+
+
+def _threshold_positions(mag, n: int, k: int):
+    """Positions of one segment selected by the sampled threshold; the same
+    steps, constants and branches as kernels.reference._threshold_segment."""
+    if k >= n:
+        return tf.range(n, dtype=tf.int32)
+    pos = _ref.threshold_sample_positions(n).numpy().astype(np.int32)
+    sample = tf.gather(mag, pos)
+    m = int(pos.size)
+    q = k * m / n
+    ks = max(1, min(m, math.ceil(q + _ref.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
+    t = tf.reduce_min(tf.math.top_k(sample, k=ks, sorted=False).values)
+    sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
+    cnt = tf.cast(tf.size(sel), tf.float64)
+    lo, hi = (1 - _ref.THRESHOLD_TOLERANCE) * k, (1 + _ref.THRESHOLD_TOLERANCE) * k
+
+    def too_many():  # the exact threshold lies among the candidates
+        return tf.gather(sel, _topk_positions(tf.gather(mag, sel), k))
+
+    def too_few():
+        return _topk_positions(mag, k)
+
+    return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel,
+                   lambda: tf.cond(cnt > hi, too_many, too_few))
+
+
+def select_threshold(x, offsets: Sequence[int], ks: Sequence[int]):
+    """Sampled-threshold selection per segment (count within ±10% of k_s)."""
+    mag = magnitude(x)
+    parts = []
+    for s, k in enumerate(ks):
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        parts.append(_threshold_positions(mag[lo:hi], hi - lo, k) + lo)
+    idx = tf.concat(parts, 0)
+    return idx, tf.gather(x, idx)
+
+
+def _randomk_positions(step, offsets, ks, names, seed):
+    """Random-k's shared positions, drawn by torch from (seed, step, name):
+    the PyTorch side's draws, bit for bit."""
+    def draw(step_value):
+        parts = []
+        for s, (k, name) in enumerate(zip(ks, names)):
+            n = offsets[s + 1] - offsets[s]
+            g = seeded_generator(seed, int(step_value), name)
+            parts.append(torch.sort(torch.randperm(n, generator=g)[: min(k, n)]).values + offsets[s])
+        return torch.cat(parts).numpy().astype(np.int32)
+
+    total = sum(min(k, offsets[s + 1] - offsets[s]) for s, k in enumerate(ks))
+    out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
+    return tf.ensure_shape(out, [total])
+
+
+def _rtopk_picks(step, rs, ks, names, seed, rank):
+    """rTop-k's per-rank picks (positions into the concatenated top-r sets),
+    drawn by torch from (seed, step, name, rank) as the PyTorch side does."""
+    def draw(step_value):
+        picks, start = [], 0
+        for r_s, k_s, name in zip(rs, ks, names):
+            g = seeded_generator(seed, int(step_value), name, rank=rank)
+            perm = torch.randperm(r_s, generator=g)[:min(k_s, r_s)]
+            picks.append(torch.sort(perm).values + start)
+            start += r_s
+        return torch.cat(picks).numpy().astype(np.int32)
+
+    total = sum(min(k, r) for k, r in zip(ks, rs))
+    out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
+    return tf.ensure_shape(out, [total])
+
+
+def _segment_of(idx, offsets_t):
+    """Segment id of each global index (``offsets_t``: int32 S+1 bounds)."""
+    return tf.searchsorted(offsets_t[1:], idx, side="right", out_type=tf.int32)
+
+
+def topk_mask_sparse(idx, vals, offsets_t, k_t):
+    """Mask over a sparse set (ascending unique ``idx``) keeping the
+    per-segment top-k by (|value| desc, index asc): two stable sorts compose
+    the order (segment, -|v|, index), as in the reference kernel."""
+    n = tf.size(idx)
+    seg = _segment_of(idx, offsets_t)
+    o1 = tf.argsort(magnitude(vals), direction="DESCENDING", stable=True)
+    o2 = tf.argsort(tf.gather(seg, o1), stable=True)
+    perm = tf.gather(o1, o2)
+    seg_sorted = tf.gather(seg, perm)
+    S = tf.size(k_t)
+    counts = tf.math.bincount(seg_sorted, minlength=S, maxlength=S, dtype=tf.int32)
+    starts = tf.cumsum(counts) - counts
+    rank_in_seg = tf.range(n, dtype=tf.int32) - tf.gather(starts, seg_sorted)
+    keep_sorted = tf.cast(rank_in_seg < tf.gather(k_t, seg_sorted), tf.int32)
+    return tf.scatter_nd(perm[:, None], keep_sorted, [n]) > 0
+
+
+def merge_select(idx_a, val_a, idx_b, val_b, offsets_t, k_t):
+    """Union of two sparse sets (values summed on equal indices) and its
+    per-segment top-k.  Returns ``(idx, val, keep_a, keep_b)`` as
+    kernels.reference.merge_select; both butterfly partners get the same bits
+    (a sum of two operands is commutative)."""
+    na = tf.size(idx_a)
+    cat_i = tf.concat([idx_a, idx_b], 0)
+    cat_v = tf.concat([val_a, tf.cast(val_b, val_a.dtype)], 0)
+    order = tf.argsort(cat_i, stable=True)
+    uniq, inv_sorted = tf.unique(tf.gather(cat_i, order), out_idx=tf.int32)  # ascending
+    vals = tf.math.unsorted_segment_sum(tf.gather(cat_v, order), inv_sorted, tf.size(uniq))
+    keep = topk_mask_sparse(uniq, vals, offsets_t, k_t)
+    inv = tf.scatter_nd(order[:, None], inv_sorted, [tf.size(cat_i)])
+    keep_a = tf.gather(keep, inv[:na])
+    keep_b = tf.gather(keep, inv[na:])
+    return tf.boolean_mask(uniq, keep), tf.boolean_mask(vals, keep), keep_a, keep_b
+
+
+def _member_of(values, ascending):
+    """Whether each of ``values`` is in the strictly ascending ``ascending``
+    (binary search; a -1 sentinel keeps the gather in range when empty)."""
+    asc = tf.concat([ascending, tf.constant([-1], ascending.dtype)], 0)
+    pos = tf.minimum(tf.searchsorted(ascending, values, side="left", out_type=tf.int32), tf.size(ascending))
+    return tf.gather(asc, pos) == values
+
+
+# -- wire format: [int32 indices | values] bytes, 8 bytes per fp32 entry ----
+def _pack(idx, vals):
+    return tf.concat([tf.reshape(tf.bitcast(idx, tf.uint8), [-1]),
+                      tf.reshape(tf.bitcast(vals, tf.uint8), [-1])], 0)
+
+
+def _unpack(blob, val_dtype, extra_bytes=0):
+    vsz = val_dtype.size
+    eb = 4 + vsz
+    body = tf.size(blob) - extra_bytes
+    n = body // eb
+    idx = tf.bitcast(tf.reshape(blob[:n * 4], [-1, 4]), tf.int32)
+    vals = tf.reshape(blob[n * 4:body], [-1, vsz])
+    vals = tf.bitcast(vals, val_dtype) if vsz > 1 else tf.bitcast(tf.reshape(vals, [-1]), val_dtype)
+    return idx, vals, blob[body:]
+
+
+def _pack_bits(mask):
+    n = tf.size(mask)
+    pad = (8 - n % 8) % 8
+    m = tf.concat([tf.cast(mask, tf.uint8), tf.zeros([pad], tf.uint8)], 0)
+    w = tf.constant([1, 2, 4, 8, 16, 32, 64, 128], tf.uint8)
+    return tf.reduce_sum(tf.reshape(m, [-1, 8]) * w, axis=1)
+
+
+def _unpack_bits(bits, n):
+    w = tf.constant([1, 2, 4, 8, 16, 32, 64, 128], tf.uint8)
+    return tf.reshape(tf.bitwise.bitwise_and(bits[:, None], w) != 0, [-1])[:n]

@@ -1,0 +1,22 @@
+"""``import gtopk_plugin.tensorflow``: the sparse methods for Horovod-TensorFlow
+users — a drop-in ``DistributedGradientTape`` and a Keras
+``DistributedOptimizer`` with Horovod's signatures and the ``Compression``
+names of the PyTorch side (see :mod:`gtopk_plugin.frameworks.horovod_tf`)::
+
+    import horovod.tensorflow as hvd
+    from gtopk_plugin.tensorflow import DistributedGradientTape, Compression
+    tape = DistributedGradientTape(tape, compression=Compression.gtopk(0.01))
+
+Needs TensorFlow 2.12-2.15 and Horovod built with TensorFlow support; without
+them this import raises an ``ImportError`` naming the install command
+(``GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh``).  ``import
+gtopk_plugin`` never imports TensorFlow.
+"""
+from .frameworks.horovod_tf import (  # noqa: F401
+    Compression,
+    DistributedGradientTape,
+    DistributedOptimizer,
+    SparseCompression,
+)
+
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "Compression", "SparseCompression"]
