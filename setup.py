@@ -94,7 +94,12 @@ EXTRAS = {
     # scripts/install_horovod.sh (issue #3); the extra records the version.
     "horovod": ["horovod==0.28.1"],
     "tf": ["tensorflow-cpu>=2.12"],
+    # CUDA kernels (csrc/cuda, compiled at run time by CuPy's NVRTC): CuPy
+    # wheels are per CUDA major version -- cupy-cuda12x for CUDA 12 drivers and
+    # toolkits, cupy-cuda13x (CuPy >= 14) for CUDA 13.  Without CuPy, CUDA
+    # tensors use the pure-torch reference kernels (after one warning).
     "cuda": ["cupy-cuda12x>=13"],
+    "cuda13": ["cupy-cuda13x>=14"],
 }
 EXTRAS["all"] = sorted({r for k in ("dev", "demo", "bench") for r in EXTRAS[k]})
 

@@ -132,7 +132,7 @@ def load() -> Optional[ModuleType]:
             warnings.warn(
                 f"gtopk_plugin: CuPy is not available ({type(e).__name__}: {e}); CUDA tensors use "
                 f"the pure-torch reference kernels (slower). `{INSTALL_HINT}` installs it "
-                "(cupy-cuda12x; `pip install cupy-cuda13x` for CUDA 13).",
+                "(cupy-cuda12x; `pip install gtopk-plugin[cuda13]` for CUDA 13).",
                 RuntimeWarning, stacklevel=3)
             return None
         try:
