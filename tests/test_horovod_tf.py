@@ -1,0 +1,311 @@
+"""Horovod-TensorFlow layer (gtopk_plugin.tensorflow).
+
+In this process: the TensorFlow twins of the reference kernels (selection,
+threshold, merge, wire format) against gtopk_plugin.kernels.reference, bit
+for bit, on data with ties, NaN and Inf -- the cross-framework check of the
+selection and merge semantics.
+
+Under real ``horovodrun -np N --gloo`` jobs, N = 2 and 3 (one job each, all
+checks batched in tests/horovod_tf_jobs.py): identical gradients go to the
+TensorFlow layer and to the single-process oracle of the PyTorch side
+(gtopk_plugin.testing.Oracle); every sparse method must give the oracle's
+bits on every rank, conserve mass (DESIGN.md §3) and leave the oracle's
+residuals, eagerly and inside tf.function; Compression.none/fp16 must equal
+stock Horovod-TF; Keras fit and checkpoint round trips of the residuals
+(Keras optimizer and tape); non-finite gradients.
+
+Skipped, loudly, only when TensorFlow or Horovod-TF cannot be imported
+(``GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh`` installs both;
+``make test`` runs it).
+"""
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+_HINT = "run `GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh` (make test does)"
+try:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"HOROVOD-TENSORFLOW TESTS SKIPPED: tensorflow cannot be imported "
+                f"({type(e).__name__}: {e}); {_HINT}", allow_module_level=True)
+try:
+    import horovod.tensorflow  # noqa: F401
+    HAVE_HVD_TF, WHY = True, ""
+except Exception as e:  # noqa: BLE001
+    HAVE_HVD_TF, WHY = False, f"{type(e).__name__}: {e}"
+
+from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
+from gtopk_plugin.kernels import reference as ref  # noqa: E402
+from gtopk_plugin.testing import Oracle  # noqa: E402
+
+needs_hvd = pytest.mark.skipif(
+    not HAVE_HVD_TF, reason=f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
+                            f"({WHY}); {_HINT}")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TF_DTYPES = {torch.float32: tf.float32, torch.float64: tf.float64, torch.float16: tf.float16,
+             torch.bfloat16: tf.bfloat16}
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return a.tobytes()
+
+
+def _to_np(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _tf_np(t) -> np.ndarray:
+    return tf.bitcast(t, tf.int16).numpy() if t.dtype == tf.bfloat16 else t.numpy()
+
+
+def _data(rng, n, dtype, nonfinite=True):
+    x = torch.from_numpy(rng.integers(-5, 6, n).astype(np.float32) / 4)  # many ties
+    if nonfinite:
+        x[torch.from_numpy(rng.integers(0, n, 3))] = float("nan")
+        x[torch.from_numpy(rng.integers(0, n, 2))] = float("inf")
+        x[torch.from_numpy(rng.integers(0, n, 2))] = -float("inf")
+    return x.to(dtype)
+
+
+def _layout(rng):
+    sizes = [int(s) for s in rng.integers(1, 300, rng.integers(1, 5))]
+    offs = np.cumsum([0] + sizes).tolist()
+    ks = [int(max(1, np.ceil(rng.uniform(0.01, 1.0) * s))) for s in sizes]
+    return offs, ks
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow kernels == reference kernels (no Horovod needed)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_selection_matches_reference_bit_for_bit(dtype):
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        offs, ks = _layout(rng)
+        x = _data(rng, offs[-1], dtype)
+        xt = tf.constant(_to_np(x))
+        if dtype == torch.bfloat16:
+            xt = tf.bitcast(xt, tf.bfloat16)
+        for name, ours, theirs in (("topk", K.select_topk, ref.select_topk),
+                                   ("threshold", K.select_threshold, ref.select_threshold)):
+            ti, tv = theirs(x, torch.tensor(offs), torch.tensor(ks))
+            fi, fv = ours(xt, offs, ks)
+            assert np.array_equal(ti.numpy(), fi.numpy()), f"{name} {dtype} trial {trial}: indices differ"
+            assert _bits(_to_np(tv)) == _bits(_tf_np(fv)), f"{name} {dtype} trial {trial}: values differ"
+
+
+def test_threshold_large_segment_matches_reference():
+    # > THRESHOLD_SAMPLE entries: the sampled path and its corrections
+    rng = np.random.default_rng(1)
+    for n, k in ((200_000, 2_000), (50_000, 17), (10_000, 4_000)):
+        x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        ti, _ = ref.select_threshold(x, torch.tensor([0, n]), torch.tensor([k]))
+        fi, _ = K.select_threshold(tf.constant(x.numpy()), [0, n], [k])
+        assert np.array_equal(ti.numpy(), fi.numpy()), (n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_merge_select_matches_reference_bit_for_bit(dtype):
+    rng = np.random.default_rng(2)
+    for trial in range(12):
+        offs, ks = _layout(rng)
+        a = _data(rng, offs[-1], dtype, nonfinite=trial % 2 == 0)
+        b = _data(rng, offs[-1], dtype, nonfinite=False)
+        a[torch.isnan(a)] = 2
+        ai, av = ref.select_topk(a, torch.tensor(offs), torch.tensor(ks))
+        bi, bv = ref.select_topk(b, torch.tensor(offs), torch.tensor(ks))
+        want = ref.merge_select(ai, av, bi, bv, torch.tensor(offs), torch.tensor(ks))
+        got = K.merge_select(tf.constant(ai.numpy()), tf.constant(av.numpy()), tf.constant(bi.numpy()),
+                             tf.constant(bv.numpy()), tf.constant(offs, tf.int32), tf.constant(ks, tf.int32))
+        for w, g, what in zip(want, got, ("idx", "val", "keep_a", "keep_b")):
+            assert w.shape == tuple(g.shape) and _bits(w.numpy()) == _bits(g.numpy()), \
+                f"merge {dtype} trial {trial}: {what} differs"
+
+
+def test_wire_format_round_trip():
+    i = tf.constant([0, 7, 123456], tf.int32)
+    for dt in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
+        v = tf.cast(tf.constant([1.5, -2.25, 3e3]), dt)
+        blob = K._pack(i, v)
+        assert blob.dtype == tf.uint8 and int(tf.size(blob)) == 3 * (4 + dt.size)
+        gi, gv, tail = K._unpack(blob, dt)
+        assert np.array_equal(gi.numpy(), i.numpy()) and int(tf.size(tail)) == 0
+        assert np.array_equal(tf.cast(gv, tf.float32).numpy(), tf.cast(v, tf.float32).numpy())
+    for n in (1, 8, 13, 64):
+        m = tf.constant(np.random.default_rng(n).random(n) > 0.5)
+        bits = K._pack_bits(m)
+        assert int(tf.size(bits)) == (n + 7) // 8
+        assert np.array_equal(K._unpack_bits(bits, n).numpy(), m.numpy())
+
+
+def test_import_gtopk_plugin_does_not_import_tensorflow():
+    code = "import sys, gtopk_plugin; assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+# ---------------------------------------------------------------------------
+# horovodrun jobs
+# ---------------------------------------------------------------------------
+def horovodrun(np_, args, timeout=300):
+    bindir = os.path.dirname(sys.executable)
+    exe = os.path.join(bindir, "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun")
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    cmd = [exe, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", "--gloo-timeout-seconds", "90",
+           sys.executable] + list(args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"horovodrun -np {np_} did not finish within {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+_JOBS = {}
+
+
+def job(np_):
+    if np_ not in _JOBS:
+        with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-") as d:
+            t0 = time.time()
+            rc, out = horovodrun(np_, [os.path.join(HERE, "horovod_tf_jobs.py"), d])
+            assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
+            res = []
+            for r in range(np_):
+                with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+                    res.append(pickle.load(f))
+            print(f"horovodrun -np {np_} TensorFlow job: {time.time() - t0:.1f} s")
+        _JOBS[np_] = res
+    return _JOBS[np_]
+
+
+def ok(res, key):
+    status, val = res[key]
+    if status != "ok":
+        raise AssertionError(f"rank {res['rank']} check {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
+    return val
+
+
+# name in horovod_tf_jobs -> (oracle kwargs, bit-exact)
+SPARSE = {
+    "topk": (dict(method="topk", density=0.1), True),
+    "gtopk": (dict(method="gtopk", density=0.1), True),
+    "rtopk": (dict(method="rtopk", density=0.1, r_factor=3.0, seed=5), True),
+    # Horovod's allreduce of the values adds in its own order for P > 2
+    "randomk": (dict(method="randomk", density=0.1, seed=3), False),
+    "threshold": (dict(method="threshold", density=0.1), True),
+    "gtopk_fp16wire": (dict(method="gtopk", density=0.1, value_dtype=torch.float16), True),
+    "threshold_butterfly": (dict(method="threshold", density=0.1, merge="gtopk"), True),
+    "topk_global": (dict(method="topk", density=0.05, granularity="global"), True),
+    "gtopk_average": (dict(method="gtopk", density=0.1, op="average"), True),
+    "gtopk_graph": (dict(method="gtopk", density=0.1), True),
+    "threshold_butterfly_graph": (dict(method="threshold", density=0.1, merge="gtopk"), True),
+}
+WORLD_SIZES = [2, 3]
+
+
+def _names(n):
+    return [f"t{i:04d}" for i in range(n)]
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_sparse_methods_match_pytorch_oracle_agree_and_conserve_mass(P):
+    results = job(P)
+    failures = []
+    for name, (kw, exact) in SPARSE.items():
+        kw = dict(kw)
+        kw.setdefault("op", "sum")
+        runs = [ok(res, f"sparse/{name}") for res in results]
+        names = _names(len(runs[0]["raw"][0]))
+        oracle = Oracle(P, **kw)
+        sum_grad = sum_out = 0.0
+        for s in range(len(runs[0]["out"])):
+            raws = [{n: torch.from_numpy(g) for n, g in zip(names, runs[r]["raw"][s])} for r in range(P)]
+            expect = oracle.step(raws)
+            for r in range(P):
+                for n, got, first in zip(names, runs[r]["out"][s], runs[0]["out"][s]):
+                    if _bits(got) != _bits(first):
+                        failures.append(f"{name} step {s}: rank {r} differs from rank 0 on {n}")
+                    want = expect[n].numpy()
+                    good = (_bits(got) == _bits(want)) if exact else np.allclose(got, want, atol=1e-5)
+                    if not good:
+                        failures.append(f"{name} step {s} rank {r} {n}: max diff "
+                                        f"{np.abs(got - want).max():.3g} vs the PyTorch oracle")
+            sum_grad = sum_grad + sum(np.concatenate([g.reshape(-1) for g in runs[r]["raw"][s]]).astype(np.float64)
+                                      for r in range(P))
+            sum_out = sum_out + np.concatenate([u.reshape(-1) for u in runs[0]["out"][s]]).astype(np.float64)
+        total_res = 0.0
+        for r in range(P):
+            if runs[r]["step"] != len(runs[0]["out"]):
+                failures.append(f"{name}: step counter {runs[r]['step']} on rank {r}")
+            mine = runs[r]["residuals"]
+            for i, n in enumerate(names):
+                want = oracle.residuals[r][n].numpy()
+                got = mine[f"r{i:04d}"]
+                tol = dict(atol=2e-3, rtol=1e-3) if kw.get("value_dtype") else dict(atol=1e-5, rtol=1e-5)
+                if exact and not kw.get("value_dtype") and _bits(got) != _bits(want) or \
+                        not np.allclose(got, want, **tol):
+                    failures.append(f"{name}: residual of {n} on rank {r} differs from the oracle")
+            total_res = total_res + np.concatenate([mine[f"r{i:04d}"] for i in range(len(names))]).astype(np.float64)
+        if kw["op"] == "sum":  # Σ grads = Σ results + Σ residuals
+            gap = float(np.abs(sum_grad - sum_out - total_res).max())
+            if gap > (2e-3 if kw.get("value_dtype") else 1e-4):
+                failures.append(f"{name}: mass not conserved, max gap {gap:.3g}")
+    assert not failures, "\n".join(failures[:30])
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
+    results = job(P)
+    for res in results:
+        for cname in ("none", "fp16"):
+            d = ok(res, f"keras/dense/{cname}")
+            for a, b in zip(d["ours"], d["stock"]):
+                assert _bits(a) == _bits(b), f"Compression.{cname}: Keras weights differ from stock Horovod-TF"
+        c = ok(res, "keras/gtopk_checkpoint")
+        first = ok(results[0], "keras/gtopk_checkpoint")
+        for a, b in zip(c["weights"], first["weights"]):
+            assert _bits(a) == _bits(b), "Keras gtopk: ranks disagree on the weights"
+        assert any(np.abs(v).max() > 0 for v in c["residuals_before"].values()), "no residual was kept"
+        assert c["step_after"] == c["restored_step_after"] == 5  # 4 batches, restore, 1 more
+        for a, b in zip(c["cont"], c["cont_restored"]):
+            assert _bits(a) == _bits(b), "Keras gtopk: a restored model/optimizer continues differently"
+        for k in c["res_cont"]:
+            assert _bits(c["res_cont"][k]) == _bits(c["res_cont_restored"][k]), f"residual {k} after restore"
+        t = ok(res, "tape/checkpoint")
+        assert t["step"] == t["step_restored"] == 3
+        for a, b in zip(t["out"], t["out_restored"]):
+            assert _bits(a) == _bits(b), "tape: a restored compression reduces differently"
+        for k in t["res"]:
+            assert _bits(t["res"][k]) == _bits(t["res_restored"][k]), f"tape residual {k} after restore"
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_nonfinite_gradient_on_one_rank(P):
+    for res in job(P):
+        d = ok(res, "nonfinite")
+        assert d["raise"].startswith("NonFiniteGradientError"), f"rank {res['rank']}: {d['raise']}"
+        assert d["skip_zero"] and d["skip_residual_kept"] and d["skip_step"] == 2, d
