@@ -22,6 +22,7 @@ Three kinds of checks:
 Plus the dispatch: without CuPy, CUDA tensors use the reference after
 exactly one warning naming ``pip install gtopk-plugin[cuda]``.
 """
+import collections
 import math
 import os
 import re
@@ -107,9 +108,33 @@ def test_every_launched_kernel_exists(ptxas_log):
         assert not missing, f"{f}: kernels launched by cuda.py but not compiled: {missing}"
 
 
-def test_nvrtc_text_is_self_contained(tmp_path):
+@pytest.fixture(scope="module")
+def nvrtc_ptx(tmp_path_factory):
+    """PTX of the self-contained text NVRTC compiles (includes pasted in), as
+    {kernel name: [parameter sizes in bytes]}."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        _skip_no_nvcc()
+    out = tmp_path_factory.mktemp("nvrtc")
+    files = []
+    for f, code in cuda.sources().items():
+        path = out / f"nvrtc_{f}"
+        path.write_text(code)
+        files.append(str(path))
+    r = subprocess.run(_nice() + [nvcc, "-ptx", "-std=c++14", "-arch=compute_80",
+                                  "-odir", str(out)] + files,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    entries = {}
+    for ptx in out.glob("*.ptx"):
+        for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.read_text(), re.S):
+            entries[m.group(1)] = [int(b) // 8 for b in re.findall(r"\.param\s+\.[usb](\d+)", m.group(2))]
+    return entries
+
+
+def test_nvrtc_text_is_self_contained(nvrtc_ptx):
     """What NVRTC compiles: no #include left (NVRTC has no host headers),
-    and it compiles for sm_80 as a single translation unit."""
+    and each file compiles for sm_80 as a single translation unit."""
     srcs = cuda.sources()
     assert set(srcs) == set(cuda.FILES) == {p.name for p in CUDA_DIR.glob("*.cu")}
     for f, code in srcs.items():
@@ -118,18 +143,8 @@ def test_nvrtc_text_is_self_contained(tmp_path):
     for p in CUDA_DIR.iterdir():
         for inc in re.findall(r'^\s*#\s*include\s*([<"][^>"]+[>"])', p.read_text(), re.M):
             assert inc.startswith('"') and (CUDA_DIR / inc.strip('"')).exists(), (p.name, inc)
-    nvcc = _nvcc()
-    if nvcc is None:
-        _skip_no_nvcc()
-    files = []
-    for f, code in srcs.items():
-        path = tmp_path / f"nvrtc_{f}"
-        path.write_text(code)
-        files.append(str(path))
-    r = subprocess.run(_nice() + [nvcc, "-ptx", "-std=c++14", "-arch=compute_80",
-                                  "-odir", str(tmp_path)] + files,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout + r.stderr
+    for names in cuda.kernel_names().values():
+        assert set(names) <= set(nvrtc_ptx)
 
 
 def test_package_data_ships_the_cuda_sources():
@@ -481,6 +496,442 @@ def test_loader_that_succeeds_is_used(fresh_cuda_registry):
     assert kernels._module(torch.device("cuda")) is fake
     assert kernels._module(torch.device("cuda"), "reference") is reference
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------
+# 3b. The host side of cuda.py against a numpy emulation of the kernels
+#
+# A fake CuPy whose kernels check their arguments against the PTX signature
+# (count and sizes) and then run a numpy emulation of the kernel (written from
+# the .cu code, at grid level: blocks, scans and tickets aside) on CPU
+# tensors.  This runs every line of cuda.py's host code -- layouts, buffer
+# sizes and offsets, argument order, launch sequence, sorting and cutting --
+# and checks the results against the reference bit for bit.
+
+_BITS = {torch.float32: np.uint32, torch.float64: np.uint64,
+         torch.float16: np.uint16, torch.bfloat16: np.uint16}
+_OPMATH = {torch.float32: torch.float32, torch.float64: torch.float64,
+           torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class _Emu:
+    def __init__(self, sig):
+        self.sig = sig          # {name: [param sizes]} from the PTX
+        self.reg = {}           # device pointer -> tensor
+        self.launches = []
+
+    # -- plumbing ----------------------------------------------------------
+    def ptr(self, t):
+        if t.numel():  # empty tensors may share an address; the kernels never read them
+            self.reg[t.data_ptr()] = t
+        return np.uint64(t.data_ptr())
+
+    def T(self, p, dtype=None):
+        if dtype is not None and (int(p) not in self.reg or self.reg[int(p)].numel() == 0):
+            return torch.empty(0, dtype=dtype)
+        return self.reg[int(p)]
+
+    def call(self, name, grid, block, args):
+        assert block == (cuda.THREADS,) and len(grid) == 1 and grid[0] >= 1, (name, grid, block)
+        sizes = self.sig[name]
+        assert len(args) == len(sizes), f"{name}: {len(args)} arguments for {len(sizes)} parameters"
+        for a, n in zip(args, sizes):
+            assert isinstance(a, (np.int32, np.int64, np.uint64)) and a.itemsize == n, (name, args, sizes)
+        self.launches.append(name)
+        base = re.sub(r"_(f32|f64|f16|bf16)|_(i32|i64)", "", name)
+        getattr(self, base[len("gtopk_"):])(*args)
+
+    # -- select.cu / radix.cuh -------------------------------------------------
+    def radix_init(self, seg, k, S, st):
+        seg, k, st = self.T(seg).numpy(), self.T(k).numpy(), self.T(st).numpy()
+        for s in range(int(S)):
+            n = seg[s + 1] - seg[s]
+            r = min(k[s], n)
+            st[s * 8:(s + 1) * 8] = [max(r, 0), 0, 0, 0, (2**63 - 1) if r > 0 else -1, 0, 0, 0]
+
+    def _radix(self, load, lay, seg_end, S, j, kbits, wbits, st, hist, ctr, cand0, cand1, out):
+        S, j, kbits, wbits = int(S), int(j), int(kbits), int(wbits)
+        L = self.T(lay).numpy()
+        seg, blk, cap, outo = (L[i * (S + 1):(i + 1) * (S + 1)] for i in range(4))
+        send_all = self.T(seg_end).numpy()
+        stn = self.T(st).numpy()
+        H = self.T(hist).numpy().view(np.uint64)
+        C = self.T(ctr).numpy().view(np.uint64)
+        c0, c1, o = self.T(cand0).numpy(), self.T(cand1).numpy(), self.T(out).numpy()
+        npass = cuda._passes(kbits, wbits)
+        for s in range(S):
+            if blk[s + 1] == blk[s]:
+                continue
+            sts = stn[s * 8:(s + 1) * 8]
+            FIN = sts[4]
+            if FIN < j:
+                continue
+            fin = FIN == j
+            if not fin and j >= npass:
+                continue
+            B, KP, IP = np.uint64(sts[3]), np.uint64(sts[1]), np.uint64(sts[2])
+            from_cand = sts[5] != 0
+            to_cand = (not fin) and j > 0 and sts[7] != 0
+            lo = seg[s]
+            nitems = sts[6] if from_cand else seg[s + 1] - lo
+            assert nitems <= (blk[s + 1] - blk[s]) * cuda.CHUNK
+            cin, cout = (c0, c1) if (j & 1) else (c1, c0)
+            cbase, ccap = cap[s], cap[s + 1] - cap[s]
+            pos = cin[cbase:cbase + nitems].copy() if from_cand else lo + np.arange(nitems)
+            valid, key, inv = load(pos, send_all[s + 1])
+            pos, key, inv = pos[valid], key[valid], inv[valid]
+            em = np.zeros(pos.size, bool)
+            sv = np.ones(pos.size, bool)
+            if j > 0:
+                word, sh, w = pass_spec(j - 1, kbits, wbits)
+                if word == 0:
+                    match = (key >> np.uint64(sh + w)) == KP
+                else:
+                    match = (key == KP) & ((inv >> np.uint64(sh + w)) == IP)
+                d = ((inv if word else key) >> np.uint64(sh)) & np.uint64((1 << w) - 1)
+                em = match & ((d > B) | (fin & (d == B)))
+                sv = match & (d == B)
+            if fin:
+                sv[:] = False
+            ocap = outo[s + 1] - outo[s]
+            slots = int(C[S + s]) + np.arange(int(em.sum()))
+            o[outo[s] + slots[slots < ocap]] = pos[em][slots < ocap]
+            C[S + s] += np.uint64(em.sum())
+            if to_cand:
+                q = int(C[2 * S + s]) + np.arange(int(sv.sum()))
+                cout[cbase + q[q < ccap]] = pos[sv][q < ccap]
+                C[2 * S + s] += np.uint64(sv.sum())
+            if fin:
+                continue
+            word2, sh2, w2 = pass_spec(j, kbits, wbits)
+            dig = ((inv[sv] if word2 else key[sv]) >> np.uint64(sh2)) & np.uint64((1 << w2) - 1)
+            H[s * cuda.BINS:(s + 1) * cuda.BINS] += np.bincount(
+                dig.astype(np.int64), minlength=cuda.BINS).astype(np.uint64)
+            # the segment's last block
+            h = H[s * cuda.BINS:(s + 1) * cuda.BINS].astype(np.int64)
+            H[s * cuda.BINS:(s + 1) * cuda.BINS] = 0
+            total = int(h.sum())
+            r = int(sts[0])
+            if j == 0:
+                r = min(r, total)
+            b = None
+            if r > 0:
+                cum = 0
+                for bb in range(cuda.BINS - 1, -1, -1):
+                    if cum + h[bb] >= r:
+                        b = bb
+                        break
+                    cum += h[bb]
+            if b is None:
+                sts[4] = -1
+            else:
+                if j > 0:
+                    word, sh, w = pass_spec(j - 1, kbits, wbits)
+                    if word == 0:
+                        sts[1] = int((int(KP) << w) | int(B))
+                    else:
+                        sts[2] = int((int(IP) << w) | int(B))
+                hb, rem = int(h[b]), r - cum
+                sts[5], sts[6], sts[3], sts[0] = int(to_cand), total, b, rem
+                if rem == hb:
+                    sts[4] = j + 1
+                else:
+                    sts[7] = int(hb <= ccap)
+            C[s] = 0
+            C[2 * S + s] = 0
+
+    def topk_pass(self, x, lay, S, j, kbits, wbits, st, hist, ctr, cand0, cand1, out):
+        keys = keys_np(self.T(x))
+
+        def load(pos, send):
+            return np.ones(pos.size, bool), keys[pos], (send - 1 - pos).astype(np.uint64)
+
+        self._radix(load, lay, lay, S, j, kbits, wbits, st, hist, ctr, cand0, cand1, out)
+
+    def thr_sample(self, x, seg, tpar, thr):
+        keys = keys_np(self.T(x))
+        seg, tpar, thr = self.T(seg).numpy(), self.T(tpar).numpy(), self.T(thr).numpy().view(np.uint64)
+        for s in range(tpar.size):
+            ks = tpar[s]
+            if ks <= 0:
+                thr[s] = 0 if ks == 0 else 2**64 - 1
+                continue
+            lo, n = seg[s], seg[s + 1] - seg[s]
+            p = np.arange(min(n, cuda.KERNEL_SAMPLE))
+            if n > cuda.KERNEL_SAMPLE:
+                p = (p // cuda.KERNEL_RUN) * (n // (cuda.KERNEL_SAMPLE // cuda.KERNEL_RUN)) + p % cuda.KERNEL_RUN
+            samp = np.concatenate([keys[lo + p], np.zeros(cuda.KERNEL_SAMPLE - p.size, np.uint64)])
+            thr[s] = np.sort(samp)[::-1][ks - 1]
+
+    def thr_count(self, x, lay, S, thr, ctr, out):
+        keys = keys_np(self.T(x))
+        S = int(S)
+        L = self.T(lay).numpy()
+        seg, outo = L[:S + 1], L[3 * (S + 1):]
+        thr = self.T(thr).numpy().view(np.uint64)
+        C = self.T(ctr).numpy().view(np.uint64)
+        o = self.T(out).numpy()
+        for s in range(S):
+            ge = seg[s] + np.flatnonzero(keys[seg[s]:seg[s + 1]] >= thr[s])
+            slots = int(C[S + s]) + np.arange(ge.size)
+            ocap = outo[s + 1] - outo[s]
+            o[outo[s] + slots[slots < ocap]] = ge[slots < ocap]
+            C[S + s] += np.uint64(ge.size)
+
+    def thr_decide(self, seg, k, cpar, S, ctr, st):
+        seg, k, cpar = self.T(seg).numpy(), self.T(k).numpy(), self.T(cpar).numpy()
+        C, stn = self.T(ctr).numpy().view(np.uint64), self.T(st).numpy()
+        S = int(S)
+        for s in range(S):
+            cnt = int(C[S + s])
+            n = seg[s + 1] - seg[s]
+            r0 = min(k[s], n)
+            keep = (cpar[2 * s] <= cnt <= cpar[2 * s + 1]) or r0 <= 0
+            stn[s * 8:(s + 1) * 8] = [0 if keep else r0, 0, 0, 0, -1 if keep else 2**63 - 1, 0, 0, 0]
+            if not keep:
+                C[S + s] = 0
+
+    def thr_clear(self, outo, S, st, out):
+        outo, stn, o = self.T(outo).numpy(), self.T(st).numpy(), self.T(out)
+        for s in range(int(S)):
+            if stn[s * 8 + 4] != -1:
+                o[outo[s]:outo[s + 1]] = torch.iinfo(o.dtype).max
+
+    # -- merge.cu ------------------------------------------------------------
+    def merge_bounds(self, ia, na, ib, nb, offsets, S, bnd):
+        off = self.T(offsets).numpy()
+        a = self.T(ia, torch.int64).numpy()[:int(na)]
+        b = self.T(ib, torch.int64).numpy()[:int(nb)]
+        self.T(bnd).numpy()[:] = np.concatenate([np.searchsorted(a, off), np.searchsorted(b, off)])
+
+    def merge_union(self, ia, va, na, ib, vb, nb, bnd, S, uidx, uval, uvalid, posa, posb):
+        na, nb, S = int(na), int(nb), int(S)
+        a = self.T(ia, torch.int64).numpy()[:na].astype(np.int64)
+        b = self.T(ib, torch.int64).numpy()[:nb].astype(np.int64)
+        vdt = self.T(uval).dtype
+        va, vb = self.T(va, vdt)[:na], self.T(vb, vdt)[:nb]
+        bd = self.T(bnd).numpy()
+        ab, bb = bd[:S + 1], bd[S + 1:]
+        ui, uv, ok = self.T(uidx).numpy(), self.T(uval), self.T(uvalid).numpy()
+        pa, pb = self.T(posa).numpy(), self.T(posb).numpy()
+        i = np.arange(na)
+        sa = np.searchsorted(ab, i, side="right") - 1
+        p = i + bb[sa]
+        j = np.searchsorted(b, a)
+        dup = (j < nb) & (b[np.minimum(j, max(nb - 1, 0))] == a) if nb else np.zeros(na, bool)
+        s_ = torch.zeros(na, dtype=va.dtype) + va
+        if dup.any():
+            jj = torch.from_numpy(j[dup])
+            s_[torch.from_numpy(dup)] = s_[torch.from_numpy(dup)] + vb[jj]
+        ui[p], ok[p], pa[:na] = a, 1, p
+        uv[torch.from_numpy(p)] = s_
+        jb = np.arange(nb)
+        sb = np.searchsorted(bb, jb, side="right") - 1
+        q = ab[sb + 1] + jb
+        ii = np.searchsorted(a, b)
+        dupb = (ii < na) & (a[np.minimum(ii, max(na - 1, 0))] == b) if na else np.zeros(nb, bool)
+        ui[q], ok[q] = b, (~dupb).astype(np.uint8)
+        uv[torch.from_numpy(q)] = torch.zeros(nb, dtype=vb.dtype) + vb
+        pb[:nb] = np.where(dupb, ii + bb[sb], q)
+
+    def merge_pass(self, uval, uidx, uvalid, lay, offsets, S, j, kbits, wbits, st, hist, ctr,
+                   cand0, cand1, out):
+        keys = keys_np(self.T(uval))
+        ui, ok = self.T(uidx).numpy(), self.T(uvalid).numpy()
+
+        def load(pos, send):
+            return ok[pos] != 0, keys[pos], (send - 1 - ui[pos]).astype(np.uint64)
+
+        self._radix(load, lay, offsets, S, j, kbits, wbits, st, hist, ctr, cand0, cand1, out)
+
+    def merge_finish(self, slots, nslots, uidx, uval, sel, oidx, oval):
+        n = int(nslots)
+        sl = self.T(slots).numpy()[:n]
+        used = sl != 2**63 - 1
+        oi, ov = self.T(oidx), self.T(oval)
+        self.T(sel).numpy()[sl[used]] = 1
+        oi[:n] = torch.iinfo(oi.dtype).max
+        oi[torch.from_numpy(np.flatnonzero(used))] = torch.from_numpy(
+            self.T(uidx).numpy()[sl[used]]).to(oi.dtype)
+        ov[:n] = 0
+        ov[torch.from_numpy(np.flatnonzero(used))] = self.T(uval)[torch.from_numpy(sl[used])]
+
+    def merge_keep(self, posa, na, posb, nb, sel, keep_a, keep_b):
+        sel = self.T(sel).numpy()
+        if int(na):
+            self.T(keep_a).numpy()[:] = sel[self.T(posa).numpy()[:int(na)]]
+        if int(nb):
+            self.T(keep_b).numpy()[:] = sel[self.T(posb).numpy()[:int(nb)]]
+
+    # -- scatter.cu ----------------------------------------------------------
+    @staticmethod
+    def _divide(v, divisor):
+        if divisor == 1:
+            return v
+        op = _OPMATH[v.dtype]
+        inv = torch.tensor(1.0, dtype=op) / torch.tensor(float(divisor), dtype=op)
+        return (v.to(op) * inv).to(v.dtype)
+
+    def fill2(self, acc, upd, res, n):
+        self.T(upd).zero_()
+        self.T(res).copy_(self.T(acc))
+
+    def scatter(self, idx, v, n, divisor, out, numel):
+        i = self.T(idx).long()
+        self.T(out)[i] = self._divide(self.T(v), int(divisor))
+
+    def residual(self, acc, idx, sent, n, res, numel):
+        i = self.T(idx).long()
+        self.T(res)[i] = self.T(acc)[i] - self.T(sent)
+
+    def patch2(self, acc, sidx, sent, ns, idx, vals, n, divisor, upd, res, numel):
+        if int(ns):
+            self.residual(acc, sidx, sent, ns, res, numel)
+        if int(n):
+            self.scatter(idx, vals, n, divisor, upd, numel)
+
+
+class _FakeKernel:
+    def __init__(self, emu, name):
+        self.emu, self.name = emu, name
+
+    def __call__(self, grid, block, args):
+        self.emu.call(self.name, grid, block, args)
+
+
+class _FakeModule:
+    def __init__(self, emu):
+        self.emu = emu
+
+    def get_function(self, name):
+        assert name in self.emu.sig, f"no kernel {name} in the compiled code"
+        return _FakeKernel(self.emu, name)
+
+
+class _NoStream:
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def emulated(monkeypatch, nvrtc_ptx):
+    """cuda.py serving CPU tensors through the emulated kernels."""
+    emu = _Emu(nvrtc_ptx)
+    monkeypatch.setattr(cuda, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(cuda, "_cupy", object())
+    monkeypatch.setattr(cuda, "_modules", {f: _FakeModule(emu) for f in cuda.FILES})
+    monkeypatch.setattr(cuda, "_kernels", {})
+    monkeypatch.setattr(cuda, "_layouts", collections.OrderedDict())
+    monkeypatch.setattr(cuda, "_On", _NoStream)
+    monkeypatch.setattr(cuda, "_p", emu.ptr)
+    return emu
+
+
+def _assert_same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype.is_floating_point:
+        na, nb = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(na, nb)
+        assert torch.equal(a.view(INT_VIEW[a.dtype])[~na], b.view(INT_VIEW[b.dtype])[~nb])
+    else:
+        assert torch.equal(a, b)
+
+
+def _mixed(dtype, n, g):
+    x = torch.randn(n, generator=g).to(dtype)
+    x[100:200] = 0.5
+    x[200:260] = -0.5
+    x[300:400] = 0.0
+    x[400:420] = -0.0
+    x[500] = float("nan")
+    x[501] = float("inf")
+    x[502] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_side_select_against_emulated_kernels(emulated, dtype):
+    g = torch.Generator().manual_seed(9)
+    n = 60_000
+    x = _mixed(dtype, n, g)
+    offsets = torch.tensor([0, 0, 1, 3, 700, 1000, 20_000, 60_000])
+    for ks in ([0, 1, 1, 50, 300, 1900, 700], [5, 5, 2, 697, 1000, 1, 30_000],
+               [3, 1, 3, 698, 301, 19_000, 39_999], [1] * 7, [0] * 7):
+        k = torch.tensor(ks)
+        for op in ("select_topk", "select_threshold"):
+            got, ref = getattr(cuda, op)(x, offsets, k), getattr(reference, op)(x, offsets, k)
+            for a, b in zip(got, ref):
+                _assert_same_bits(a, b)
+    assert "gtopk_topk_pass_" + cuda._VALUES[dtype][0] + "_i32" in emulated.launches
+    assert any(n.startswith("gtopk_thr_count") for n in emulated.launches)
+
+
+def test_host_side_select_large_and_heavy_ties(emulated):
+    g = torch.Generator().manual_seed(10)
+    n = 300_000
+    z = torch.zeros(n)
+    z[[5, 77, 100_000]] = torch.tensor([1.0, -2.0, 0.5])
+    for x in (torch.randn(n, generator=g), z):
+        offsets = torch.tensor([0, 100_000, n])
+        for ks in ([2000, 3000], [1, 199_999], [100_000, 1], [40_000, 90_000]):
+            k = torch.tensor(ks)
+            for op in ("select_topk", "select_threshold"):
+                got, ref = getattr(cuda, op)(x, offsets, k), getattr(reference, op)(x, offsets, k)
+                for a, b in zip(got, ref):
+                    _assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("itype", [torch.int32, torch.int64])
+def test_host_side_merge_against_emulated_kernels(emulated, dtype, itype):
+    g = torch.Generator().manual_seed(11)
+    offsets = torch.tensor([0, 500, 520, 3000, 100_000])
+    k = torch.tensor([40, 0, 200, 1500])
+    ia = torch.sort(torch.randperm(100_000, generator=g)[:9000]).values.to(itype)
+    ib = torch.sort(torch.randperm(100_000, generator=g)[:7000]).values.to(itype)
+    va = torch.randn(9000, generator=g).to(dtype)
+    vb = torch.randn(7000, generator=g).to(dtype)
+    va[:50], vb[:50], va[60], vb[61] = -0.25, 0.25, float("nan"), -0.0
+    for args in ((ia, va, ib, vb), (ib, vb, ia, va), (ia[:0], va[:0], ib, vb),
+                 (ia[:10], va[:10], ib[:0], vb[:0])):
+        got = cuda.merge_select(*args, offsets, k)
+        ref = reference.merge_select(*args, offsets, k)
+        for a, b in zip(got, ref):
+            _assert_same_bits(a, b)
+    # unsorted operands go to the reference
+    perm = torch.randperm(9000, generator=g)
+    got = cuda.merge_select(ia[perm], va[perm], ib, vb, offsets, k)
+    for a, b in zip(got, reference.merge_select(ia[perm], va[perm], ib, vb, offsets, k)):
+        _assert_same_bits(a, b)
+    with pytest.raises(RuntimeError, match="within"):
+        cuda.merge_select(ia, va, ib, vb, torch.tensor([0, 500, 520, 3000]), k[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1, 2, 4])
+def test_host_side_scatter_against_emulated_kernels(emulated, dtype, divisor):
+    """Divisors whose reciprocal is exact: there the kernels' multiplication
+    equals the CPU reference's division (other divisors match torch on CUDA,
+    which multiplies by the reciprocal too: checked on a GPU)."""
+    g = torch.Generator().manual_seed(12)
+    n = 50_000
+    acc = torch.randn(n, generator=g).to(dtype)
+    for itype in (torch.int32, torch.int64):
+        idx = torch.sort(torch.randperm(n, generator=g)[:700]).values.to(itype)
+        sent = acc[idx.long()].to(torch.bfloat16).to(dtype)
+        vals = torch.randn(700, generator=g).to(dtype)
+        _assert_same_bits(cuda.scatter_update(n, idx, vals, divisor, dtype),
+                          reference.scatter_update(n, idx, vals, divisor, dtype))
+        _assert_same_bits(cuda.residual_update(acc, idx, sent), reference.residual_update(acc, idx, sent))
+        for a, b in zip(cuda.scatter_residual_update(acc, idx, sent, idx.flip(0), vals, divisor),
+                        reference.scatter_residual_update(acc, idx, sent, idx.flip(0), vals, divisor)):
+            _assert_same_bits(a, b)
 
 
 # ---------------------------------------------------------------------------

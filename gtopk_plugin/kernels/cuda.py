@@ -110,9 +110,12 @@ def sources() -> Dict[str, str]:
 def _compile(cupy) -> None:
     srcs = sources()
     log.info("gtopk_plugin: compiling the CUDA kernels with NVRTC (once; CuPy caches them)")
+    names = kernel_names()
     for f, code in srcs.items():
         mod = cupy.RawModule(code=code, options=("--std=c++14",))
-        mod.compile()
+        # Fetching one kernel compiles (NVRTC, or CuPy's cache) and loads the
+        # module on the current device, so a failure shows here, once.
+        _kernels[(f, names[f][0])] = mod.get_function(names[f][0])
         _modules[f] = mod
 
 
@@ -308,8 +311,13 @@ def _work(L: _Layout, device) -> Tuple[torch.Tensor, ...]:
 # Kernels (reference signatures)
 
 
+#: The device type these kernels serve (a name, so that tests can run the
+#: host side against an emulation of the kernels on CPU tensors).
+_DEVICE_TYPE = "cuda"
+
+
 def _ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and x.dtype in _VALUES and x.dim() == 1
+    return x.device.type == _DEVICE_TYPE and x.dtype in _VALUES and x.dim() == 1
 
 
 def _radix(x, L, out, kind_out, st, hist, ctr, cand, init: bool):
@@ -467,7 +475,7 @@ def _sparse_ok(idx, vals, dev) -> bool:
 
 def scatter_update(numel, idx, vals, divisor, dtype):
     dev = vals.device
-    if (dtype not in _VALUES or dev.type != "cuda" or not _sparse_ok(idx, vals, dev)
+    if (dtype not in _VALUES or dev.type != _DEVICE_TYPE or not _sparse_ok(idx, vals, dev)
             or not isinstance(divisor, int) or divisor == 0):
         return reference.scatter_update(numel, idx, vals, divisor, dtype)
     out = torch.zeros(int(numel), dtype=dtype, device=dev)
