@@ -952,9 +952,13 @@ DEVICES = [pytest.param("cuda", marks=pytest.mark.skipif(_REASON is not None,
                                                          reason=str(_REASON)))]
 
 
-@pytest.fixture
-def dev(request):
-    return request.param
+@pytest.fixture(autouse=True)
+def _cuda_backend_loaded(request):
+    """GPU tests: the CUDA back end must load (compile) when CuPy is there."""
+    cs = getattr(request.node, "callspec", None)
+    if cs is not None and cs.params.get("device") == "cuda":
+        assert cuda.load() is not None, "CuPy imports but the CUDA kernels did not load"
+    yield
 
 
 def bits(t):
