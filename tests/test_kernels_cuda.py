@@ -179,17 +179,20 @@ def pass_spec(p, kbits, wbits):
     return word, top - w, w
 
 
-def model_radix(key, inv, valid, k, kbits, wbits, cap):
+def model_radix(key, inv, valid, k, kbits, wbits, cap, start=None):
     """radix.cuh's state machine for one segment, pass by pass (blocks,
     tickets and scans aside): the selected item positions, and the modes
-    visited (to check that the tests reach every path)."""
+    visited (to check that the tests reach every path).  ``start``: the
+    candidates of a sampled start (select.cu's bound), read instead of x."""
     n = key.size
     R = min(k, n) if k > 0 else 0
     KP = IP = B = 0
     FIN = math.inf if R > 0 else -1
     SRC = DST = 0
     SRCN = 0
-    cand = [None, None]
+    cand = {1: None, 2: None}
+    if start is not None:
+        SRC, SRCN, cand[1] = 1, start.size, start
     emitted = []
     modes = set()
     npass = cuda._passes(kbits, wbits)
@@ -199,7 +202,7 @@ def model_radix(key, inv, valid, k, kbits, wbits, cap):
         fin = FIN == j
         assert fin or j < npass, "the last digit must finish every segment"
         if SRC:
-            items = cand[(j - 1) % 2]
+            items = cand[SRC]
             assert items.size == SRCN
             modes.add("cand")
         else:
@@ -223,9 +226,10 @@ def model_radix(key, inv, valid, k, kbits, wbits, cap):
             break
         sitems = items[surv]
         to_cand = j > 0 and DST
+        out_id = 2 if SRC == 1 else 1
         if to_cand:
             assert sitems.size <= cap
-            cand[j % 2] = sitems
+            cand[out_id] = sitems
         word2, sh2, w2 = pass_spec(j, kbits, wbits)
         dig = (((iv[surv] if word2 else kk[surv]) >> np.uint64(sh2)) & np.uint64((1 << w2) - 1))
         hist = np.bincount(dig.astype(np.int64), minlength=cuda.BINS)
@@ -247,7 +251,9 @@ def model_radix(key, inv, valid, k, kbits, wbits, cap):
                 KP = (KP << w) | B
             else:
                 IP = (IP << w) | B
-        SRC, SRCN, B, R = int(to_cand), total, b, rem
+        if to_cand:
+            SRC, SRCN = out_id, total
+        B, R = b, rem
         if rem == hb:
             FIN = j + 1
         else:
@@ -256,7 +262,26 @@ def model_radix(key, inv, valid, k, kbits, wbits, cap):
     return np.sort(np.array(emitted, dtype=np.int64)), modes
 
 
-def model_select_topk(x, offsets, ks, cap_fn=cuda._cand_capacity):
+def sample_positions(n):
+    """select.cu's sample (reference.threshold_sample_positions)."""
+    p = np.arange(min(n, cuda.KERNEL_SAMPLE))
+    if n > cuda.KERNEL_SAMPLE:
+        p = (p // cuda.KERNEL_RUN) * (n // (cuda.KERNEL_SAMPLE // cuda.KERNEL_RUN)) + p % cuda.KERNEL_RUN
+    return p
+
+
+def model_bound_start(kseg, k, cap):
+    """select.cu's sampled start: the candidates >= the bound, or None."""
+    n = kseg.size
+    R = cuda._bound_rank(n, k, cap)
+    if R <= 0:
+        return None
+    L = np.sort(kseg[sample_positions(n)])[::-1][R - 1]
+    ge = np.flatnonzero(kseg >= L)
+    return ge if (min(k, n) <= ge.size <= cap and ge.size > 0) else None
+
+
+def model_select_topk(x, offsets, ks, cap_fn=cuda._cand_capacity, bound=True):
     key = keys_np(x)
     kbits = cuda._VALUES[x.dtype][1]
     sizes = [offsets[s + 1] - offsets[s] for s in range(len(ks))]
@@ -266,7 +291,11 @@ def model_select_topk(x, offsets, ks, cap_fn=cuda._cand_capacity):
         lo, hi = offsets[s], offsets[s + 1]
         n = hi - lo
         inv = (n - 1 - np.arange(n)).astype(np.uint64)
-        sel, m = model_radix(key[lo:hi], inv, np.ones(n, bool), k, kbits, wbits, cap_fn(n, k))
+        cap = cap_fn(n, k)
+        start = model_bound_start(key[lo:hi], k, cap) if bound else None
+        if start is not None:
+            modes.add("bound")
+        sel, m = model_radix(key[lo:hi], inv, np.ones(n, bool), k, kbits, wbits, cap, start)
         out.append(sel + lo)
         modes |= m
     return (np.concatenate(out) if out else np.zeros(0, np.int64)), modes
@@ -307,14 +336,17 @@ def test_model_radix_reaches_candidates_and_heavy_ties():
     x = torch.randn(n, generator=g)
     z = torch.zeros(n)
     z[[5, 77, 100_000]] = torch.tensor([1.0, -2.0, 0.5])
-    for data, k in ((x, 2000), (x, 1), (x, n - 1), (z, 1000), (z, 2)):
+    for data, k in ((x, 2000), (x, 1), (x, n - 1), (z, 1000), (z, 2), (x, 60_000)):
         for cap_fn in (cuda._cand_capacity, lambda n, k: 0):
-            got, modes = model_select_topk(data, [0, n], [k], cap_fn)
-            np.testing.assert_array_equal(got, _ref_idx(data, [0, n], [k]))
-    _, modes = model_select_topk(x, [0, n], [2000])
+            for bound in (True, False):
+                got, modes = model_select_topk(data, [0, n], [k], cap_fn, bound)
+                np.testing.assert_array_equal(got, _ref_idx(data, [0, n], [k]))
+    _, modes = model_select_topk(x, [0, n], [2000], bound=False)
     assert modes == {"x", "cand"}
+    _, modes = model_select_topk(x, [0, n], [2000])
+    assert modes == {"bound", "cand"}  # x is never read by the passes
     _, modes = model_select_topk(z, [0, n], [1000])
-    assert "cand" in modes
+    assert "cand" in modes and "bound" not in modes  # ties at the bound: too many
 
 
 def test_model_merge_union():
@@ -519,6 +551,7 @@ class _Emu:
         self.sig = sig          # {name: [param sizes]} from the PTX
         self.reg = {}           # device pointer -> tensor
         self.launches = []
+        self.bound_used = 0     # segments that started from a sampled bound
 
     # -- plumbing ----------------------------------------------------------
     def ptr(self, t):
@@ -575,7 +608,9 @@ class _Emu:
             lo = seg[s]
             nitems = sts[6] if from_cand else seg[s + 1] - lo
             assert nitems <= (blk[s + 1] - blk[s]) * cuda.CHUNK
-            cin, cout = (c0, c1) if (j & 1) else (c1, c0)
+            SRC = sts[5]
+            cin = c1 if SRC == 2 else c0
+            cout = c1 if SRC == 1 else c0
             cbase, ccap = cap[s], cap[s + 1] - cap[s]
             pos = cin[cbase:cbase + nitems].copy() if from_cand else lo + np.arange(nitems)
             valid, key, inv = load(pos, send_all[s + 1])
@@ -632,7 +667,9 @@ class _Emu:
                     else:
                         sts[2] = int((int(IP) << w) | int(B))
                 hb, rem = int(h[b]), r - cum
-                sts[5], sts[6], sts[3], sts[0] = int(to_cand), total, b, rem
+                if to_cand:
+                    sts[5], sts[6] = (2 if SRC == 1 else 1), total
+                sts[3], sts[0] = b, rem
                 if rem == hb:
                     sts[4] = j + 1
                 else:
@@ -663,20 +700,42 @@ class _Emu:
             samp = np.concatenate([keys[lo + p], np.zeros(cuda.KERNEL_SAMPLE - p.size, np.uint64)])
             thr[s] = np.sort(samp)[::-1][ks - 1]
 
-    def thr_count(self, x, lay, S, thr, ctr, out):
+    def _collect_ge(self, x, lay, S, thr, ctr, out, which):
         keys = keys_np(self.T(x))
         S = int(S)
         L = self.T(lay).numpy()
-        seg, outo = L[:S + 1], L[3 * (S + 1):]
+        seg, outo = L[:S + 1], L[which * (S + 1):(which + 1) * (S + 1)]
         thr = self.T(thr).numpy().view(np.uint64)
-        C = self.T(ctr).numpy().view(np.uint64)
+        # counters: output slots ctr[S, 2S) (which = 3), candidate slots ctr[2S, 3S) (which = 2)
+        C = self.T(ctr).numpy().view(np.uint64)[(S if which == 3 else 2 * S):]
         o = self.T(out).numpy()
         for s in range(S):
+            if thr[s] == np.uint64(2**64 - 1):
+                continue
             ge = seg[s] + np.flatnonzero(keys[seg[s]:seg[s + 1]] >= thr[s])
-            slots = int(C[S + s]) + np.arange(ge.size)
+            slots = int(C[s]) + np.arange(ge.size)
             ocap = outo[s + 1] - outo[s]
             o[outo[s] + slots[slots < ocap]] = ge[slots < ocap]
-            C[S + s] += np.uint64(ge.size)
+            C[s] += np.uint64(ge.size)
+
+    def thr_count(self, x, lay, S, thr, ctr, out):
+        self._collect_ge(x, lay, S, thr, ctr, out, 3)
+
+    def bound_collect(self, x, lay, S, thr, ctr, cand0):
+        self._collect_ge(x, lay, S, thr, ctr, cand0, 2)
+
+    def bound_decide(self, lay, S, ctr, st):
+        S = int(S)
+        L = self.T(lay).numpy()
+        cap = L[2 * (S + 1):3 * (S + 1)]
+        C, stn = self.T(ctr).numpy().view(np.uint64), self.T(st).numpy()
+        for s in range(S):
+            cnt = int(C[2 * S + s])
+            p = stn[s * 8:(s + 1) * 8]
+            if p[4] != -1 and cnt >= p[0] and cnt > 0 and cnt <= cap[s + 1] - cap[s]:
+                p[5], p[6] = 1, cnt
+                self.bound_used += 1
+            C[2 * S + s] = 0
 
     def thr_decide(self, seg, k, cpar, S, ctr, st):
         seg, k, cpar = self.T(seg).numpy(), self.T(k).numpy(), self.T(cpar).numpy()
@@ -885,6 +944,7 @@ def test_host_side_select_large_and_heavy_ties(emulated):
                 got, ref = getattr(cuda, op)(x, offsets, k), getattr(reference, op)(x, offsets, k)
                 for a, b in zip(got, ref):
                     _assert_same_bits(a, b)
+    assert emulated.bound_used > 0  # the sampled start was taken (random data)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -33,10 +33,14 @@
 // digits chosen so far checked) until a chosen bucket fits its candidate
 // capacity; from then on the survivors are written to a candidate buffer
 // (item positions; two buffers, alternating) and later passes read only
-// those.  With 11-bit digits the bucket after the first pass holds about k
-// items for typical data, so x is read twice (histogram, then filter) and
-// everything else touches candidates only.  Heavy ties (e.g. many zeros) keep
-// a segment reading x for a few more passes: slower, equally exact.
+// those.  Every kernel checks the whole prefix of every item it reads, so a
+// kernel may read any superset of the items in play: x, or a candidate
+// buffer.  select.cu can also start a segment from a candidate buffer: the
+// entries at or above a sampled lower bound of the k-th key (when they are
+// at least k and fit), so x is read once; otherwise, with 11-bit digits, the
+// bucket after the first pass holds about k items for typical data and x is
+// read twice (histogram, then filter).  Heavy ties (e.g. many zeros) keep a
+// segment reading x for a few more passes: slower, equally exact.
 //
 // Output.  Selected item positions go to the segment's output slots in
 // whatever order blocks finish (one atomicAdd per block reserves a range);
@@ -61,7 +65,7 @@ enum {
   ST_IP = 2,   // inv digits chosen so far
   ST_B = 3,    // bucket chosen for the latest digit (filtered by the next kernel)
   ST_FIN = 4,  // kernel that takes the whole bucket and finishes; -1: nothing to do
-  ST_SRC = 5,  // 1: this kernel reads the candidate buffer, 0: x
+  ST_SRC = 5,  // where this kernel reads its items: 0 x, 1 cand0, 2 cand1
   ST_SRCN = 6, // number of candidates in that buffer
   ST_DST = 7,  // 1: survivors of this kernel's filter go to the candidate buffer
   ST_N = 8
@@ -157,15 +161,16 @@ __device__ __forceinline__ void radix_pass(const Src& src, const gtopk_i64* lay,
   const gtopk_u64 B = static_cast<gtopk_u64>(sts[ST_B]);
   const gtopk_u64 KP = static_cast<gtopk_u64>(sts[ST_KP]);
   const gtopk_u64 IP = static_cast<gtopk_u64>(sts[ST_IP]);
-  const bool from_cand = sts[ST_SRC] != 0;
+  const gtopk_i64 SRC = sts[ST_SRC];
+  const bool from_cand = SRC != 0;
   const bool to_cand = !fin && j > 0 && sts[ST_DST] != 0;
   const gtopk_i64 lo = seg[s];
   const gtopk_i64 seg_end = seg_end_arr[s + 1];
   const gtopk_i64 nitems = from_cand ? sts[ST_SRCN] : seg[s + 1] - lo;
   const gtopk_i64 cbase = cap[s], ccap = cap[s + 1] - cap[s];
-  // kernel j-1 wrote buffer (j-1) % 2; this kernel writes buffer j % 2
-  const gtopk_i64* cin = (j & 1) ? cand0 : cand1;
-  gtopk_i64* cout = (j & 1) ? cand1 : cand0;
+  // survivors go to the buffer this kernel does not read
+  const gtopk_i64* cin = SRC == 2 ? cand1 : cand0;
+  gtopk_i64* cout = SRC == 1 ? cand1 : cand0;
 
   PassSpec pp, pc;
   pp.word = pp.sh = pp.w = 0;
@@ -309,8 +314,10 @@ __device__ __forceinline__ void radix_pass(const Src& src, const gtopk_i64* lay,
           sts[ST_IP] = static_cast<gtopk_i64>((IP << pp.w) | B);
         }
       }
-      sts[ST_SRC] = to_cand ? 1 : 0;  // where this kernel's survivors are
-      sts[ST_SRCN] = static_cast<gtopk_i64>(total);
+      if (to_cand) {  // the next kernel reads this kernel's survivors
+        sts[ST_SRC] = SRC == 1 ? 2 : 1;
+        sts[ST_SRCN] = static_cast<gtopk_i64>(total);
+      }  // else it reads the same items again (the prefix check skips those out of play)
       const gtopk_i64 hb = sh_sel[1], rem = sh_sel[2];
       sts[ST_B] = sh_sel[0];
       sts[ST_R] = rem;

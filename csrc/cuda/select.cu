@@ -3,7 +3,15 @@
 //
 // Exact top-k: the radix select of radix.cuh over the dense segments of x
 // (gtopk_radix_init, then gtopk_topk_pass_* for j = 0 .. npass; the host
-// sorts the selected positions and gathers the values).
+// sorts the selected positions and gathers the values).  Segments large
+// enough to have a candidate buffer first try a sampled start (as
+// csrc/cpu/select.cpp's sample_bound): L = the R-th largest key of the
+// threshold sample, R = ceil(q + 4 sqrt(q) + 8) for q = k m / n, so that
+// count(key >= L) is a little over k with high probability;
+// gtopk_bound_collect_* writes those entries to the candidate buffer in one
+// pass over x, and gtopk_bound_decide starts the radix select from them when
+// they are at least k and fit -- every entry of the top-k is then among them.
+// Otherwise (or for small segments) the radix select reads x.
 //
 // Threshold selection, exactly reference._threshold_segment, per segment:
 //   1. gtopk_thr_sample_*: t = the ks-th largest key of the fixed sample
@@ -70,21 +78,23 @@ __device__ __forceinline__ void thr_sample(const typename V::bits_t* x, const gt
   if (threadIdx.x == 0) thr[s] = keys[ks - 1];
 }
 
-// Positions of the entries with key >= thr[s]; ctr[S + s] counts them all,
-// the first (output capacity) are written.
+// Positions of the entries with key >= thr[s]: counter[s] counts them all,
+// the first (as many as fit in [outo[s], outo[s + 1])) are written to out.
+// thr[s] == ~0 (no key reaches it): nothing to do, x is not read.
 template <class V, typename I>
-__device__ __forceinline__ void thr_count(const typename V::bits_t* x, const gtopk_i64* lay, int S,
-                                          const gtopk_u64* thr, gtopk_u64* ctr, I* out) {
+__device__ __forceinline__ void collect_ge(const typename V::bits_t* x, const gtopk_i64* lay, int S,
+                                           const gtopk_u64* thr, gtopk_u64* counter, I* out,
+                                           const gtopk_i64* outo) {
   __shared__ gtopk_u64 sh_scan[32];
   __shared__ gtopk_i64 sh_base;
   const gtopk_i64* seg = lay;
   const gtopk_i64* blk = lay + (S + 1);
-  const gtopk_i64* outo = lay + 3 * (S + 1);
   const int tid = threadIdx.x;
   const int s = find_range(blk, S, static_cast<gtopk_i64>(blockIdx.x));
   const gtopk_i64 c = static_cast<gtopk_i64>(blockIdx.x) - blk[s];
   const gtopk_i64 lo = seg[s], n = seg[s + 1] - lo;
   const gtopk_u64 t = thr[s];
+  if (t == ~0ull) return;  // uniform per block
   gtopk_u64 emask = 0ull;
   const gtopk_i64 first = c * GTOPK_CHUNK + tid;
   for (int m = 0; m < GTOPK_ITEMS; ++m) {
@@ -95,7 +105,7 @@ __device__ __forceinline__ void thr_count(const typename V::bits_t* x, const gto
   const gtopk_u64 ne = static_cast<gtopk_u64>(__popcll(emask));
   gtopk_u64 tot;
   const gtopk_u64 excl = block_inclusive_scan(ne, sh_scan, &tot) - ne;
-  if (tid == 0) sh_base = tot ? static_cast<gtopk_i64>(atomicAdd(&ctr[S + s], tot)) : 0;
+  if (tid == 0) sh_base = tot ? static_cast<gtopk_i64>(atomicAdd(&counter[s], tot)) : 0;
   __syncthreads();
   const gtopk_i64 obase = outo[s], ocap = outo[s + 1] - obase;
   gtopk_i64 e = sh_base + static_cast<gtopk_i64>(excl);
@@ -107,6 +117,26 @@ __device__ __forceinline__ void thr_count(const typename V::bits_t* x, const gto
 }
 
 }  // namespace gtopk
+
+// Exact top-k, sampled start (after gtopk_radix_init, gtopk_thr_sample_* with
+// the bound's sample rank and gtopk_bound_collect_*, which put the entries
+// with key >= the bound into cand0 and counted them in ctr[2S + s]): a
+// segment whose candidates number at least r and all fit starts its radix
+// select from them instead of x.  A segment without a bound, or whose bound
+// failed, reads x as usual.  The candidate counters are reset for the passes.
+extern "C" __global__ void gtopk_bound_decide(const gtopk_i64* lay, int S, gtopk_u64* ctr,
+                                              gtopk_i64* st) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= S) return;
+  const gtopk_i64* cap = lay + 2 * (S + 1);
+  const gtopk_i64 cnt = static_cast<gtopk_i64>(ctr[2 * S + s]);
+  gtopk_i64* p = st + static_cast<gtopk_i64>(s) * gtopk::ST_N;
+  if (p[gtopk::ST_FIN] != -1 && cnt >= p[gtopk::ST_R] && cnt > 0 && cnt <= cap[s + 1] - cap[s]) {
+    p[gtopk::ST_SRC] = 1;  // cand0
+    p[gtopk::ST_SRCN] = cnt;
+  }
+  ctr[2 * S + s] = 0ull;
+}
 
 // Segments whose count is within [cpar[2s], cpar[2s+1]] keep it; the others
 // restart as an exact top-k (output count reset, radix state initialised).
@@ -148,6 +178,11 @@ GTOPK_THR_CLEAR(i64, long long)
       gtopk_thr_sample_##VS(const V::bits_t* x, const gtopk_i64* seg, const gtopk_i64* tpar, \
                             gtopk_u64* thr) {                                                \
     gtopk::thr_sample<V>(x, seg, tpar, thr);                                                 \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(GTOPK_THREADS) gtopk_bound_collect_##VS(      \
+      const V::bits_t* x, const gtopk_i64* lay, int S, const gtopk_u64* thr, gtopk_u64* ctr, \
+      gtopk_i64* cand0) {                                                                    \
+    gtopk::collect_ge<V>(x, lay, S, thr, ctr + 2 * S, cand0, lay + 2 * (S + 1));             \
   }
 
 #define GTOPK_SELECT_VALUE_INDEX(VS, V, IS, I)                                               \
@@ -163,7 +198,7 @@ GTOPK_THR_CLEAR(i64, long long)
   extern "C" __global__ void __launch_bounds__(GTOPK_THREADS) gtopk_thr_count_##VS##_##IS(   \
       const V::bits_t* x, const gtopk_i64* lay, int S, const gtopk_u64* thr, gtopk_u64* ctr, \
       I* out) {                                                                              \
-    gtopk::thr_count<V>(x, lay, S, thr, ctr, out);                                           \
+    gtopk::collect_ge<V>(x, lay, S, thr, ctr + S, out, lay + 3 * (S + 1));                   \
   }
 
 using gtopk::BF16;

@@ -240,6 +240,19 @@ def _threshold_params(n: int, k: int):
     return ks, cmin, cmax, max(cmax, k)
 
 
+def _bound_rank(n: int, k: int, cap: int) -> int:
+    """Sample rank R of the exact top-k's sampled start (select.cu), or -1
+    for none: the R-th largest of the 4096 sampled keys lies, with high
+    probability, a little below the k-th largest key of the segment (R is 4
+    standard deviations plus 8 above k's expected rank in the sample, as
+    csrc/cpu/select.cpp's sample_bound)."""
+    if cap <= 0 or k <= 0 or k >= n or n <= KERNEL_SAMPLE:
+        return -1
+    q = k * KERNEL_SAMPLE / n
+    r = math.ceil(q + 4.0 * math.sqrt(q) + 8.0)
+    return r if r < KERNEL_SAMPLE else -1
+
+
 def _cand_capacity(n: int, k: int) -> int:
     """Candidate slots of a segment: room for the bucket of a typical first
     digit (about k entries); larger buckets keep reading x instead."""
@@ -252,12 +265,17 @@ def _make_layout(device, offs: List[int], ks: List[int], kind: str) -> _Layout:
     S = len(ks)
     L = _Layout()
     L.S = S
+    L.has_bound = False
     sizes = [offs[s + 1] - offs[s] for s in range(S)]
     L.blocks_per = [(n + CHUNK - 1) // CHUNK for n in sizes]
     blk = _cum(L.blocks_per)
-    cap = _cum([_cand_capacity(sizes[s], ks[s]) for s in range(S)])
+    caps = [_cand_capacity(sizes[s], ks[s]) for s in range(S)]
+    cap = _cum(caps)
     if kind == "topk":
         slots = [max(0, min(ks[s], sizes[s])) for s in range(S)]
+        bpar = [_bound_rank(sizes[s], ks[s], caps[s]) for s in range(S)]
+        L.has_bound = any(r > 0 for r in bpar)
+        L.bpar = torch.tensor(bpar, dtype=torch.int64).to(device) if L.has_bound else None
     else:  # "threshold"
         par = [_threshold_params(sizes[s], ks[s]) for s in range(S)]
         slots = [p[3] for p in par]
@@ -321,14 +339,24 @@ def _ok(x: torch.Tensor) -> bool:
 
 
 def _radix(x, L, out, kind_out, st, hist, ctr, cand, init: bool):
-    """The radix passes of select.cu over the dense segments of ``x``."""
+    """The radix passes of select.cu over the dense segments of ``x``; with
+    ``init``, the state is initialised first (and segments with a sampled
+    bound try to start from its candidates)."""
     vs, kbits = _VALUES[x.dtype]
     S = L.S
+    half = max(1, L.ncand)
+    cand0, cand1 = cand[:half], cand[half:]
     if init:
         _launch("select.cu", "gtopk_radix_init", _blocks(S),
                 (_p(L.seg), _p(L.k), _i32(S), _p(st)))
-    half = max(1, L.ncand)
-    cand0, cand1 = cand[:half], cand[half:]
+        if L.has_bound:
+            thr = torch.empty(S, dtype=torch.int64, device=x.device)
+            _launch("select.cu", f"gtopk_thr_sample_{vs}", S,
+                    (_p(x), _p(L.seg), _p(L.bpar), _p(thr)))
+            _launch("select.cu", f"gtopk_bound_collect_{vs}", L.nblocks,
+                    (_p(x), _p(L.lay), _i32(S), _p(thr), _p(ctr), _p(cand0)))
+            _launch("select.cu", "gtopk_bound_decide", _blocks(S),
+                    (_p(L.lay), _i32(S), _p(ctr), _p(st)))
     name = f"gtopk_topk_pass_{vs}_{kind_out}"
     for j in range(_passes(kbits, L.wbits) + 1):
         _launch("select.cu", name, L.nblocks,
@@ -537,9 +565,9 @@ def kernel_names() -> Dict[str, List[str]]:
     vals = [v for v, _ in _VALUES.values()]
     idxs = list(_INDEX.values())
     return {
-        "select.cu": (["gtopk_radix_init", "gtopk_thr_decide"]
+        "select.cu": (["gtopk_radix_init", "gtopk_thr_decide", "gtopk_bound_decide"]
                       + [f"gtopk_thr_clear_{i}" for i in idxs]
-                      + [f"gtopk_thr_sample_{v}" for v in vals]
+                      + [f"gtopk_{op}_{v}" for op in ("thr_sample", "bound_collect") for v in vals]
                       + [f"gtopk_{op}_{v}_{i}" for op in ("topk_pass", "thr_count")
                          for v in vals for i in idxs]),
         "merge.cu": (["gtopk_radix_init", "gtopk_merge_keep"]
