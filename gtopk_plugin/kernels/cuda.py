@@ -319,8 +319,8 @@ def _passes(kbits: int, wbits: int) -> int:
 def _work(L: _Layout, device) -> Tuple[torch.Tensor, ...]:
     S = L.S
     st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=device)
-    hist = torch.zeros(max(1, S * BINS), dtype=torch.int64, device=device)
-    ctr = torch.zeros(max(1, 3 * S), dtype=torch.int64, device=device)
+    zeros = torch.zeros(S * BINS + 3 * S + 1, dtype=torch.int64, device=device)  # one memset
+    hist, ctr = zeros[: S * BINS], zeros[S * BINS:]
     cand = torch.empty(2 * max(1, L.ncand), dtype=torch.int64, device=device)
     return st, hist, ctr, cand
 
@@ -468,8 +468,8 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k):
     oidx = torch.empty(max(1, nslots), dtype=itype, device=dev)
     oval = torch.empty(max(1, nslots), dtype=va.dtype, device=dev)
     st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=dev)
-    hist = torch.zeros(max(1, S * BINS), dtype=torch.int64, device=dev)
-    ctr = torch.zeros(max(1, 3 * S), dtype=torch.int64, device=dev)
+    zeros = torch.zeros(S * BINS + 3 * S + 1, dtype=torch.int64, device=dev)  # one memset
+    hist, ctr = zeros[: S * BINS], zeros[S * BINS:]
     half = max(1, cap[-1])
     cand = torch.empty(2 * half, dtype=torch.int64, device=dev)
     with _On(dev):
