@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default benchmarks/results/convergence.json, or convergence_quick.json with --quick)")
     p.add_argument("--tasks", nargs="+", choices=study.ALL_TASKS, default=list(study.ALL_TASKS))
     p.add_argument("--seeds", type=int, default=len(study.SEEDS), help="seeds per configuration (full study)")
+    p.add_argument("--demo-seeds", type=int, default=None,
+                   help="seeds of the gtopk-demo configuration group (default: --seeds; 0: leave it out)")
     p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="simulation processes (one thread each)")
@@ -76,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         grid = [(g, s) for g, s in study.quick_grid(args.steps or QUICK_STEPS) if s.task in args.tasks]
     else:
         steps = {t: args.steps for t in args.tasks} if args.steps else None
-        grid = study.full_grid(args.tasks, seeds=tuple(range(args.seeds)), steps=steps)
+        grid = study.full_grid(args.tasks, seeds=tuple(range(args.seeds)), steps=steps,
+                               demo_seeds=None if args.demo_seeds is None else tuple(range(args.demo_seeds)))
     specs = study.unique_specs(grid)
     gloo_specs = {}
     if not args.no_gloo:
@@ -135,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "python": platform.python_version(), "torch": __import__("torch").__version__,
             "machine": platform.machine(), "cpus": os.cpu_count(), "jobs": args.jobs,
             "grid": {"densities": study.DENSITIES, "workers": study.WORKERS, "r_factors": study.R_FACTORS,
-                     "seeds": args.seeds if not args.quick else 1, "momentum": study.MOMENTUM,
+                     "seeds": args.seeds if not args.quick else 1, "demo_seeds": args.demo_seeds, "momentum": study.MOMENTUM,
                      "demo": study.DEMO, "gloo_check": study.GLOO_CHECK},
             "task_info": task_info, "runs": len(specs),
             "wall_s": {"simulation": sim_wall, "gloo": gloo_wall},

@@ -61,7 +61,10 @@ def canonical(spec: RunSpec) -> RunSpec:
 
 
 def full_grid(tasks: Sequence[str] = ALL_TASKS, seeds: Sequence[int] = SEEDS,
-              steps: Optional[Dict[str, int]] = None) -> List[Tuple[str, RunSpec]]:
+              steps: Optional[Dict[str, int]] = None,
+              demo_seeds: Optional[Sequence[int]] = None) -> List[Tuple[str, RunSpec]]:
+    """The study's runs as (group, spec).  ``demo_seeds``: seeds of the
+    demo-configuration group (default: ``seeds``; empty: no demo group)."""
     steps = steps or {}
     out: List[Tuple[str, RunSpec]] = []
 
@@ -82,11 +85,12 @@ def full_grid(tasks: Sequence[str] = ALL_TASKS, seeds: Sequence[int] = SEEDS,
             for m, r in MOMENTUM_METHODS:
                 add("momentum", task=t, method=m, r_factor=r, density=0.01, workers=4,
                     momentum=MOMENTUM, momentum_mode=mode, lr_scale=1 - MOMENTUM)
+    demo_seeds = seeds if demo_seeds is None else demo_seeds
     if "digits" in tasks:
         for m, r in MOMENTUM_METHODS:
             base = dict(DEMO, method=m, r_factor=r)
             for mode, lr_scale in DEMO_VARIANTS:
-                for s in seeds:
+                for s in demo_seeds:
                     spec = RunSpec(seed=s, momentum=MOMENTUM, momentum_mode=mode, **dict(base, lr=base["lr"] * lr_scale))
                     out.append(("demo", canonical(spec)))
     return out
