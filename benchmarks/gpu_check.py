@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import re
 import sys
 import threading
