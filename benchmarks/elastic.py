@@ -35,11 +35,14 @@ by the benchmark in the communication layer (``--latency-mode transport``,
 :class:`DelayedTransport`): every point-to-point round of a collective
 (``_raw_sendrecv``, ``_raw_recv``) waits one one-way latency drawn from
 N(5 ms, 0.2 ms), and an allreduce waits 2·(P−1) of them (the rounds of a
-ring).  The bandwidth cap stays the kernel's (tbf).  Both reducers then run
-through the same Transport on the scheduler's background thread (dense:
-``TransportDenseReduction``; gTop-k: ``ThreadedReduction``), one layer after
-the other, first in first out.  The injected waits are measured and
-reported (``meta.latency``).
+ring).  The bandwidth cap stays the kernel's (tbf).  The injected waits are
+measured and reported (``meta.latency``).
+
+Back end.  In both modes both reducers run through the same Transport on
+the scheduler's background thread, one layer after the other, first in
+first out (dense: ``TransportDenseReduction``; gTop-k: ``ThreadedReduction``),
+so the two modes measure the same code; torch's native asynchronous
+allreduce (the scheduler's default dense back end) is not what is timed.
 
 Results: ``benchmarks/results/elastic.json`` (every step time, accuracies,
 the scheduler's statistics), ``elastic.md`` (the table) and ``elastic.png``.
