@@ -6,11 +6,12 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def pytest_terminal_summary(terminalreporter):
-    # The Horovod tests skip only when horovod cannot be imported; say so
-    # loudly, since a silent skip would hide that they never ran.
-    skipped = terminalreporter.stats.get("skipped", [])
-    if any("test_horovod" in str(getattr(r, "nodeid", "")) or "HOROVOD TESTS SKIPPED" in str(r.longrepr)
-           for r in skipped):
-        terminalreporter.write_sep("!", "HOROVOD TESTS SKIPPED: horovod cannot be imported; "
-                                        "run `bash scripts/install_horovod.sh` (make test does)",
-                                   red=True, bold=True)
+    # The Horovod (and Horovod-TensorFlow) tests skip only when their
+    # framework cannot be imported; say so loudly, since a silent skip would
+    # hide that they never ran.  Matched on the skip reasons the modules give.
+    reasons = [str(r.longrepr) for r in terminalreporter.stats.get("skipped", [])]
+    for tag, hint in (("HOROVOD TESTS SKIPPED", "horovod cannot be imported; run `bash scripts/install_horovod.sh`"),
+                      ("HOROVOD-TENSORFLOW TESTS SKIPPED", "tensorflow or horovod.tensorflow cannot be imported; "
+                       "run `GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh`")):
+        if any(tag in r for r in reasons):
+            terminalreporter.write_sep("!", f"{tag}: {hint} (make test does)", red=True, bold=True)
