@@ -149,6 +149,17 @@ def env_kernels() -> str:
     return os.environ.get("GTOPK_KERNELS", "auto").strip().lower() or "auto"
 
 
+def env_compiler() -> str:
+    """The C++ compiler the CPU kernels are compiled with on first use
+    (``CXX``, as torch.utils.cpp_extension uses it; default ``c++``)."""
+    return os.environ.get("CXX", "c++")
+
+
+def env_cache_home() -> str:
+    """The per-user cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def env_fusion_threshold_bytes(default: int = 64 * 1024 * 1024) -> int:
     """``GTOPK_FUSION_THRESHOLD`` (bytes): default gradient-bucket size of the
     framework optimizers (the role of Horovod's ``HOROVOD_FUSION_THRESHOLD``)."""

@@ -8,7 +8,6 @@ package (or torch).
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -79,10 +78,11 @@ def ldflags(torch_module) -> List[str]:
     return ["-fopenmp"] if openmp(torch_module) else []
 
 
-def cache_root() -> Path:
-    """Per-user cache of compiled kernels (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gtopk_plugin" / "cpu_kernels"
+def cache_root(cache_home: str) -> Path:
+    """Per-user cache of compiled kernels under ``cache_home``
+    (gtopk_plugin.config.env_cache_home(): this file stays free of package
+    imports, so the caller reads the environment)."""
+    return Path(cache_home) / "gtopk_plugin" / "cpu_kernels"
 
 
 def build_tag(torch_module) -> str:

@@ -19,7 +19,6 @@ operands, non-1-D residuals) are passed to the reference.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -29,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .. import config
 from . import _build, reference
 
 log = logging.getLogger("gtopk_plugin.kernels")
@@ -48,14 +48,14 @@ def _load_library(path) -> None:
 
 
 def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++"))
+    return shutil.which(config.env_compiler())
 
 
 def _jit(src_dir, files, src_hash: str) -> None:
     from torch.utils import cpp_extension
 
     name = f"gtopk_cpu_kernels_{src_hash}"
-    build_dir = _build.cache_root() / _build.build_tag(torch) / src_hash
+    build_dir = _build.cache_root(config.env_cache_home()) / _build.build_tag(torch) / src_hash
     so = build_dir / f"{name}.so"
     if so.exists():
         try:
