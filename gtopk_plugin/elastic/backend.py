@@ -110,6 +110,52 @@ class AsyncReduction(abc.ABC):
         """Release threads or groups (the scheduler is done)."""
 
 
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One layer's gradients as one flat buffer, parameters in order (a
+    copy: ``p.grad`` may change while the reduction is in flight)."""
+    return torch.cat([g.detach().reshape(-1) for g in tensors])
+
+
+class FlatHandle:
+    """One layer's dense reduction in flight: the framework's handle
+    ``work``, the flat buffer it reduces (kept alive until the result is
+    read; None when the framework owns it) and how to cut the result back
+    into the layer's tensors."""
+
+    __slots__ = ("work", "flat", "shapes", "dtypes", "device", "unit", "step")
+
+    def __init__(self, work, flat: Optional[Tensor], tensors: Sequence[Tensor], unit: int, step: int):
+        self.work, self.flat = work, flat
+        self.shapes = [g.shape for g in tensors]
+        self.dtypes = [g.dtype for g in tensors]
+        self.device, self.unit, self.step = tensors[0].device, unit, step
+
+    def unflatten(self, flat: Tensor) -> List[Tensor]:
+        """The reduced flat buffer as the layer's tensors (shapes, dtypes and
+        device of the launched gradients); releases the buffer in flight."""
+        flat = flat.to(self.device)
+        out, pos = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = shape.numel()
+            out.append(flat[pos:pos + n].view(shape).to(dtype))
+            pos += n
+        self.flat = None
+        return out
+
+
+def poll_until_done(poll: Callable[[], bool], timeout: float, what: str, rank: int) -> None:
+    """Wait for ``poll()`` with short, growing sleeps (a framework's own
+    synchronize may spin on a core with no bound); raise after ``timeout``
+    seconds, naming ``what`` and the rank."""
+    deadline = time.monotonic() + timeout
+    pause = 2e-5
+    while not poll():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gtopk_plugin elastic: {what} did not finish within {timeout:g} s on rank {rank}")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-4)
+
+
 def agree_by_transport(transport: Transport, layout, bad_input) -> None:
     """:meth:`AsyncReduction.agree` for back ends that have a Transport."""
     consistency.check(transport, list(layout), bad_input, [])

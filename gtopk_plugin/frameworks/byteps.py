@@ -17,13 +17,12 @@ of names is fixed and reused every step as BytePS expects.
 from __future__ import annotations
 
 import importlib
-import time
 from typing import List, Optional
 
 import torch
 
 from .. import config
-from ..elastic.backend import AsyncReduction, agree_by_sum
+from ..elastic.backend import AsyncReduction, FlatHandle, agree_by_sum, flatten, poll_until_done
 
 Tensor = torch.Tensor
 
@@ -48,13 +47,6 @@ def _push_pull_async(bps):
     if f is None:
         f = importlib.import_module(f"{bps.__name__}.ops").push_pull_async
     return f
-
-
-class _Handle:
-    __slots__ = ("h", "shapes", "dtypes", "device", "unit", "step")
-
-    def __init__(self, h, shapes, dtypes, device, unit, step):
-        self.h, self.shapes, self.dtypes, self.device, self.unit, self.step = h, shapes, dtypes, device, unit, step
 
 
 class BytePSDenseReduction(AsyncReduction):
@@ -103,31 +95,17 @@ class BytePSDenseReduction(AsyncReduction):
                     declare(self._name(u.index, s))
 
     def launch(self, unit, step, names, tensors, last_of_step):
-        device = tensors[0].device
-        buf = torch.cat([g.detach().reshape(-1) for g in tensors])  # a copy: p.grad may change
-        h = self._push_pull_async(buf, average=True, name=self._name(unit, step % self._slots),
-                                     priority=-unit)
-        return _Handle(h, [g.shape for g in tensors], [g.dtype for g in tensors], device, unit, step)
+        h = self._push_pull_async(flatten(tensors), average=True, name=self._name(unit, step % self._slots),
+                                  priority=-unit)
+        return FlatHandle(h, None, tensors, unit, step)
 
     def ready(self, h):
-        return bool(self.bps.poll(h.h))
+        return bool(self.bps.poll(h.work))
 
     def wait(self, h) -> List[Tensor]:
-        deadline = time.monotonic() + self.timeout
-        pause = 2e-5
-        while not self.bps.poll(h.h):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gtopk_plugin elastic: BytePS push_pull of layer {h.unit} at step {h.step} "
-                                   f"did not finish within {self.timeout:g} s on rank {self.rank}")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
-        flat = self.bps.synchronize(h.h).to(h.device)
-        out, pos = [], 0
-        for shape, dtype in zip(h.shapes, h.dtypes):
-            n = shape.numel()
-            out.append(flat[pos:pos + n].view(shape).to(dtype))
-            pos += n
-        return out
+        poll_until_done(lambda: self.bps.poll(h.work), self.timeout,
+                        f"BytePS push_pull of layer {h.unit} at step {h.step}", self.rank)
+        return h.unflatten(self.bps.synchronize(h.work))
 
     def _sum(self, v: Tensor) -> Tensor:
         return self.bps.synchronize(self._push_pull_async(v, average=False, name=f"{self.prefix}.agree"))

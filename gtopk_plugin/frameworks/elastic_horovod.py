@@ -19,24 +19,16 @@ ranks) and stable across steps (Horovod's response cache recognises them);
 """
 from __future__ import annotations
 
-import time
 from typing import List, Optional
 
 import torch
 
 from .horovod import HorovodTransport, _ops, hvd
 from .. import config
-from ..elastic.backend import AsyncReduction, agree_by_transport, register_transport
+from ..elastic.backend import (AsyncReduction, FlatHandle, agree_by_transport, flatten, poll_until_done,
+                               register_transport)
 
 Tensor = torch.Tensor
-
-
-class _Handle:
-    __slots__ = ("h", "buf", "shapes", "dtypes", "device", "unit", "step")
-
-    def __init__(self, h, buf, shapes, dtypes, device, unit, step):
-        self.h, self.buf, self.shapes, self.dtypes = h, buf, shapes, dtypes
-        self.device, self.unit, self.step = device, unit, step
 
 
 class HorovodDenseReduction(AsyncReduction):
@@ -72,35 +64,18 @@ class HorovodDenseReduction(AsyncReduction):
         self._slots = max(1, int(max_in_flight))
 
     def launch(self, unit, step, names, tensors, last_of_step):
-        device = tensors[0].device
-        buf = torch.cat([g.detach().reshape(-1) for g in tensors])  # a copy: p.grad may change
-        buf = buf.to(self.transport.comm_device(device))
+        buf = flatten(tensors).to(self.transport.comm_device(tensors[0].device))
         h = _ops.allreduce_async_(buf, name=f"{self.prefix}.u{unit}.s{step % self._slots}", op=hvd.Average,
                                   process_set=self.process_set)
-        return _Handle(h, buf, [g.shape for g in tensors], [g.dtype for g in tensors], device, unit, step)
+        return FlatHandle(h, buf, tensors, unit, step)
 
     def ready(self, h):
-        return bool(_ops.poll(h.h))
+        return bool(_ops.poll(h.work))
 
     def wait(self, h) -> List[Tensor]:
-        # Poll with short sleeps up to the timeout (synchronize itself would
-        # spin on a core with no bound).
-        deadline = time.monotonic() + self.timeout
-        pause = 2e-5
-        while not _ops.poll(h.h):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gtopk_plugin elastic: Horovod allreduce of layer {h.unit} at step {h.step} "
-                                   f"did not finish within {self.timeout:g} s on rank {self.rank}")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
-        flat = _ops.synchronize(h.h).to(h.device)
-        out, pos = [], 0
-        for shape, dtype in zip(h.shapes, h.dtypes):
-            n = shape.numel()
-            out.append(flat[pos:pos + n].view(shape).to(dtype))
-            pos += n
-        h.buf = None
-        return out
+        poll_until_done(lambda: _ops.poll(h.work), self.timeout,
+                        f"Horovod allreduce of layer {h.unit} at step {h.step}", self.rank)
+        return h.unflatten(_ops.synchronize(h.work))
 
     def agree(self, layout, bad_input):
         self.transport.set_scope("agree")

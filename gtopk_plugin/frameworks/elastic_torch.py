@@ -15,18 +15,11 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..elastic.backend import AsyncReduction, agree_by_transport, register_default, register_transport
+from ..elastic.backend import (AsyncReduction, FlatHandle, agree_by_transport, flatten, register_default,
+                               register_transport)
 from .torch_distributed import TorchDistributedTransport
 
 Tensor = torch.Tensor
-
-
-class _Handle:
-    __slots__ = ("work", "flat", "shapes", "dtypes", "device", "unit", "step")
-
-    def __init__(self, work, flat, shapes, dtypes, device, unit, step):
-        self.work, self.flat, self.shapes, self.dtypes = work, flat, shapes, dtypes
-        self.device, self.unit, self.step = device, unit, step
 
 
 def _dedicated_group(group):
@@ -91,13 +84,11 @@ class TorchDenseReduction(AsyncReduction):
 
     def launch(self, unit, step, names, tensors, last_of_step):
         t = self._require()
-        device = tensors[0].device
-        flat = torch.cat([g.detach().reshape(-1) for g in tensors])  # a copy
-        flat = flat.to(t.comm_device(device))
+        flat = flatten(tensors).to(t.comm_device(tensors[0].device))
         work = None
         if t.size > 1:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _Handle(work, flat, [g.shape for g in tensors], [g.dtype for g in tensors], device, unit, step)
+        return FlatHandle(work, flat, tensors, unit, step)
 
     def ready(self, h):
         return h.work is None or h.work.is_completed()
@@ -111,14 +102,7 @@ class TorchDenseReduction(AsyncReduction):
                     f"gtopk_plugin elastic: the allreduce of layer {h.unit} at step {h.step} failed on "
                     f"rank {self.rank} (a peer died, or did not answer within {self.timeout:g} s): {e}") from e
             h.flat.div_(self.size)
-        flat = h.flat.to(h.device)
-        out, pos = [], 0
-        for shape, dtype in zip(h.shapes, h.dtypes):
-            n = shape.numel()
-            out.append(flat[pos:pos + n].view(shape).to(dtype))
-            pos += n
-        h.flat = None
-        return out
+        return h.unflatten(h.flat)
 
     def agree(self, layout, bad_input):
         agree_by_transport(self._require(), list(layout) + [("backend", self.kind)], bad_input)
