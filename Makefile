@@ -6,6 +6,9 @@
 # first install builds horovod==0.28.1 against the venv's torch (~9 min on 2
 # cores); the wheel is cached in ~/.cache/gtopk_plugin/horovod/, so later
 # runs (and fresh venvs on the same machine) install it in seconds.
+# TF=1 (the default) first installs tensorflow-cpu==2.15.1 (the newest TF
+# that Horovod 0.28.1 builds against; see docs/horovod.md) and builds Horovod
+# with TensorFlow too, so the Horovod-TF tests run; TF=0 builds without it.
 #
 # TORCH_SPEC pins the torch build.  On CPU-only machines torch==2.13.0 comes
 # from a local CPU wheel; a bare "torch" would download a multi-GB CUDA build.
@@ -16,6 +19,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.installed
 HOROVOD     ?= 1
+TF          ?= 1
 
 .PHONY: setup horovod demo test bench bench-horovod clean
 
@@ -35,7 +39,7 @@ demo: setup
 # Idempotent and quick once installed (checks the install matches this torch).
 horovod: setup
 ifeq ($(HOROVOD),1)
-	bash scripts/install_horovod.sh $(VENV)
+	GTOPK_HOROVOD_TF=$(TF) bash scripts/install_horovod.sh $(VENV)
 else
 	@echo "HOROVOD=0: not installing Horovod; its tests will be skipped"
 endif

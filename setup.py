@@ -93,7 +93,10 @@ EXTRAS = {
     # Horovod 0.28.1 needs a patched build against current torch: see
     # scripts/install_horovod.sh (issue #3); the extra records the version.
     "horovod": ["horovod==0.28.1"],
-    "tf": ["tensorflow-cpu>=2.12"],
+    # Horovod 0.28.1 builds against TF 2.12-2.15 only (TF >= 2.16 headers
+    # include highwayhash, which TF's wheels lack); install_horovod.sh with
+    # GTOPK_HOROVOD_TF=1 installs tensorflow-cpu==2.15.1 and builds it.
+    "tf": ["tensorflow-cpu>=2.12,<2.16"],
     # CUDA kernels (csrc/cuda, compiled at run time by CuPy's NVRTC): CuPy
     # wheels are per CUDA major version -- cupy-cuda12x for CUDA 12 drivers and
     # toolkits, cupy-cuda13x (CuPy >= 14) for CUDA 13.  Without CuPy, CUDA

@@ -11,6 +11,7 @@ check that raises is recorded as an error and the job goes on.
 import os
 import pickle
 import sys
+import time
 import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -21,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 import horovod.tensorflow.keras as hvd_keras  # noqa: E402
 
-tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("GTOPK_TF_INTER_OP", "1")))
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
 
@@ -187,16 +188,20 @@ def main(outdir):
     results = {"rank": R, "size": P}
 
     def record(key, fn):
+        t0 = time.time()
         try:
             results[key] = ("ok", fn())
+            print(f"rank {R}: {key} ok ({time.time() - t0:.1f} s)", flush=True)
         except BaseException as e:  # noqa: BLE001 - record and go on
             results[key] = ("error", (type(e).__name__, str(e)[:2000], traceback.format_exc()[-4000:]))
 
     for name, (make, op) in SPARSE.items():
         record(f"sparse/{name}", lambda make=make, op=op: run_tape(make(), op))
+    # traced: with P = 3 one rank idles in the butterfly's rounds (see _Ops.phase)
     record("sparse/gtopk_graph", lambda: run_tape(Compression.gtopk(0.1), hvd.Sum, graph=True))
     record("sparse/threshold_butterfly_graph",
            lambda: run_tape(Compression.threshold(0.1, merge="gtopk"), hvd.Sum, graph=True))
+    record("sparse/topk_graph", lambda: run_tape(Compression.topk(0.1), hvd.Sum, graph=True))
     for cname in ("none", "fp16"):
         record(f"keras/dense/{cname}", lambda cname=cname: check_keras_dense(cname))
     record("keras/gtopk_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir))

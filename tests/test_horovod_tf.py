@@ -217,6 +217,7 @@ SPARSE = {
     "gtopk_average": (dict(method="gtopk", density=0.1, op="average"), True),
     "gtopk_graph": (dict(method="gtopk", density=0.1), True),
     "threshold_butterfly_graph": (dict(method="threshold", density=0.1, merge="gtopk"), True),
+    "topk_graph": (dict(method="topk", density=0.1), True),
 }
 WORLD_SIZES = [2, 3]
 
@@ -262,7 +263,9 @@ def test_sparse_methods_match_pytorch_oracle_agree_and_conserve_mass(P):
                 want = oracle.residuals[r][n].numpy()
                 got = mine[f"r{i:04d}"]
                 tol = dict(atol=2e-3, rtol=1e-3) if kw.get("value_dtype") else dict(atol=1e-5, rtol=1e-5)
-                if exact and not kw.get("value_dtype") and _bits(got) != _bits(want) or \
+                # equal values (a never-touched entry may be -0.0 on the
+                # oracle's first step and +0.0 here: grad + a zero residual)
+                if exact and not kw.get("value_dtype") and not np.array_equal(got, want) or \
                         not np.allclose(got, want, **tol):
                     failures.append(f"{name}: residual of {n} on rank {r} differs from the oracle")
             total_res = total_res + np.concatenate([mine[f"r{i:04d}"] for i in range(len(names))]).astype(np.float64)
@@ -281,8 +284,20 @@ def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
     for res in results:
         for cname in ("none", "fp16"):
             d = ok(res, f"keras/dense/{cname}")
+            # For P >= 3 the sums' rounding depends on how Horovod's fusion
+            # happened to batch the tensors in each run (the ring's chunk
+            # boundaries move): last-bit differences between two stock runs
+            # too.  So: equal to float tolerance, and bit-identical on all ranks.
+            tol = 1e-4 if cname == "fp16" else 1e-6
             for a, b in zip(d["ours"], d["stock"]):
-                assert _bits(a) == _bits(b), f"Compression.{cname}: Keras weights differ from stock Horovod-TF"
+                assert a.shape == b.shape and np.allclose(a, b, atol=tol, rtol=tol), \
+                    f"Compression.{cname}: Keras weights differ from stock Horovod-TF " \
+                    f"(max diff {np.abs(a - b).max():.3g})"
+            for a, b in zip(d["ours"], ok(results[0], f"keras/dense/{cname}")["ours"]):
+                assert _bits(a) == _bits(b), f"Compression.{cname}: ranks disagree on the Keras weights"
+            if P == 2:  # two summands: the order cannot matter, so bits
+                for a, b in zip(d["ours"], d["stock"]):
+                    assert _bits(a) == _bits(b), f"Compression.{cname}: Keras weights differ from stock"
         c = ok(res, "keras/gtopk_checkpoint")
         first = ok(results[0], "keras/gtopk_checkpoint")
         for a, b in zip(c["weights"], first["weights"]):

@@ -102,6 +102,8 @@ class _Ops:
         self.n = 0
         self.P = process_set.size()
         self.rank = process_set.rank()
+        self.zero = 0         # a run-time int32 zero once the consistency check ran
+        self.threaded = False  # whether an unread collective output feeds self.zero
 
     def _name(self, kind):
         self.n += 1
@@ -116,15 +118,44 @@ class _Ops:
     def phase(self, send_to: Optional[int], blob, recv_from: Optional[int]):
         """One butterfly step for every rank: an alltoall whose only
         non-zero split goes to ``send_to`` (idle ranks send nothing but
-        still take part, as Horovod's collectives require)."""
+        still take part, as Horovod's collectives require).  ``blob``: this
+        rank's current set, packed (only its type is used when idle)."""
         if send_to is None:
-            blob = tf.zeros([0], tf.uint8)
+            # Nothing to send, but never a constant: Horovod's ops are not
+            # marked stateful, so TF (shape inference while tracing, Grappler's
+            # constant folding) would run an op whose inputs are all constants
+            # ahead of time, on this rank alone, and wait there forever.  The
+            # length comes from the consistency check: a run-time zero.
+            blob = blob[:self.zero]
             splits = tf.zeros([self.P], tf.int32)
         else:
             splits = tf.one_hot(send_to, self.P, dtype=tf.int32) * tf.size(blob)
         out, _ = hvd.alltoall(blob, splits=splits, name=self._name("phase"), ignore_name_scope=True,
                               process_set=self.ps)
-        return out if recv_from is not None else None
+        if recv_from is None:
+            # Nobody reads this output, yet the op must run on this rank or its
+            # peers wait forever.  In a traced graph an op is kept only if the
+            # outputs depend on it, and through a data edge: Grappler's
+            # dependency optimizer turns a non-stateful op (Horovod's are not
+            # marked stateful) whose outputs only feed control dependencies into
+            # a NoOp.  So the output feeds the run-time zero, which later idle
+            # sends slice with (that also keeps two idle steps of one rank from
+            # being merged as common subexpressions) and keep() threads into
+            # the results.
+            if not tf.executing_eagerly():
+                self.zero = tf.minimum(self.zero, tf.size(out, out_type=tf.int32))
+                self.threaded = True
+            return None
+        return out
+
+    def keep(self, *tensors):
+        """``tensors``, bit for bit, made to depend (by data) on every
+        collective issued so far whose output nobody reads (see phase())."""
+        if not self.threaded:
+            return tensors
+        # t[zero:] with a run-time zero: the whole tensor (TF forwards the
+        # buffer), but Grappler cannot know it and must run what feeds zero.
+        return tuple(tf.reshape(t[self.zero:], tf.shape(t)) for t in tensors)
 
 
 def _allgather_sum(ops: _Ops, idx, vals, numel, sum_dtype, static_count):
@@ -165,7 +196,7 @@ def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
     if n_extra:
         send_to = r - Pp if r >= Pp else None
         recv_from = r + Pp if r < n_extra else None
-        blob = ops.phase(send_to, _pack(cur_i, cur_v) if send_to is not None else None, recv_from)
+        blob = ops.phase(send_to, _pack(cur_i, cur_v), recv_from)
         if recv_from is not None:
             o_i, o_v, _ = _unpack(blob, vals.dtype)
             cur_i, cur_v, keep_a, keep_b = merge_select(cur_i, cur_v, o_i, o_v, offsets_t, k_t)
@@ -173,7 +204,7 @@ def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
             folded_i, folded_alive = o_i, keep_b
     for j in range(Pp.bit_length() - 1):
         peer = (r ^ (1 << j)) if r < Pp else None
-        blob = ops.phase(peer, _pack(cur_i, cur_v) if peer is not None else None, peer)
+        blob = ops.phase(peer, _pack(cur_i, cur_v), peer)
         if peer is None:
             continue
         o_i, o_v, _ = _unpack(blob, vals.dtype)
@@ -184,7 +215,9 @@ def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
     if n_extra:
         send_to = r + Pp if r < n_extra else None
         recv_from = r - Pp if r >= Pp else None
-        out = tf.concat([_pack(cur_i, cur_v), _pack_bits(folded_alive)], 0) if send_to is not None else None
+        out = _pack(cur_i, cur_v)
+        if send_to is not None:
+            out = tf.concat([out, _pack_bits(folded_alive)], 0)
         blob = ops.phase(send_to, out, recv_from)
         if recv_from is not None:
             mask_bytes = (int(own.shape[0]) + 7) // 8 if own.shape[0] is not None else None
@@ -379,6 +412,7 @@ class SparseCompression(tf.Module):
                       tf.constant(-fp, tf.int64), self.step.read_value()])
         if P > 1:
             v = ops.allreduce(v, hvd.Max, "check")
+            ops.zero = tf.cast(tf.minimum(v[3], 0), tf.int32)  # step >= 0; unknown to TF
         step = v[3]
         mismatch_msg = ("gtopk_plugin: ranks reduced different tensors or settings (shapes, dtypes, "
                         "k or method must match)")
@@ -465,7 +499,7 @@ class SparseCompression(tf.Module):
         if alive is not None:
             idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(sent, alive)
         residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
-        return update, residual
+        return ops.keep(update, residual)
 
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise")
