@@ -31,9 +31,12 @@ def parse_args():
     p.add_argument("--compression", default="gtopk", choices=COMPRESSIONS)
     p.add_argument("--density", type=float, default=0.01,
                    help="fraction of each gradient sent (sparse compressions)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
-    p.add_argument("--lr", type=float, default=0.3)
+    # 0.1 with momentum 0.9: at 0.3 gTop-k at density 0.01 diverges here (error
+    # feedback delays the small coordinates, and momentum amplifies the late
+    # mass; the dense run tolerates 0.3)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tape", action="store_true", help="custom loop with DistributedGradientTape")
     return p.parse_args()
@@ -70,7 +73,7 @@ def main():
     compression = Compression.from_name(args.compression, args.density)
     if rank == 0:
         print(f"world size {world}, compression {compression!r}, {model.count_params()} parameters, "
-              f"{len(y) // args.batch_size} steps per epoch", flush=True)
+              f"{-(-len(y) // args.batch_size)} steps per epoch", flush=True)
     t0 = time.perf_counter()
     if not args.tape:
         opt = DistributedOptimizer(tf.keras.optimizers.SGD(args.lr, momentum=0.9), compression=compression)

@@ -324,3 +324,20 @@ def test_nonfinite_gradient_on_one_rank(P):
         d = ok(res, "nonfinite")
         assert d["raise"].startswith("NonFiniteGradientError"), f"rank {res['rank']}: {d['raise']}"
         assert d["skip_zero"] and d["skip_residual_kept"] and d["skip_step"] == 2, d
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["fit", "tape"])
+def test_example_trains_under_horovodrun(mode):
+    """examples/horovod_tf_train.py, as the docs run it (gTop-k at density
+    0.01), at np 2: Keras fit, or the DistributedGradientTape loop inside
+    tf.function.  It must finish and learn (10 classes: chance is 0.1)."""
+    args = [os.path.join(ROOT, "examples", "horovod_tf_train.py"), "--compression", "gtopk",
+            "--density", "0.01", "--epochs", "3"] + (["--tape"] if mode == "tape" else [])
+    rc, out = horovodrun(2, args)
+    assert rc == 0, f"example failed (rc {rc}):\n{out[-6000:]}"
+    accs = [float(line.split("final test accuracy")[1].split()[0])
+            for line in out.splitlines() if "final test accuracy" in line]
+    assert len(accs) == 1, out[-4000:]  # rank 0 prints it
+    assert accs[0] > 0.5, out[-4000:]
