@@ -319,6 +319,28 @@ def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
 @needs_hvd
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", WORLD_SIZES)
+def test_keras_backward_passes_per_step_reduces_the_aggregated_gradient(P):
+    results = job(P)
+    first = ok(results[0], "keras/backward_passes")
+    for res in results:
+        d = ok(res, "keras/backward_passes")
+        # 32 samples per rank: 4 passes -> 2 exchanges, as 2 batches of 16
+        assert d["bpps2"]["step"] == d["bpps1"]["step"] == 2, (d["bpps2"]["step"], d["bpps1"]["step"])
+        for a, b in zip(d["bpps2"]["weights"], d["bpps1"]["weights"]):
+            assert np.allclose(a, b, atol=1e-5, rtol=1e-5), f"max diff {np.abs(a - b).max():.3g}"
+        # the reduction sees the sum of the two passes (Horovod divides the
+        # reduced result by the passes afterwards): twice the mean gradient
+        for k, v in d["bpps2"]["residuals"].items():
+            want = 2 * d["bpps1"]["residuals"][k]
+            assert np.allclose(v, want, atol=1e-5, rtol=1e-5), f"{k}: max diff {np.abs(v - want).max():.3g}"
+        assert any(np.abs(v).max() > 0 for v in d["bpps2"]["residuals"].values()), "no residual kept"
+        for a, b in zip(d["bpps2"]["weights"], first["bpps2"]["weights"]):
+            assert _bits(a) == _bits(b), "ranks disagree on the weights"
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
 def test_nonfinite_gradient_on_one_rank(P):
     for res in job(P):
         d = ok(res, "nonfinite")

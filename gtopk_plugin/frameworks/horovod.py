@@ -57,6 +57,7 @@ from ..collectives.transport import Transport
 from ..config import ReducerConfig
 from ..reducer import GradientReducer
 from ..stats import ReduceStats
+from .compression_names import SPARSE_METHODS, CompressionNames
 
 __all__ = ["HorovodTransport", "Compression", "SparseCompression", "DistributedOptimizer",
            "SparseOptimizerStateHandler"]
@@ -337,20 +338,9 @@ class SparseCompression:
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None, seed=0, warmup=None,
                  nonfinite="raise", error_feedback=True)
-_SPARSE_METHODS = ("topk", "gtopk", "rtopk", "randomk", "threshold")
 
 
-class _CompressionMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"unknown compression {name!r}: gtopk_plugin.horovod.Compression has none, fp16, "
-            "topk(density), gtopk(density), rtopk(density, r_factor=4), randomk(density), "
-            "threshold(density)")
-
-
-class Compression(metaclass=_CompressionMeta):
+class Compression(CompressionNames):
     """Gradient compression for :func:`DistributedOptimizer`.
 
     ``none`` and ``fp16`` are Horovod's own compressors (dense allreduce,
@@ -368,39 +358,8 @@ class Compression(metaclass=_CompressionMeta):
 
     none = _HvdCompression.none
     fp16 = _HvdCompression.fp16
-
-    @staticmethod
-    def topk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("topk", density, **kwargs)
-
-    @staticmethod
-    def gtopk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("gtopk", density, **kwargs)
-
-    @staticmethod
-    def rtopk(density: float, r_factor: float = 4.0, **kwargs) -> SparseCompression:
-        return SparseCompression("rtopk", density, r_factor=r_factor, **kwargs)
-
-    @staticmethod
-    def randomk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("randomk", density, **kwargs)
-
-    @staticmethod
-    def threshold(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("threshold", density, **kwargs)
-
-    @staticmethod
-    def from_name(name: str, density: Optional[float] = None, **kwargs):
-        """``"none"``, ``"fp16"`` or a sparse method name (then ``density`` is
-        required); ``ValueError`` for anything else (command-line helpers)."""
-        if name in ("none", "fp16"):
-            return getattr(Compression, name)
-        if name not in _SPARSE_METHODS:
-            raise ValueError(f"unknown compression {name!r}; choose one of none, fp16, "
-                             f"{', '.join(_SPARSE_METHODS)}")
-        if density is None:
-            raise ValueError(f"compression {name!r} needs a density, e.g. 0.01")
-        return getattr(Compression, name)(density, **kwargs)
+    _sparse = SparseCompression
+    _public_name = "gtopk_plugin.horovod.Compression"
 
 
 def _is_dense_compressor(c) -> bool:
@@ -963,7 +922,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              "supports hvd.Average and hvd.Sum")
     elif not _is_dense_compressor(compression):
         hint = (f" (did you mean Compression.{compression}(density)?)"
-                if isinstance(compression, str) and compression in _SPARSE_METHODS else "")
+                if isinstance(compression, str) and compression in SPARSE_METHODS else "")
         raise ValueError(
             f"unknown compression {compression!r}{hint}: pass Compression.none, Compression.fp16, "
             "Compression.topk/gtopk/rtopk/randomk/threshold(density), or a Horovod Compressor")

@@ -75,6 +75,7 @@ from .. import consistency  # noqa: E402
 from ..config import ReducerConfig  # noqa: E402
 from ..kernels import reference as _ref  # noqa: E402
 from ..reducer import k_for  # noqa: E402
+from .compression_names import SPARSE_METHODS, CompressionNames  # noqa: E402
 from .horovod_tf_kernels import (  # noqa: E402,F401
     _member_of, _pack, _pack_bits, _randomk_positions, _rtopk_picks, _unpack, _unpack_bits, magnitude,
     merge_select, select_threshold, select_topk, topk_mask_sparse)
@@ -82,7 +83,6 @@ from .horovod_tf_kernels import (  # noqa: E402,F401
 __all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "DistributedOptimizer",
            "magnitude", "select_topk", "select_threshold", "merge_select"]
 
-_SPARSE_METHODS = ("topk", "gtopk", "rtopk", "randomk", "threshold")
 _TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16}
 _TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -505,17 +505,7 @@ class SparseCompression(tf.Module):
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise")
 
 
-class _CompressionMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"unknown compression {name!r}: gtopk_plugin.tensorflow.Compression has none, fp16, "
-            "topk(density), gtopk(density), rtopk(density, r_factor=4), randomk(density), "
-            "threshold(density)")
-
-
-class Compression(metaclass=_CompressionMeta):
+class Compression(CompressionNames):
     """Gradient compression for :func:`DistributedGradientTape` and
     :func:`DistributedOptimizer`: the names of the PyTorch side.
 
@@ -527,39 +517,8 @@ class Compression(metaclass=_CompressionMeta):
 
     none = _HvdCompression.none
     fp16 = _HvdCompression.fp16
-
-    @staticmethod
-    def topk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("topk", density, **kwargs)
-
-    @staticmethod
-    def gtopk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("gtopk", density, **kwargs)
-
-    @staticmethod
-    def rtopk(density: float, r_factor: float = 4.0, **kwargs) -> SparseCompression:
-        return SparseCompression("rtopk", density, r_factor=r_factor, **kwargs)
-
-    @staticmethod
-    def randomk(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("randomk", density, **kwargs)
-
-    @staticmethod
-    def threshold(density: float, **kwargs) -> SparseCompression:
-        return SparseCompression("threshold", density, **kwargs)
-
-    @staticmethod
-    def from_name(name: str, density: Optional[float] = None, **kwargs):
-        """``"none"``, ``"fp16"`` or a sparse method name (then ``density`` is
-        required); ``ValueError`` for anything else."""
-        if name in ("none", "fp16"):
-            return getattr(Compression, name)
-        if name not in _SPARSE_METHODS:
-            raise ValueError(f"unknown compression {name!r}; choose one of none, fp16, "
-                             f"{', '.join(_SPARSE_METHODS)}")
-        if density is None:
-            raise ValueError(f"compression {name!r} needs a density, e.g. 0.01")
-        return getattr(Compression, name)(density, **kwargs)
+    _sparse = SparseCompression
+    _public_name = "gtopk_plugin.tensorflow.Compression"
 
 
 def _check_compression(compression):
@@ -569,7 +528,7 @@ def _check_compression(compression):
         isinstance(compression, _HvdCompressor)
     if not is_dense:
         hint = (f" (did you mean Compression.{compression}(density)?)"
-                if isinstance(compression, str) and compression in _SPARSE_METHODS else "")
+                if isinstance(compression, str) and compression in SPARSE_METHODS else "")
         raise ValueError(
             f"unknown compression {compression!r}{hint}: pass Compression.none, Compression.fp16, "
             "Compression.topk/gtopk/rtopk/randomk/threshold(density), or a Horovod Compressor")
@@ -629,9 +588,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ``tf.train.Checkpoint(model=model, optimizer=opt)`` or
     ``model.save_weights`` in TF format."""
     sparse = _check_compression(compression)
-    if sparse and backward_passes_per_step != 1:
-        raise ValueError("backward_passes_per_step > 1 is not supported with a sparse compression in the "
-                         "TensorFlow layer yet; accumulate gradients before the optimizer or use 1")
     opt = hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=_HvdCompression.none if sparse else compression, sparse_as_dense=sparse_as_dense,
@@ -640,6 +596,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
         process_set=process_set, scale_local_gradients=scale_local_gradients)
     if sparse:
-        opt._allreduce_grads = _sparse_reduce_fn(compression, process_set, op, gradient_predivide_factor)
+        reduce_fn = _sparse_reduce_fn(compression, process_set, op, gradient_predivide_factor)
+        opt._allreduce_grads = reduce_fn
+        # backward_passes_per_step > 1: Horovod's local-aggregation helper
+        # (eager or graph flavour) took its own reference to the reduction
+        # function when it was built; it sums the passes locally and calls the
+        # function once per exchange, so the sparse reduction sees the
+        # aggregated gradient and its step counter counts exchanges.
+        helper = getattr(opt, "_agg_helper", None)
+        if helper is not None:
+            for attr in ("allreduce_grads", "_allreduce_grads"):
+                if hasattr(helper, attr):
+                    setattr(helper, attr, reduce_fn)
         opt.gtopk_compression = compression
     return opt
