@@ -78,7 +78,8 @@ def run_tape(comp, op, steps=STEPS, graph=False):
         g = grads_for(R, s)
         raw.append(g)
         out.append([u.numpy() for u in step_fn(*[tf.constant(x) for x in g])])
-    return {"raw": raw, "out": out, "residuals": comp.residual_values(), "step": int(comp.step.numpy())}
+    return {"raw": raw, "out": out, "residuals": comp.residual_values(), "step": int(comp.step.numpy()),
+            "traffic": comp.last_step_traffic}
 
 
 # -- Keras ---------------------------------------------------------------------

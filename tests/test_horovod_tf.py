@@ -279,6 +279,44 @@ def test_sparse_methods_match_pytorch_oracle_agree_and_conserve_mass(P):
 @needs_hvd
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", WORLD_SIZES)
+def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
+    """Bytes of the last step per rank: what one rank sends another receives
+    (sums over ranks agree), and the busiest rank's payload equals the byte
+    model that tests/test_cluster.py checks against the PyTorch transport's
+    counters (benchmarks.cluster.model.traffic): (P-1)·k·b for the Top-k
+    allgather, log2(P')·k·b (+ k·b + ⌈k/8⌉ with folded ranks) for gTop-k."""
+    from benchmarks.cluster import model as abm
+
+    from gtopk_plugin.reducer import k_for
+
+    results = job(P)
+    sizes = [g.size for g in ok(results[0], "sparse/topk")["raw"][0]]
+    N, K = sum(sizes), sum(k_for(0.1, n) for n in sizes)
+    for name in SPARSE:
+        t = [ok(res, f"sparse/{name}")["traffic"] for res in results]
+        assert sum(x["bytes_sent"] for x in t) == sum(x["bytes_received"] for x in t), (name, t)
+        for x in t:
+            assert x["numel"] == N and x["dense_bytes"] == 2 * (P - 1) * N * 4 // P, (name, x)
+            assert x["control_bytes"] == 32, (name, x)  # the 4 x int64 consistency check
+        busiest = max(x["payload_bytes_sent"] for x in t)
+        entry = 6 if "fp16wire" in name else 8
+        if name in ("topk", "rtopk", "gtopk", "gtopk_fp16wire", "gtopk_average", "gtopk_graph", "topk_graph"):
+            method = "topk" if name.startswith(("topk", "rtopk")) else "gtopk"
+            want = abm.traffic(method, P, N, K, entry_bytes=entry)["bytes"]
+            assert busiest == want, (name, busiest, want)
+            assert all(x["header_bytes_sent"] == 0 for x in t), name
+        elif name == "topk_global":
+            assert busiest == abm.traffic("topk", P, N, k_for(0.05, N))["bytes"], name
+        elif name == "randomk":  # values only, ring allreduce
+            assert busiest == 2 * (P - 1) * K * 4 // P, (name, busiest)
+        elif name.startswith("threshold"):  # counts vary: sizes travel first
+            assert busiest > 0 and all(x["header_bytes_sent"] == (4 * (P - 1) if name == "threshold" else 0)
+                                       for x in t), (name, t)
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
 def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
     results = job(P)
     for res in results:

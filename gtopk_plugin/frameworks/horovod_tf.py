@@ -84,6 +84,8 @@ __all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "Distr
            "magnitude", "select_topk", "select_threshold", "merge_select"]
 
 _TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16}
+TRAFFIC_KEYS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sent", "header_bytes_received",
+                "control_bytes")
 _TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -104,6 +106,16 @@ class _Ops:
         self.rank = process_set.rank()
         self.zero = 0         # a run-time int32 zero once the consistency check ran
         self.threaded = False  # whether an unread collective output feeds self.zero
+        # Bytes this rank moves, counted as the PyTorch side's Transport does
+        # (collectives/transport.py: ring model for allgather and allreduce,
+        # sizes exchanged first are headers), as int64 tensors.
+        self.count = {k: tf.constant(0, tf.int64) for k in TRAFFIC_KEYS}
+
+    def add(self, key, nbytes):
+        self.count[key] = self.count[key] + tf.cast(nbytes, tf.int64)
+
+    def traffic(self):
+        return tf.stack([self.count[k] for k in TRAFFIC_KEYS])
 
     def _name(self, kind):
         self.n += 1
@@ -112,8 +124,38 @@ class _Ops:
     def allgather(self, t, kind="allgather"):
         return hvd.allgather(t, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
 
+    def allgather_blobs(self, blob, static_size: bool):
+        """Every rank's uint8 blob, in rank order.  ``static_size``: every
+        blob has this rank's size (else the sizes are gathered first).
+        Counted as the ring allgather of the PyTorch transport: a rank sends
+        every blob but its right neighbour's and receives every blob but its
+        own."""
+        P, r = self.P, self.rank
+        own = tf.size(blob, out_type=tf.int64)
+        if static_size:
+            blobs = tf.split(self.allgather(blob), P)
+            self.add("payload_bytes_sent", (P - 1) * own)
+            self.add("payload_bytes_received", (P - 1) * own)
+            return blobs
+        sizes = self.allgather(tf.reshape(tf.size(blob), [1]), "sizes")
+        self.add("header_bytes_sent", 4 * (P - 1))  # int32 sizes
+        self.add("header_bytes_received", 4 * (P - 1))
+        blobs = tf.split(self.allgather(blob), sizes, num=P)
+        total = tf.reduce_sum(tf.cast(sizes, tf.int64))
+        self.add("payload_bytes_sent", total - tf.cast(sizes[(r + 1) % P], tf.int64))
+        self.add("payload_bytes_received", total - own)
+        return blobs
+
     def allreduce(self, t, op, kind):
-        return hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
+        out = hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
+        nbytes = t.shape.num_elements() * t.dtype.size
+        if kind == "check":
+            self.add("control_bytes", nbytes)
+        else:  # the ring model
+            ring = 2 * (self.P - 1) * nbytes // self.P
+            self.add("payload_bytes_sent", ring)
+            self.add("payload_bytes_received", ring)
+        return out
 
     def phase(self, send_to: Optional[int], blob, recv_from: Optional[int]):
         """One butterfly step for every rank: an alltoall whose only
@@ -132,6 +174,10 @@ class _Ops:
             splits = tf.one_hot(send_to, self.P, dtype=tf.int32) * tf.size(blob)
         out, _ = hvd.alltoall(blob, splits=splits, name=self._name("phase"), ignore_name_scope=True,
                               process_set=self.ps)
+        if send_to is not None:
+            self.add("payload_bytes_sent", tf.size(blob, out_type=tf.int64))
+        if recv_from is not None:
+            self.add("payload_bytes_received", tf.size(out, out_type=tf.int64))
         if recv_from is None:
             # Nobody reads this output, yet the op must run on this rank or its
             # peers wait forever.  In a traced graph an op is kept only if the
@@ -164,14 +210,7 @@ def _allgather_sum(ops: _Ops, idx, vals, numel, sum_dtype, static_count):
     P = ops.P
     blob = _pack(idx, vals)
     out = tf.zeros([numel], sum_dtype)
-    if P == 1:
-        blobs = [blob]
-    elif static_count:
-        gathered = ops.allgather(blob)
-        blobs = tf.split(gathered, P)  # every rank's blob has the same size
-    else:
-        sizes = ops.allgather(tf.reshape(tf.size(blob), [1]), "sizes")
-        blobs = tf.split(ops.allgather(blob), sizes, num=P)
+    blobs = [blob] if P == 1 else ops.allgather_blobs(blob, static_size=static_count)
     for b in blobs:  # rank order
         i, v, _ = _unpack(b, vals.dtype)
         out = tf.tensor_scatter_nd_add(out, i[:, None], tf.cast(v, sum_dtype))
@@ -298,6 +337,9 @@ class SparseCompression(tf.Module):
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
+        with tf.init_scope():  # bytes of the last step (TRAFFIC_KEYS), then numel, k, dense bytes
+            self._traffic = tf.Variable(tf.zeros([len(TRAFFIC_KEYS) + 3], tf.int64), trainable=False,
+                                        name="last_step_traffic")
 
     @property
     def method(self) -> str:
@@ -338,6 +380,23 @@ class SparseCompression(tf.Module):
                 f"has {numel} {dtype.name}: pass the same variables in the same order every step "
                 "(one compression object per variable list)")
         return v
+
+    @property
+    def last_step_traffic(self) -> dict:
+        """This worker's bytes in the last step, with the keys of the PyTorch
+        side's ``last_step_traffic``: ``bytes_sent``/``bytes_received``
+        (payload + headers), their ``payload_``/``header_`` parts,
+        ``control_bytes`` (the consistency check), ``numel``, ``k`` (entries
+        selected per rank) and ``dense_bytes`` (what a ring allreduce of the
+        same gradients would send).  Counted as the PyTorch transport counts
+        (ring model for allgather/allreduce); Horovod's own metadata (the
+        alltoall splits, its negotiation) is not included.  Read eagerly."""
+        v = [int(x) for x in self._traffic.numpy()]
+        out = dict(zip(TRAFFIC_KEYS, v))
+        out["bytes_sent"] = out["payload_bytes_sent"] + out["header_bytes_sent"]
+        out["bytes_received"] = out["payload_bytes_received"] + out["header_bytes_received"]
+        out["numel"], out["k"], out["dense_bytes"] = v[len(TRAFFIC_KEYS):]
+        return out
 
     def residual_values(self) -> dict:
         """This worker's residuals as numpy arrays (flat), by key."""
@@ -433,18 +492,22 @@ class SparseCompression(tf.Module):
             acc = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) + r.read_value() if cfg.error_feedback
                              else tf.reshape(tf.cast(t, dtype), [-1]) for t, r in zip(tensors, res_vars)], 0)
 
+        control = ops.traffic()  # the check only: what a skipped step sends
+
         def run():
             return self._sparse(ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average)
 
         def skipped():
-            return tf.zeros([N], dtype), acc
+            return tf.zeros([N], dtype), acc, control
 
         if tf.executing_eagerly():
-            update, residual = skipped() if bool(skip) else run()
+            update, residual, traffic = skipped() if bool(skip) else run()
         elif cfg.nonfinite == "skip":
-            update, residual = tf.cond(skip, skipped, run)
+            update, residual, traffic = tf.cond(skip, skipped, run)
         else:
-            update, residual = run()
+            update, residual, traffic = run()
+        dense_bytes = 2 * (P - 1) * N * dtype.size // P
+        self._traffic.assign(tf.concat([traffic, tf.constant([N, sum(ks), dense_bytes], tf.int64)], 0))
         if cfg.error_feedback:
             if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
                 residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
@@ -499,7 +562,7 @@ class SparseCompression(tf.Module):
         if alive is not None:
             idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(sent, alive)
         residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
-        return ops.keep(update, residual)
+        return ops.keep(update, residual) + (ops.traffic(),)
 
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise")
