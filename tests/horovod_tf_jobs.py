@@ -26,6 +26,7 @@ tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("GTOPK_T
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
 
+from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.consistency import NonFiniteGradientError  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, DistributedOptimizer  # noqa: E402
 
@@ -44,6 +45,20 @@ SPARSE = {
     "threshold_butterfly": (lambda: Compression.threshold(0.1, merge="gtopk"), hvd.Sum),
     "topk_global": (lambda: Compression.topk(0.05, granularity="global"), hvd.Sum),
     "gtopk_average": (lambda: Compression.gtopk(0.1), hvd.Average),
+    # density warm-up (eager: k from the agreed step in Python)
+    "gtopk_warmup": (lambda: Compression.gtopk(0.1, warmup=DensityWarmup(2, 0.5)), hvd.Sum),
+}
+# traced (tf.function): name -> Compression factory, op hvd.Sum
+GRAPH = {
+    # with P = 3 one rank idles in the butterfly's rounds (see _Ops.phase)
+    "gtopk_graph": lambda: Compression.gtopk(0.1),
+    "threshold_butterfly_graph": lambda: Compression.threshold(0.1, merge="gtopk"),
+    "topk_graph": lambda: Compression.topk(0.1),
+    # warm-up: run-time k in one graph for every step
+    "gtopk_warmup_graph": lambda: Compression.gtopk(0.1, warmup=DensityWarmup(2, 0.5)),
+    "threshold_warmup_graph": lambda: Compression.threshold(0.1, warmup=[0.5, 0.3]),
+    "rtopk_warmup_graph": lambda: Compression.rtopk(0.1, r_factor=2.0, seed=4, warmup=[0.3]),
+    "randomk_warmup_graph": lambda: Compression.randomk(0.1, seed=2, warmup=DensityWarmup(2, 0.4)),
 }
 
 
@@ -212,11 +227,8 @@ def main(outdir):
 
     for name, (make, op) in SPARSE.items():
         record(f"sparse/{name}", lambda make=make, op=op: run_tape(make(), op))
-    # traced: with P = 3 one rank idles in the butterfly's rounds (see _Ops.phase)
-    record("sparse/gtopk_graph", lambda: run_tape(Compression.gtopk(0.1), hvd.Sum, graph=True))
-    record("sparse/threshold_butterfly_graph",
-           lambda: run_tape(Compression.threshold(0.1, merge="gtopk"), hvd.Sum, graph=True))
-    record("sparse/topk_graph", lambda: run_tape(Compression.topk(0.1), hvd.Sum, graph=True))
+    for name, make in GRAPH.items():
+        record(f"sparse/{name}", lambda make=make: run_tape(make(), hvd.Sum, graph=True))
     for cname in ("none", "fp16"):
         record(f"keras/dense/{cname}", lambda cname=cname: check_keras_dense(cname))
     record("keras/gtopk_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir))

@@ -44,6 +44,7 @@ try:
 except Exception as e:  # noqa: BLE001
     HAVE_HVD_TF, WHY = False, f"{type(e).__name__}: {e}"
 
+from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
@@ -104,6 +105,24 @@ def test_selection_matches_reference_bit_for_bit(dtype):
             fi, fv = ours(xt, offs, ks)
             assert np.array_equal(ti.numpy(), fi.numpy()), f"{name} {dtype} trial {trial}: indices differ"
             assert _bits(_to_np(tv)) == _bits(_tf_np(fv)), f"{name} {dtype} trial {trial}: values differ"
+
+
+@pytest.mark.parametrize("select", ["topk", "threshold"])
+def test_runtime_counts_select_as_static_counts(select):
+    """A density warm-up inside tf.function gives the counts at run time (an
+    int32 tensor): the selection must be the static one, bit for bit,
+    including k >= n and the threshold rule's sample-size arithmetic."""
+    rng = np.random.default_rng(3)
+    fn = K.select_topk if select == "topk" else K.select_threshold
+    for trial in range(10):
+        offs, ks = _layout(rng)
+        if trial == 0:
+            offs, ks = [0, 5000, 5007, 60000], [3, 7, 2000]  # sampled threshold path, k = n
+        x = tf.constant(rng.standard_normal(offs[-1]).astype(np.float32))
+        traced = tf.function(lambda x, k: fn(x, offs, k))
+        si, sv = fn(x, offs, ks)
+        ti, tv = traced(x, tf.constant(ks, tf.int32))
+        assert np.array_equal(si.numpy(), ti.numpy()) and _bits(sv.numpy()) == _bits(tv.numpy()), (trial, ks)
 
 
 def test_threshold_large_segment_matches_reference():
@@ -218,6 +237,11 @@ SPARSE = {
     "gtopk_graph": (dict(method="gtopk", density=0.1), True),
     "threshold_butterfly_graph": (dict(method="threshold", density=0.1, merge="gtopk"), True),
     "topk_graph": (dict(method="topk", density=0.1), True),
+    "gtopk_warmup": (dict(method="gtopk", density=0.1, warmup=DensityWarmup(2, 0.5)), True),
+    "gtopk_warmup_graph": (dict(method="gtopk", density=0.1, warmup=DensityWarmup(2, 0.5)), True),
+    "threshold_warmup_graph": (dict(method="threshold", density=0.1, warmup=[0.5, 0.3]), True),
+    "rtopk_warmup_graph": (dict(method="rtopk", density=0.1, r_factor=2.0, seed=4, warmup=[0.3]), True),
+    "randomk_warmup_graph": (dict(method="randomk", density=0.1, seed=2, warmup=DensityWarmup(2, 0.4)), False),
 }
 WORLD_SIZES = [2, 3]
 
@@ -300,7 +324,9 @@ def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
             assert x["control_bytes"] == 32, (name, x)  # the 4 x int64 consistency check
         busiest = max(x["payload_bytes_sent"] for x in t)
         entry = 6 if "fp16wire" in name else 8
-        if name in ("topk", "rtopk", "gtopk", "gtopk_fp16wire", "gtopk_average", "gtopk_graph", "topk_graph"):
+        # (the warm-ups are over by the last step: the target density)
+        if name in ("topk", "rtopk", "gtopk", "gtopk_fp16wire", "gtopk_average", "gtopk_graph", "topk_graph",
+                    "gtopk_warmup", "gtopk_warmup_graph"):
             method = "topk" if name.startswith(("topk", "rtopk")) else "gtopk"
             want = abm.traffic(method, P, N, K, entry_bytes=entry)["bytes"]
             assert busiest == want, (name, busiest, want)
@@ -310,8 +336,8 @@ def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
         elif name == "randomk":  # values only, ring allreduce
             assert busiest == 2 * (P - 1) * K * 4 // P, (name, busiest)
         elif name.startswith("threshold"):  # counts vary: sizes travel first
-            assert busiest > 0 and all(x["header_bytes_sent"] == (4 * (P - 1) if name == "threshold" else 0)
-                                       for x in t), (name, t)
+            headers = 0 if "butterfly" in name else 4 * (P - 1)  # int32 sizes before the allgather
+            assert busiest > 0 and all(x["header_bytes_sent"] == headers for x in t), (name, t)
 
 
 @needs_hvd

@@ -72,7 +72,7 @@ except Exception as _e:  # pragma: no cover - a Horovod built without TF fails w
 import torch  # noqa: E402  (validation and the shared random draws only)
 
 from .. import consistency  # noqa: E402
-from ..config import ReducerConfig  # noqa: E402
+from ..config import DensityWarmup, ReducerConfig  # noqa: E402
 from ..kernels import reference as _ref  # noqa: E402
 from ..reducer import k_for  # noqa: E402
 from .compression_names import SPARSE_METHODS, CompressionNames  # noqa: E402
@@ -148,7 +148,7 @@ class _Ops:
 
     def allreduce(self, t, op, kind):
         out = hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
-        nbytes = t.shape.num_elements() * t.dtype.size
+        nbytes = tf.size(t, out_type=tf.int64) * t.dtype.size  # run-time k with a warm-up
         if kind == "check":
             self.add("control_bytes", nbytes)
         else:  # the ring model
@@ -202,6 +202,14 @@ class _Ops:
         # t[zero:] with a run-time zero: the whole tensor (TF forwards the
         # buffer), but Grappler cannot know it and must run what feeds zero.
         return tuple(tf.reshape(t[self.zero:], tf.shape(t)) for t in tensors)
+
+
+def _schedule_key(warmup) -> str:
+    """The warm-up schedule as the same text on every rank (a function's
+    repr carries its address)."""
+    if warmup is None or isinstance(warmup, (tuple, DensityWarmup)):
+        return repr(warmup)
+    return f"callable {getattr(warmup, '__module__', '')}.{getattr(warmup, '__qualname__', type(warmup).__name__)}"
 
 
 def _allgather_sum(ops: _Ops, idx, vals, numel, sum_dtype, static_count):
@@ -308,6 +316,10 @@ class SparseCompression(tf.Module):
         seed: key of random-k's shared and rTop-k's per-rank draws.
         nonfinite: ``"raise"`` (every rank raises; nothing applied) or
             ``"skip"`` (every rank applies zero for the step; residuals kept).
+        warmup: density schedule of the first steps, as the PyTorch side
+            (``DensityWarmup``, a sequence of densities, or a callable
+            step -> density): k per segment is ``k_for(density at the
+            step, n)``, a run-time count inside ``tf.function``.
         error_feedback: keep the residual (default True).
         name: prefix of the Horovod op names (distinct per object when
             several compressions reduce in the same step).
@@ -320,14 +332,11 @@ class SparseCompression(tf.Module):
         if method == "dense":
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
-        if warmup is not None:
-            raise ValueError("warmup (a density schedule) is not supported by the TensorFlow layer yet: "
-                             "k is part of the traced graph; pass a fixed density")
         wire = _wire_name(value_dtype)
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=_TORCH_WIRE[wire], seed=seed,
                                     nonfinite=nonfinite, error_feedback=bool(error_feedback),
-                                    kernels="reference")  # validates (ValueError)
+                                    warmup=warmup, kernels="reference")  # validates (ValueError)
         prefix = name or f"gtopk_tf_{method}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
             raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
@@ -442,17 +451,20 @@ class SparseCompression(tf.Module):
         sizes = [int(t.shape.num_elements()) for t in tensors]
         dtype = _promote([t.dtype for t in tensors])
         wire = self.wire_dtype or dtype
-        density = cfg.density
         if cfg.granularity == "layer":
             offsets = [0]
             for s in sizes:
                 offsets.append(offsets[-1] + s)
-            ks = [k_for(density, s) for s in sizes]
             seg_names = names
         else:
             offsets = [0, sum(sizes)]
-            ks = [k_for(density, sum(sizes))]
             seg_names = ["__global__"]
+        seg_sizes = [offsets[s + 1] - offsets[s] for s in range(len(offsets) - 1)]
+
+        def ks_at(step_value: int):  # the PyTorch side's rule: k_for(density at the step, n)
+            return [k_for(cfg.density_at(step_value), n) for n in seg_sizes]
+
+        ks = [k_for(cfg.density, n) for n in seg_sizes]  # the target (after any warm-up)
         N = offsets[-1]
         if N > _ref.INT32_LIMIT:
             raise ValueError(f"{N} gradient entries exceed int32 indices; reduce fewer variables per call")
@@ -464,7 +476,7 @@ class SparseCompression(tf.Module):
         # a worker that restored a checkpoint carries the others along).
         layout = [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(names, tensors)]
         layout.append(("settings", cfg.method, cfg.aggregation, cfg.granularity, str(self.wire_dtype),
-                       "average" if average else "sum", tuple(ks)))
+                       "average" if average else "sum", tuple(ks), _schedule_key(cfg.warmup)))
         fp = consistency.fingerprint(layout)
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
         v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
@@ -494,8 +506,20 @@ class SparseCompression(tf.Module):
 
         control = ops.traffic()  # the check only: what a skipped step sends
 
+        # The counts at this step: with a density warm-up they follow the
+        # agreed step -- Python ints when eager, a run-time tensor in a traced
+        # graph (one graph serves every step).
+        ks_fn = None
+        if cfg.warmup is not None:
+            if tf.executing_eagerly():
+                ks = ks_at(int(step))
+            else:
+                ks_fn = ks_at
+                ks = tf.ensure_shape(tf.numpy_function(lambda st: np.asarray(ks_at(int(st)), np.int32),
+                                                       [step], tf.int32, stateful=False), [len(seg_sizes)])
+
         def run():
-            return self._sparse(ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average)
+            return self._sparse(ops, acc, offsets, ks, ks_fn, seg_names, step, dtype, wire, N, average)
 
         def skipped():
             return tf.zeros([N], dtype), acc, control
@@ -507,7 +531,9 @@ class SparseCompression(tf.Module):
         else:
             update, residual, traffic = run()
         dense_bytes = 2 * (P - 1) * N * dtype.size // P
-        self._traffic.assign(tf.concat([traffic, tf.constant([N, sum(ks), dense_bytes], tf.int64)], 0))
+        k_sum = sum(ks) if ks_fn is None else tf.reduce_sum(tf.cast(ks, tf.int64))
+        self._traffic.assign(tf.concat([traffic, tf.stack([tf.constant(N, tf.int64), tf.cast(k_sum, tf.int64),
+                                                           tf.constant(dense_bytes, tf.int64)])], 0))
         if cfg.error_feedback:
             if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
                 residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
@@ -520,25 +546,40 @@ class SparseCompression(tf.Module):
             out[i] = u * tf.cast(post, u.dtype) if post != 1.0 else u
         return out
 
-    def _sparse(self, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average):
-        """One sparse step on the flat accumulator: (dense update, residual)."""
+    def _sparse(self, ops, acc, offsets, ks, ks_at, seg_names, step, dtype, wire, N, average):
+        """One sparse step on the flat accumulator: (dense update, residual,
+        traffic).  ``ks``: per-segment counts, Python ints or (with
+        ``ks_at``, step -> counts, for the torch draws) a run-time tensor."""
         cfg = self.config
         P = ops.P
         method, agg = cfg.method, cfg.aggregation
         offsets_t = tf.constant(offsets, tf.int32)
-        k_t = tf.constant(ks, tf.int32)
+        k_t = tf.constant(ks, tf.int32) if ks_at is None else ks
+        sizes = [offsets[s + 1] - offsets[s] for s in range(len(offsets) - 1)]
+
+        def r_of(n, k):  # rTop-k's r per segment: min(n, ceil(r_factor * k))
+            return min(n, math.ceil(cfg.r_factor * k))
+
         if method in ("topk", "gtopk") or (method == "rtopk" and cfg.r_factor == 1.0):
             idx, vals = select_topk(acc, offsets, ks)
         elif method == "threshold":
             idx, vals = select_threshold(acc, offsets, ks)
         elif method == "rtopk":
-            sizes = [offsets[s + 1] - offsets[s] for s in range(len(ks))]
-            rs = [min(n, math.ceil(cfg.r_factor * k)) for n, k in zip(sizes, ks)]
+            layout_at = None
+            if ks_at is None:
+                rs = [r_of(n, k) for n, k in zip(sizes, ks)]
+            else:
+                rs = tf.minimum(tf.constant(sizes, tf.int32), tf.cast(
+                    tf.math.ceil(cfg.r_factor * tf.cast(ks, tf.float64)), tf.int32))
+
+                def layout_at(step_value):
+                    k_list = ks_at(step_value)
+                    return [r_of(n, k) for n, k in zip(sizes, k_list)], k_list
             top_idx, _ = select_topk(acc, offsets, rs)
-            idx = tf.gather(top_idx, _rtopk_picks(step, rs, ks, seg_names, cfg.seed, ops.rank))
+            idx = tf.gather(top_idx, _rtopk_picks(step, rs, ks, seg_names, cfg.seed, ops.rank, layout_at))
             vals = tf.gather(acc, idx)
         elif method == "randomk":
-            idx = _randomk_positions(step, offsets, ks, seg_names, cfg.seed)
+            idx = _randomk_positions(step, offsets, ks, seg_names, cfg.seed, ks_at)
             vals = tf.gather(acc, idx)
         else:  # pragma: no cover - ReducerConfig validated the method
             raise ValueError(method)

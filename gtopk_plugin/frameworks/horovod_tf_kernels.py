@@ -40,17 +40,24 @@ def _topk_positions(mag, k):
     return tf.sort(pos)
 
 
-def select_topk(x, offsets: Sequence[int], ks: Sequence[int]):
+def _static(ks) -> bool:
+    """Counts known while tracing (Python ints) rather than a run-time int32
+    tensor (a density warm-up inside ``tf.function``)."""
+    return not isinstance(ks, (tf.Tensor, tf.Variable))
+
+
+def select_topk(x, offsets: Sequence[int], ks):
     """Exact per-segment top-k of the flat ``x`` (segments ``offsets``,
-    counts ``ks``, Python ints): ``(int32 indices ascending, values)``."""
+    counts ``ks``: Python ints, or a run-time int32 tensor):
+    ``(int32 indices ascending, values)``."""
     mag = magnitude(x)
     parts = []
-    for s, k in enumerate(ks):
+    for s in range(len(offsets) - 1):
         lo, hi = int(offsets[s]), int(offsets[s + 1])
-        if k >= hi - lo:
+        if _static(ks) and ks[s] >= hi - lo:
             parts.append(tf.range(lo, hi, dtype=tf.int32))
-        else:
-            parts.append(_topk_positions(mag[lo:hi], k) + lo)
+        else:  # a run-time k >= n selects every position too (ascending)
+            parts.append(_topk_positions(mag[lo:hi], ks[s]) + lo)
     idx = tf.concat(parts, 0)
     return idx, tf.gather(x, idx)
 
@@ -80,47 +87,82 @@ def _threshold_positions(mag, n: int, k: int):
                    lambda: tf.cond(cnt > hi, too_many, too_few))
 
 
-def select_threshold(x, offsets: Sequence[int], ks: Sequence[int]):
-    """Sampled-threshold selection per segment (count within ±10% of k_s)."""
+def _threshold_positions_runtime(mag, n: int, k):
+    """_threshold_positions for a run-time ``k`` (int32 tensor): the same
+    rule in float64 ops, which round as the reference's Python floats do
+    (k·m exact, one correctly rounded division, sqrt, ceil)."""
+    pos = _ref.threshold_sample_positions(n).numpy().astype(np.int32)
+    sample = tf.gather(mag, pos)
+    m = int(pos.size)
+    k64 = tf.cast(k, tf.int64)
+    q = tf.cast(k64 * m, tf.float64) / tf.constant(float(n), tf.float64)
+    ks = tf.math.ceil(q + _ref.THRESHOLD_BIAS * tf.sqrt(tf.maximum(q, 0.0)))
+    ks = tf.cast(tf.clip_by_value(ks, 1.0, float(m)), tf.int32)
+    t = tf.reduce_min(tf.math.top_k(sample, k=ks, sorted=False).values)
+    sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
+    cnt = tf.cast(tf.size(sel), tf.float64)
+    kf = tf.cast(k64, tf.float64)
+    lo, hi = (1 - _ref.THRESHOLD_TOLERANCE) * kf, (1 + _ref.THRESHOLD_TOLERANCE) * kf
+
+    def sampled():
+        return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel,
+                       lambda: tf.cond(cnt > hi, lambda: tf.gather(sel, _topk_positions(tf.gather(mag, sel), k)),
+                                       lambda: _topk_positions(mag, k)))
+
+    return tf.cond(k64 >= n, lambda: tf.range(n, dtype=tf.int32), sampled)
+
+
+def select_threshold(x, offsets: Sequence[int], ks):
+    """Sampled-threshold selection per segment (count within ±10% of k_s);
+    ``ks`` as for :func:`select_topk`."""
     mag = magnitude(x)
     parts = []
-    for s, k in enumerate(ks):
+    for s in range(len(offsets) - 1):
         lo, hi = int(offsets[s]), int(offsets[s + 1])
-        parts.append(_threshold_positions(mag[lo:hi], hi - lo, k) + lo)
+        positions = _threshold_positions if _static(ks) else _threshold_positions_runtime
+        parts.append(positions(mag[lo:hi], hi - lo, ks[s]) + lo)
     idx = tf.concat(parts, 0)
     return idx, tf.gather(x, idx)
 
 
-def _randomk_positions(step, offsets, ks, names, seed):
+def _randomk_positions(step, offsets, ks, names, seed, ks_at=None):
     """Random-k's shared positions, drawn by torch from (seed, step, name):
-    the PyTorch side's draws, bit for bit."""
+    the PyTorch side's draws, bit for bit.  ``ks_at(step) -> counts`` when
+    the counts are only known at run time (``ks`` is then a tensor)."""
     def draw(step_value):
         parts = []
-        for s, (k, name) in enumerate(zip(ks, names)):
+        counts = ks if ks_at is None else ks_at(int(step_value))
+        for s, (k, name) in enumerate(zip(counts, names)):
             n = offsets[s + 1] - offsets[s]
             g = seeded_generator(seed, int(step_value), name)
             parts.append(torch.sort(torch.randperm(n, generator=g)[: min(k, n)]).values + offsets[s])
         return torch.cat(parts).numpy().astype(np.int32)
 
-    total = sum(min(k, offsets[s + 1] - offsets[s]) for s, k in enumerate(ks))
     out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
+    if ks_at is not None:
+        return tf.ensure_shape(out, [None])
+    total = sum(min(k, offsets[s + 1] - offsets[s]) for s, k in enumerate(ks))
     return tf.ensure_shape(out, [total])
 
 
-def _rtopk_picks(step, rs, ks, names, seed, rank):
+def _rtopk_picks(step, rs, ks, names, seed, rank, layout_at=None):
     """rTop-k's per-rank picks (positions into the concatenated top-r sets),
-    drawn by torch from (seed, step, name, rank) as the PyTorch side does."""
+    drawn by torch from (seed, step, name, rank) as the PyTorch side does.
+    ``layout_at(step) -> (rs, ks)`` when they are only known at run time."""
     def draw(step_value):
         picks, start = [], 0
-        for r_s, k_s, name in zip(rs, ks, names):
+        r_list, k_list = (rs, ks) if layout_at is None else layout_at(int(step_value))
+        for r_s, k_s, name in zip(r_list, k_list, names):
             g = seeded_generator(seed, int(step_value), name, rank=rank)
             perm = torch.randperm(r_s, generator=g)[:min(k_s, r_s)]
             picks.append(torch.sort(perm).values + start)
             start += r_s
         return torch.cat(picks).numpy().astype(np.int32)
 
-    total = sum(min(k, r) for k, r in zip(ks, rs))
     out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
+    if layout_at is not None:
+        return tf.ensure_shape(out, [None])
+    total = sum(min(k, r) for k, r in zip(ks, rs))
     return tf.ensure_shape(out, [total])
 
 
