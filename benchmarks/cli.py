@@ -17,6 +17,7 @@ BENCHMARKS = {
     "selection": ("benchmarks.selection", "main", "CPU selection kernels vs torch.topk and the one-read floor"),
     "bytes_per_step": ("benchmarks.bytes_per_step", "main", "bytes and time per method on loopback gloo"),
     "horovod_overhead": ("benchmarks.horovod_overhead", "main", "Horovod integration overhead vs plain Horovod"),
+    "horovod_tf": ("benchmarks.horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
     "elastic": ("benchmarks.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
 }
 

@@ -18,5 +18,7 @@ from .frameworks.horovod_tf import (  # noqa: F401
     DistributedOptimizer,
     SparseCompression,
 )
+from .frameworks.horovod_tf_elastic import SparseKerasState  # noqa: F401
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "Compression", "SparseCompression"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "Compression", "SparseCompression",
+           "SparseKerasState"]

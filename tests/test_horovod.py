@@ -16,10 +16,6 @@ installs it; ``make test`` runs that first).
 """
 import math
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -38,35 +34,11 @@ if not HAVE_HOROVOD:
                 "run `bash scripts/install_horovod.sh`", allow_module_level=True)
 
 from gtopk_plugin.testing import Oracle  # noqa: E402
+from hvd_launch import horovodrun  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORLD_SIZES = [2, 3, 4]
-
-
-def horovodrun(np_, args, timeout=300, hosts=None):
-    """Run ``horovodrun -np np_ --gloo python args...``; kill the whole
-    process group on timeout so no worker outlives the test.  ``hosts``:
-    launcher arguments replacing ``-H localhost:np_`` (elastic mode)."""
-    bindir = os.path.dirname(sys.executable)
-    exe = os.path.join(bindir, "horovodrun")
-    if not os.path.exists(exe):
-        exe = shutil.which("horovodrun")
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    hosts = ["-H", f"localhost:{np_}"] if hosts is None else hosts
-    cmd = [exe, "-np", str(np_)] + hosts + ["--gloo", "--gloo-timeout-seconds", "60",
-                                            sys.executable] + list(args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=ROOT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"horovodrun -np {np_} {' '.join(args)} did not finish within {timeout} s:\n"
-                             f"{out[-4000:]}")
-    return proc.returncode, out
 
 
 _JOBS = {}

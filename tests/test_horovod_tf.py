@@ -20,8 +20,6 @@ Skipped, loudly, only when TensorFlow or Horovod-TF cannot be imported
 """
 import os
 import pickle
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,7 @@ from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
+from hvd_launch import horovodrun as _horovodrun  # noqa: E402
 
 needs_hvd = pytest.mark.skipif(
     not HAVE_HVD_TF, reason=f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
@@ -177,24 +176,8 @@ def test_import_gtopk_plugin_does_not_import_tensorflow():
 # ---------------------------------------------------------------------------
 # horovodrun jobs
 # ---------------------------------------------------------------------------
-def horovodrun(np_, args, timeout=300):
-    bindir = os.path.dirname(sys.executable)
-    exe = os.path.join(bindir, "horovodrun")
-    if not os.path.exists(exe):
-        exe = shutil.which("horovodrun")
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
-    cmd = [exe, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", "--gloo-timeout-seconds", "90",
-           sys.executable] + list(args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=ROOT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"horovodrun -np {np_} did not finish within {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
+def horovodrun(np_, args, timeout=300, hosts=None):
+    return _horovodrun(np_, args, timeout=timeout, hosts=hosts, gloo_timeout=90)
 
 
 _JOBS = {}
@@ -427,3 +410,41 @@ def test_example_trains_under_horovodrun(mode):
             for line in out.splitlines() if "final test accuracy" in line]
     assert len(accs) == 1, out[-4000:]  # rank 0 prints it
     assert accs[0] > 0.5, out[-4000:]
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
+    """A real elastic job (host discovery script, min-np 2) with SparseKerasState:
+    every worker raises HorovodInternalError after uncommitted steps;
+    hvd.elastic.run restores the commit, re-initialises Horovod and syncs.
+    Residuals and the step counter must come back to the committed values on
+    every rank (each rank its own residuals, not rank 0's), and training must
+    finish with identical weights everywhere."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    # --network-interface lo: elastic mode otherwise probes every interface
+    hosts = ["--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
+             "--network-interface", "lo"]
+    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_tf_elastic_job.py"), str(tmp_path)], timeout=300,
+                         hosts=hosts)
+    assert rc == 0, out[-6000:]
+    logs = []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            logs.append(pickle.load(f))
+    for r, log in enumerate(logs):
+        assert log["events"] == [("reset", 2)], f"rank {r}: {log['events']}"
+        c, b, a = log["committed"], log["before_failure"], log["after_restore"]
+        assert (c["step"], b["step"], a["step"]) == (4, 6, 4)
+        assert set(a["residuals"]) == set(c["residuals"]) and c["residuals"]
+        for k, v in c["residuals"].items():
+            assert _bits(a["residuals"][k]) == _bits(v), f"rank {r}: residual {k} not restored"
+        assert any(_bits(b["residuals"][k]) != _bits(v) for k, v in c["residuals"].items())
+        assert log["final_step"] == 10
+        for w, w0 in zip(log["final"], logs[0]["final"]):
+            assert _bits(w) == _bits(w0), f"rank {r}: weights differ after the reset"
+    # residuals are per worker: the sync must not have copied rank 0's
+    assert any(_bits(logs[0]["after_restore"]["residuals"][k]) != _bits(logs[1]["after_restore"]["residuals"][k])
+               for k in logs[0]["after_restore"]["residuals"])

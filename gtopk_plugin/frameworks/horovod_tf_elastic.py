@@ -1,0 +1,83 @@
+"""Elastic Horovod-TensorFlow (``hvd.elastic.run``) with sparse compressions:
+:class:`SparseKerasState`, Horovod's ``TensorFlowKerasState`` plus the
+residuals and step counters of gtopk_plugin's ``SparseCompression`` objects.
+
+Horovod's state commits and restores the model and optimizer variables and,
+on ``sync()`` (after a reset), broadcasts them from rank 0.  The residuals
+are neither (a Keras optimizer's ``variables()`` does not list them), and
+must not be broadcast: each is this worker's own unsent gradient mass
+(DESIGN.md §3), so copying rank 0's to everyone would apply it P times.
+Semantics, as the PyTorch layer's ``SparseOptimizerStateHandler``:
+
+- ``commit()``/``save()`` keeps a copy of every residual and step counter;
+- ``restore()`` (after a failure) puts them back; a residual created after
+  the last commit goes back to zero (it had no committed mass);
+- ``sync()`` broadcasts the model and optimizer (Horovod's), then rank 0's
+  step counter, so random-k/rTop-k draws and warm-ups agree again; each
+  worker keeps its own residuals (a worker that joins starts with none).
+"""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from horovod.tensorflow.elastic import TensorFlowKerasState
+
+from .horovod_tf import SparseCompression
+
+__all__ = ["SparseKerasState"]
+
+
+class SparseKerasState(TensorFlowKerasState):
+    """``hvd.elastic.TensorFlowKerasState(model, optimizer, **kwargs)`` that also
+    commits, restores and syncs gtopk_plugin's sparse compression state.
+
+    Args:
+        model, optimizer, backend, kwargs: as Horovod's ``TensorFlowKerasState``.
+        compressions: the ``SparseCompression`` objects to include; a Keras
+            ``DistributedOptimizer`` of gtopk_plugin brings its own
+            (``optimizer.gtopk_compression``), so this is for
+            ``DistributedGradientTape`` users.
+    """
+
+    def __init__(self, model, optimizer=None, backend=None, compressions: Iterable = (), **kwargs):
+        comps: List[SparseCompression] = []
+        opt = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        for c in [getattr(opt, "gtopk_compression", None), *compressions]:
+            if c is None or any(c is d for d in comps):
+                continue
+            if not isinstance(c, SparseCompression):
+                raise ValueError(f"compressions must be gtopk_plugin sparse compressions "
+                                 f"(Compression.topk/gtopk/...(density)); got {c!r}")
+            comps.append(c)
+        self._compressions = comps
+        self._saved_sparse = [self._snapshot(c) for c in comps]
+        super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
+
+    @property
+    def compressions(self) -> List[SparseCompression]:
+        return list(self._compressions)
+
+    @staticmethod
+    def _snapshot(c: SparseCompression) -> dict:
+        return {"step": tf.identity(c.step), "residuals": {k: tf.identity(v) for k, v in c.residuals.items()}}
+
+    def save(self):
+        super().save()
+        self._saved_sparse = [self._snapshot(c) for c in self._compressions]
+
+    def restore(self):
+        super().restore()
+        for c, saved in zip(self._compressions, self._saved_sparse):
+            c.step.assign(saved["step"])
+            for k, v in c.residuals.items():
+                v.assign(saved["residuals"][k] if k in saved["residuals"] else tf.zeros_like(v))
+
+    def sync(self):
+        super().sync()
+        for i, c in enumerate(self._compressions):
+            if hvd.size() > 1:
+                c.step.assign(hvd.broadcast(c.step, root_rank=0, name=f"gtopk.elastic.step.{i}"))
+        self._saved_sparse = [self._snapshot(c) for c in self._compressions]

@@ -1,0 +1,92 @@
+"""Elastic worker run by tests/test_horovod_tf.py under
+``horovodrun --gloo -np 2 --min-np 2 --host-discovery-script ...``.
+
+    python tests/horovod_tf_elastic_job.py OUTDIR
+
+Trains with gtopk_plugin's DistributedGradientTape (gTop-k, inside
+tf.function) under ``hvd.elastic.run`` with a ``SparseKerasState`` and, once,
+raises ``HorovodInternalError`` on every worker after uncommitted steps (what
+Horovod raises when a peer is lost).  ``hvd.elastic.run`` then restores the
+last commit, re-initialises Horovod and syncs; the script records residuals
+and step counter at the commit, just before the failure and right after the
+restore, plus the final weights (pickled to OUTDIR/rank{r}.pkl).
+"""
+import os
+import pickle
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import horovod.tensorflow as hvd  # noqa: E402
+from horovod.common.exceptions import HorovodInternalError  # noqa: E402
+
+from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, SparseKerasState  # noqa: E402
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hvd.init()
+OUT = sys.argv[1]
+
+tf.keras.utils.set_random_seed(0)
+model = tf.keras.Sequential([tf.keras.Input((12,)), tf.keras.layers.Dense(10, activation="relu"),
+                             tf.keras.layers.Dense(3)])
+opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+comp = Compression.gtopk(0.1)
+loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@tf.function
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = DistributedGradientTape(tape, compression=comp)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+opt.build(model.trainable_variables)  # optimizer variables exist before the state copies them
+state = SparseKerasState(model, opt, compressions=[comp], batch=0)
+log = {"events": []}
+failed = []
+
+
+def sparse_state():
+    return {"step": int(comp.step.numpy()), "residuals": comp.residual_values()}
+
+
+@hvd.elastic.run
+def train(state):
+    while state.batch < 10:
+        b = state.batch
+        rng = np.random.default_rng(100 * b + hvd.rank())
+        train_step(tf.constant(rng.standard_normal((8, 12)), tf.float32), tf.constant(rng.integers(0, 3, 8)))
+        state.batch = b + 1
+        if state.batch == 4:
+            state.commit()
+            log["committed"] = sparse_state()
+        if state.batch == 6 and not failed:
+            failed.append(True)
+            log["before_failure"] = sparse_state()
+            raise HorovodInternalError("simulated loss of a peer")
+
+
+state.register_reset_callbacks([lambda: log["events"].append(("reset", hvd.size()))])
+orig_sync = state.sync
+
+
+def sync_and_record():
+    orig_sync()
+    if failed and "after_restore" not in log:
+        log["after_restore"] = sparse_state()
+
+
+state.sync = sync_and_record
+train(state)
+log["final"] = [w.numpy() for w in model.weights]
+log["final_step"] = int(comp.step.numpy())
+with open(os.path.join(OUT, f"rank{hvd.rank()}.pkl"), "wb") as f:
+    pickle.dump(log, f)

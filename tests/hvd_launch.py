@@ -1,0 +1,42 @@
+"""Launch real ``horovodrun --gloo`` jobs from tests (PyTorch and TensorFlow).
+
+The horovodrun next to this interpreter runs ``python args...`` under
+``-np np_``; the whole process group is killed on timeout, so no worker
+outlives a test and nothing can hang CI.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def horovodrun(np_: int, args: Sequence[str], timeout: int = 300, hosts: Optional[Sequence[str]] = None,
+               gloo_timeout: int = 60):
+    """Run ``horovodrun -np np_ --gloo python args...`` from the repository
+    root; returns ``(returncode, combined output)``.  ``hosts``: launcher
+    arguments replacing ``-H localhost:np_`` (elastic mode)."""
+    bindir = os.path.dirname(sys.executable)
+    exe = os.path.join(bindir, "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun")
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    hosts = ["-H", f"localhost:{np_}"] if hosts is None else list(hosts)
+    cmd = [exe, "-np", str(np_)] + hosts + ["--gloo", "--gloo-timeout-seconds", str(gloo_timeout),
+                                            sys.executable] + list(args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"horovodrun -np {np_} {' '.join(args)} did not finish within {timeout} s:\n"
+                             f"{out[-4000:]}")
+    return proc.returncode, out
