@@ -1,10 +1,12 @@
 """Elastic worker run by tests/test_horovod_tf.py under
 ``horovodrun --gloo -np 2 --min-np 2 --host-discovery-script ...``.
 
-    python tests/horovod_tf_elastic_job.py OUTDIR
+    python tests/horovod_tf_elastic_job.py OUTDIR {tape|keras}
 
-Trains with gtopk_plugin's DistributedGradientTape (gTop-k, inside
-tf.function) under ``hvd.elastic.run`` with a ``SparseKerasState`` and, once,
+Trains with gtopk_plugin's DistributedGradientTape (``tape``) or Keras
+DistributedOptimizer (``keras``: the state finds ``opt.gtopk_compression``
+itself), gTop-k inside tf.function, under ``hvd.elastic.run`` with a
+``SparseKerasState`` and, once,
 raises ``HorovodInternalError`` on every worker after uncommitted steps (what
 Horovod raises when a peer is lost).  ``hvd.elastic.run`` then restores the
 last commit, re-initialises Horovod and syncs; the script records residuals
@@ -23,18 +25,22 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 from horovod.common.exceptions import HorovodInternalError  # noqa: E402
 
-from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, SparseKerasState  # noqa: E402
+from gtopk_plugin.tensorflow import (Compression, DistributedGradientTape, DistributedOptimizer,  # noqa: E402
+                                     SparseKerasState)
 
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
-OUT = sys.argv[1]
+OUT, MODE = sys.argv[1], sys.argv[2]
 
 tf.keras.utils.set_random_seed(0)
 model = tf.keras.Sequential([tf.keras.Input((12,)), tf.keras.layers.Dense(10, activation="relu"),
                              tf.keras.layers.Dense(3)])
-opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
 comp = Compression.gtopk(0.1)
+if MODE == "keras":
+    opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=comp)
+else:
+    opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
 loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -42,6 +48,9 @@ loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 def train_step(x, y):
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
+    if MODE == "keras":  # Horovod's Keras optimizer reduces in compute_gradients (minimize, fit)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+        return loss
     tape = DistributedGradientTape(tape, compression=comp)
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
@@ -49,7 +58,11 @@ def train_step(x, y):
 
 
 opt.build(model.trainable_variables)  # optimizer variables exist before the state copies them
-state = SparseKerasState(model, opt, compressions=[comp], batch=0)
+if MODE == "keras":
+    state = SparseKerasState(model, opt, batch=0)
+    assert state.compressions == [comp], state.compressions
+else:
+    state = SparseKerasState(model, opt, compressions=[comp], batch=0)
 log = {"events": []}
 failed = []
 

@@ -414,7 +414,8 @@ def test_example_trains_under_horovodrun(mode):
 
 @needs_hvd
 @pytest.mark.timeout(400)
-def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
+@pytest.mark.parametrize("mode", ["tape", "keras"])
+def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path, mode):
     """A real elastic job (host discovery script, min-np 2) with SparseKerasState:
     every worker raises HorovodInternalError after uncommitted steps;
     hvd.elastic.run restores the commit, re-initialises Horovod and syncs.
@@ -427,8 +428,8 @@ def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
     # --network-interface lo: elastic mode otherwise probes every interface
     hosts = ["--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
              "--network-interface", "lo"]
-    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_tf_elastic_job.py"), str(tmp_path)], timeout=300,
-                         hosts=hosts)
+    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_tf_elastic_job.py"), str(tmp_path), mode],
+                         timeout=300, hosts=hosts)
     assert rc == 0, out[-6000:]
     logs = []
     for r in range(2):
