@@ -21,12 +21,11 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from benchmarks.launch import horovodrun
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODELS = {  # name -> layer widths of an MLP
@@ -133,23 +132,13 @@ def worker(args):
 
 
 def run_job(P, args, out):
-    bindir = os.path.dirname(sys.executable)
-    exe = os.path.join(bindir, "horovodrun")
-    if not os.path.exists(exe):
-        exe = shutil.which("horovodrun") or "horovodrun"
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
-    cmd = [exe, "-np", str(P), "-H", f"localhost:{P}", "--gloo", sys.executable, "-m",
-           "benchmarks.horovod_overhead", "--worker", "--out", out, "--rounds", str(args.rounds),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--density", str(args.density), "--bytes-steps", str(args.bytes_steps)]
+    argv = ["-m", "benchmarks.horovod_overhead", "--worker", "--out", out, "--rounds", str(args.rounds),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+            "--density", str(args.density), "--bytes-steps", str(args.bytes_steps)]
     if P == max(args.workers):
-        cmd.append("--bytes")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        argv.append("--bytes")
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        sys.exit(f"horovodrun -np {P} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
+    horovodrun(P, argv, timeout=args.timeout)
     with open(out) as f:
         res = json.load(f)
     res["job_seconds"] = time.time() - t0

@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -188,6 +189,24 @@ def _report(what, procs, tails) -> str:
         if t:
             parts.append(f"--- rank {r} (last lines) ---\n" + "\n".join(list(t)[-25:]))
     return "\n".join(parts)
+
+
+def horovodrun(P: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """``horovodrun -np P -H localhost:P --gloo python argv...`` from the
+    repository root with the horovodrun next to this interpreter; returns the
+    combined output; exits with its tail if the job fails."""
+    bindir = os.path.dirname(sys.executable)
+    exe = os.path.join(bindir, "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun") or "horovodrun"
+    run_env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+                   TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    cmd = [exe, "-np", str(P), "-H", f"localhost:{P}", "--gloo", sys.executable] + list(argv)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"horovodrun -np {P} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
+    return proc.stdout
 
 
 def merge_max(per_rank: Sequence[Sequence[dict]], keys: Sequence[str]) -> List[dict]:
