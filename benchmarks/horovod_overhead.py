@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 from benchmarks.launch import horovodrun
+from benchmarks.record import write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODELS = {  # name -> layer widths of an MLP
@@ -188,22 +188,9 @@ def main(argv=None):
             ratio = t["dense_bytes"] / t["bytes_sent"] if t["bytes_sent"] else float("nan")
             print(f"{c:<11} {t['bytes_sent']:>10,} {t['bytes_received']:>11,} {t['dense_bytes']:>10,} "
                   f"{ratio:>9.1f}x {t['control_bytes']:>9} {1e3 * t['median_step_s']:8.1f}")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    doc = {"benchmark": "horovod_overhead", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "python": platform.python_version(),
-                       "load_average_1_5_15min": list(os.getloadavg())},
-           "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "bytes", "out")},
-           "results": {str(P): r for P, r in results.items()}}
-    try:
-        import horovod
-        import torch
-        doc["machine"].update(horovod=horovod.__version__, torch=torch.__version__)
-    except ImportError:
-        pass
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
+    write_json(args.json, "horovod_overhead",
+               {k: v for k, v in vars(args).items() if k not in ("worker", "bytes", "out")},
+               {str(P): r for P, r in results.items()}, packages=("horovod", "torch"))
     print(f"\nwrote {args.json}")
 
 

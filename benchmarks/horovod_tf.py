@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 from benchmarks.launch import horovodrun
+from benchmarks.record import write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WIDTHS = [784, 1024, 256, 10]  # mlp-1.1M of benchmarks/horovod_overhead.py
@@ -201,22 +201,8 @@ def main(argv=None):
             torch_b = f"{tb[c]:,}" if c in tb else "-"
             print(f"{c:<11} {1e3 * t['median_step_s']:8.1f} {rel:7.2f}x {t['bytes_sent']:>10,} {ratio:>9.1f}x "
                   f"{t['control_bytes']:>9} {torch_b:>14}")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    doc = {"benchmark": "horovod_tf", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "python": platform.python_version(),
-                       "load_average_1_5_15min": list(os.getloadavg())},
-           "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-           "results": results}
-    try:
-        import horovod
-        import tensorflow as tf
-        doc["machine"].update(horovod=horovod.__version__, tensorflow=tf.__version__)
-    except ImportError:
-        pass
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
+    write_json(args.json, "horovod_tf", {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+               results, packages=("horovod", "tensorflow"))
     png = plot(results, os.path.splitext(args.json)[0] + ".png")
     print(f"\nwrote {args.json}" + (f" and {png}" if png else ""))
 

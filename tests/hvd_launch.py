@@ -40,3 +40,16 @@ def horovodrun(np_: int, args: Sequence[str], timeout: int = 300, hosts: Optiona
         raise AssertionError(f"horovodrun -np {np_} {' '.join(args)} did not finish within {timeout} s:\n"
                              f"{out[-4000:]}")
     return proc.returncode, out
+
+
+def elastic_hosts(tmp_path, np_: int):
+    """Launcher arguments for an elastic job of exactly ``np_`` local workers:
+    a host discovery script in ``tmp_path`` that always answers
+    ``localhost:np_`` (``--network-interface lo``: elastic mode otherwise
+    probes every interface)."""
+    discover = os.path.join(str(tmp_path), "discover.sh")
+    with open(discover, "w") as f:
+        f.write(f"#!/bin/sh\necho localhost:{np_}\n")
+    os.chmod(discover, 0o755)
+    return ["--min-np", str(np_), "--max-np", str(np_), "--host-discovery-script", discover,
+            "--network-interface", "lo"]

@@ -34,7 +34,7 @@ if not HAVE_HOROVOD:
                 "run `bash scripts/install_horovod.sh`", allow_module_level=True)
 
 from gtopk_plugin.testing import Oracle  # noqa: E402
-from hvd_launch import horovodrun  # noqa: E402
+from hvd_launch import elastic_hosts, horovodrun  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -329,12 +329,7 @@ def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
     restores the commit, re-initialises Horovod and syncs.  Residuals and the
     step counter must come back to the committed values on every rank, and
     training must finish with identical parameters everywhere."""
-    discover = tmp_path / "discover.sh"
-    discover.write_text("#!/bin/sh\necho localhost:2\n")
-    discover.chmod(0o755)
-    # --network-interface lo: elastic mode otherwise probes every interface
-    hosts = ["--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
-             "--network-interface", "lo"]
+    hosts = elastic_hosts(tmp_path, 2)
     rc, out = horovodrun(2, [os.path.join(HERE, "horovod_elastic_job.py"), str(tmp_path)], timeout=240,
                          hosts=hosts)
     assert rc == 0, out[-6000:]

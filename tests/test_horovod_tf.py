@@ -46,7 +46,7 @@ from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
-from hvd_launch import horovodrun as _horovodrun  # noqa: E402
+from hvd_launch import elastic_hosts, horovodrun as _horovodrun  # noqa: E402
 
 needs_hvd = pytest.mark.skipif(
     not HAVE_HVD_TF, reason=f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
@@ -422,12 +422,7 @@ def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path, mod
     Residuals and the step counter must come back to the committed values on
     every rank (each rank its own residuals, not rank 0's), and training must
     finish with identical weights everywhere."""
-    discover = tmp_path / "discover.sh"
-    discover.write_text("#!/bin/sh\necho localhost:2\n")
-    discover.chmod(0o755)
-    # --network-interface lo: elastic mode otherwise probes every interface
-    hosts = ["--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
-             "--network-interface", "lo"]
+    hosts = elastic_hosts(tmp_path, 2)
     rc, out = horovodrun(2, [os.path.join(HERE, "horovod_tf_elastic_job.py"), str(tmp_path), mode],
                          timeout=300, hosts=hosts)
     assert rc == 0, out[-6000:]

@@ -62,53 +62,45 @@ def select_topk(x, offsets: Sequence[int], ks):
     return idx, tf.gather(x, idx)
 
 
-def _threshold_positions(mag, n: int, k: int):
+def _threshold_positions(mag, n: int, k):
     """Positions of one segment selected by the sampled threshold; the same
-    steps, constants and branches as kernels.reference._threshold_segment."""
-    if k >= n:
+    steps, constants and branches as kernels.reference._threshold_segment.
+    ``k``: a Python int, or a run-time int32 tensor (a warm-up inside
+    ``tf.function``) for which the sample size and tolerance band are float64
+    ops that round as the reference's Python floats do (k·m exact, one
+    correctly rounded division, sqrt, ceil)."""
+    static = _static(k)
+    if static and k >= n:
         return tf.range(n, dtype=tf.int32)
     pos = _ref.threshold_sample_positions(n).numpy().astype(np.int32)
-    sample = tf.gather(mag, pos)
     m = int(pos.size)
-    q = k * m / n
-    ks = max(1, min(m, math.ceil(q + _ref.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
-    t = tf.reduce_min(tf.math.top_k(sample, k=ks, sorted=False).values)
-    sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
-    cnt = tf.cast(tf.size(sel), tf.float64)
-    lo, hi = (1 - _ref.THRESHOLD_TOLERANCE) * k, (1 + _ref.THRESHOLD_TOLERANCE) * k
-
-    def too_many():  # the exact threshold lies among the candidates
-        return tf.gather(sel, _topk_positions(tf.gather(mag, sel), k))
-
-    def too_few():
-        return _topk_positions(mag, k)
-
-    return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel,
-                   lambda: tf.cond(cnt > hi, too_many, too_few))
-
-
-def _threshold_positions_runtime(mag, n: int, k):
-    """_threshold_positions for a run-time ``k`` (int32 tensor): the same
-    rule in float64 ops, which round as the reference's Python floats do
-    (k·m exact, one correctly rounded division, sqrt, ceil)."""
-    pos = _ref.threshold_sample_positions(n).numpy().astype(np.int32)
-    sample = tf.gather(mag, pos)
-    m = int(pos.size)
-    k64 = tf.cast(k, tf.int64)
-    q = tf.cast(k64 * m, tf.float64) / tf.constant(float(n), tf.float64)
-    ks = tf.math.ceil(q + _ref.THRESHOLD_BIAS * tf.sqrt(tf.maximum(q, 0.0)))
-    ks = tf.cast(tf.clip_by_value(ks, 1.0, float(m)), tf.int32)
-    t = tf.reduce_min(tf.math.top_k(sample, k=ks, sorted=False).values)
-    sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
-    cnt = tf.cast(tf.size(sel), tf.float64)
-    kf = tf.cast(k64, tf.float64)
+    if static:
+        q = k * m / n
+        ks = max(1, min(m, math.ceil(q + _ref.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
+        kf = k
+    else:
+        k64 = tf.cast(k, tf.int64)
+        q = tf.cast(k64 * m, tf.float64) / tf.constant(float(n), tf.float64)
+        ks = tf.math.ceil(q + _ref.THRESHOLD_BIAS * tf.sqrt(tf.maximum(q, 0.0)))
+        ks = tf.cast(tf.clip_by_value(ks, 1.0, float(m)), tf.int32)
+        kf = tf.cast(k64, tf.float64)
     lo, hi = (1 - _ref.THRESHOLD_TOLERANCE) * kf, (1 + _ref.THRESHOLD_TOLERANCE) * kf
 
     def sampled():
-        return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel,
-                       lambda: tf.cond(cnt > hi, lambda: tf.gather(sel, _topk_positions(tf.gather(mag, sel), k)),
-                                       lambda: _topk_positions(mag, k)))
+        t = tf.reduce_min(tf.math.top_k(tf.gather(mag, pos), k=ks, sorted=False).values)
+        sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
+        cnt = tf.cast(tf.size(sel), tf.float64)
 
+        def too_many():  # the exact threshold lies among the candidates
+            return tf.gather(sel, _topk_positions(tf.gather(mag, sel), k))
+
+        def too_few():
+            return _topk_positions(mag, k)
+
+        return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel, lambda: tf.cond(cnt > hi, too_many, too_few))
+
+    if static:
+        return sampled()
     return tf.cond(k64 >= n, lambda: tf.range(n, dtype=tf.int32), sampled)
 
 
@@ -119,8 +111,7 @@ def select_threshold(x, offsets: Sequence[int], ks):
     parts = []
     for s in range(len(offsets) - 1):
         lo, hi = int(offsets[s]), int(offsets[s + 1])
-        positions = _threshold_positions if _static(ks) else _threshold_positions_runtime
-        parts.append(positions(mag[lo:hi], hi - lo, ks[s]) + lo)
+        parts.append(_threshold_positions(mag[lo:hi], hi - lo, ks[s]) + lo)
     idx = tf.concat(parts, 0)
     return idx, tf.gather(x, idx)
 
