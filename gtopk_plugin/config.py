@@ -16,7 +16,7 @@ import torch
 MERGES = ("allgather", "gtopk")
 OPS = ("average", "sum")
 GRANULARITIES = ("layer", "global")
-NONFINITE = ("raise", "skip")
+NONFINITE = ("raise", "skip", "propagate")
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_BACKENDS = ("auto", "reference", "cpu", "cuda")
 
@@ -80,6 +80,15 @@ class ReducerConfig:
     nonfinite: str = "raise"
     error_feedback: bool = True
     kernels: str = field(default_factory=lambda: env_kernels())
+    # DGC momentum correction (compress/momentum.py): None = off
+    momentum: Optional[float] = None
+    nesterov: bool = False
+    dampening: float = 0.0
+    momentum_masking: bool = True
+    # DGC local gradient clipping: each worker clips its own gradient to
+    # clip_norm * P^-1/2 (global L2 norm over the step's tensors) before it
+    # enters the velocity / accumulator; None = off
+    clip_norm: Optional[float] = None
 
     def __post_init__(self):
         from .compress import registry  # late: compress imports kernels imports config
@@ -109,7 +118,24 @@ class ReducerConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int; got {self.seed!r}")
         if self.nonfinite not in NONFINITE:
-            raise ValueError(f"unknown nonfinite policy {self.nonfinite!r}; pass 'raise' or 'skip'")
+            raise ValueError(f"unknown nonfinite policy {self.nonfinite!r}; pass 'raise', 'skip' or "
+                             "'propagate'")
+        if self.momentum is not None:
+            from .compress.momentum import MomentumSpec  # validates (ValueError)
+
+            MomentumSpec(float(self.momentum), bool(self.nesterov), float(self.dampening))
+            object.__setattr__(self, "momentum", float(self.momentum))
+        elif self.nesterov:
+            raise ValueError("nesterov=True needs momentum= (e.g. momentum=0.9, nesterov=True)")
+        if self.clip_norm is not None:
+            try:
+                c = float(self.clip_norm)
+            except (TypeError, ValueError):
+                raise ValueError(f"clip_norm must be a positive number or None; got {self.clip_norm!r}") \
+                    from None
+            if not (c > 0.0) or math.isinf(c):
+                raise ValueError(f"clip_norm must be a positive finite number or None; got {self.clip_norm!r}")
+            object.__setattr__(self, "clip_norm", c)
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"unknown kernels back end {self.kernels!r}; pass one of {', '.join(KERNEL_BACKENDS)}")
         w = self.warmup

@@ -21,12 +21,25 @@ import torch
 from . import consistency, kernels
 from . import collectives
 from .collectives import Selection, Transport
+from .collectives import wire
 from .compress import ErrorFeedback, SelectionContext, registry
+from .compress.momentum import MomentumCorrection, MomentumSpec
 from .config import ReducerConfig
 from .stats import ReduceStats
 
 Tensor = torch.Tensor
 _GLOBAL_SEGMENT = "__global__"
+
+
+def global_segment_name(names) -> str:
+    """Name of the one segment of a granularity="global" call: keyed by the
+    tensors it holds, so that buckets of one step (DDP buckets, the elastic
+    scheduler's layers) draw independent random positions, while every rank
+    (same names) still draws the same ones where the method shares draws."""
+    import hashlib
+
+    h = hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+    return f"{_GLOBAL_SEGMENT}:{h}"
 
 
 def k_for(density: float, numel: int) -> int:
@@ -45,6 +58,15 @@ def _all_finite(t: Tensor) -> bool:
     if bool(torch.isfinite(t.sum(dtype=acc))):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def local_grad_norm(tensors) -> float:
+    """L2 norm over several tensors, accumulated in float64 (the clipping
+    norm of one worker's whole step)."""
+    total = 0.0
+    for t in tensors:
+        total += float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64) ** 2)
+    return math.sqrt(total)
 
 
 class GradientReducer:
@@ -75,6 +97,21 @@ class GradientReducer:
         error_feedback: keep the residual (default True).
         kernels: force a kernels back end ("reference", "cpu", "cuda");
             default: ``GTOPK_KERNELS`` or automatic.
+        momentum, nesterov, dampening: DGC momentum correction (Lin et al.
+            2018): each worker keeps a velocity u <- m·u + g and accumulates
+            u, not g, into the residual; the optimizer that applies the
+            update must then have no momentum of its own (the Horovod and
+            DDP layers arrange that from the optimizer; see docs/momentum.md).
+            ``None`` (default): off.
+        momentum_masking: zero the velocity where the accumulator reached the
+            result (DGC's momentum factor masking; default True).
+        clip_norm: DGC local gradient clipping: each worker scales its
+            gradient so that its L2 norm over the step's tensors is at most
+            ``clip_norm · P^-1/2`` before it enters the velocity/accumulator.
+
+    ``nonfinite="propagate"`` (for AMP loss scalers) returns updates filled
+    with +inf on every rank, residuals and velocities untouched, so every
+    rank's ``GradScaler`` skips the step and lowers its scale together.
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, r_factor: float = 4.0,
@@ -82,12 +119,16 @@ class GradientReducer:
                  value_dtype: Optional[torch.dtype] = None, op: str = "average",
                  transport: Optional[Transport] = None, seed: int = 0, warmup=None,
                  nonfinite: str = "raise", error_feedback: bool = True,
-                 kernels: Optional[str] = None):
+                 kernels: Optional[str] = None, momentum: Optional[float] = None,
+                 nesterov: bool = False, dampening: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: Optional[float] = None):
         kw = {} if kernels is None else {"kernels": kernels}
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=value_dtype, op=op,
                                     seed=seed, warmup=warmup, nonfinite=nonfinite,
-                                    error_feedback=bool(error_feedback), **kw)
+                                    error_feedback=bool(error_feedback), momentum=momentum,
+                                    nesterov=bool(nesterov), dampening=dampening,
+                                    momentum_masking=bool(momentum_masking), clip_norm=clip_norm, **kw)
         if transport is None:
             from .frameworks.torch_distributed import TorchDistributedTransport
             transport = TorchDistributedTransport()
@@ -99,11 +140,18 @@ class GradientReducer:
         self._aggregation = collectives.get(self.aggregation)
         # -- internal state (checkpointed) --
         self.memory = ErrorFeedback(self.config.error_feedback)
+        cfg = self.config
+        self.momentum = MomentumCorrection(
+            None if cfg.momentum is None else MomentumSpec(cfg.momentum, cfg.nesterov, cfg.dampening),
+            masking=cfg.momentum_masking)
+        # the loss scale the residuals and velocities are expressed in (AMP)
+        self.loss_scale: Optional[float] = None
         self.step = 0
         self.last_stats: Optional[ReduceStats] = None
 
     # ------------------------------------------------------------------ API
-    def reduce(self, grads: Mapping[str, Tensor], *, advance_step: bool = True) -> Dict[str, Tensor]:
+    def reduce(self, grads: Mapping[str, Tensor], *, advance_step: bool = True,
+               grad_norm: Optional[float] = None, loss_scale: Optional[float] = None) -> Dict[str, Tensor]:
         """Reduce ``grads`` (name -> dense gradient) across all ranks and return
         name -> dense update (same shapes and dtypes).  Collective: every rank
         calls it with the same names, shapes and dtypes.
@@ -111,6 +159,14 @@ class GradientReducer:
         ``advance_step=False`` keeps the step counter (and so the warm-up
         density and random-k seeds) for a further call in the same training
         step, as the DDP hook does for all buckets but the last.
+
+        ``grad_norm``: with ``clip_norm``, this worker's gradient L2 norm over
+        the whole step when the step spans several calls (buckets); default:
+        the norm of this call's tensors.  ``loss_scale``: the AMP loss scale
+        the gradients carry (``GradScaler.get_scale()``); residuals and
+        velocities are kept in the scale of the latest call and rescaled
+        exactly (powers of two) when it changes, and the clipping threshold
+        is scaled with it.
         """
         t0 = time.perf_counter()
         cfg = self.config
@@ -132,17 +188,24 @@ class GradientReducer:
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step)
 
         dtype = self._flat_dtype(tensors)
-        # One flat buffer, written once: acc = grad + residual per segment
+        self._follow_loss_scale(loss_scale)
+        flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
+        scale = self._clip_scale(flat, grad_norm, loss_scale, P)
+        if scale != 1.0:
+            flat = [g * scale for g in flat]
+        # One flat buffer, written once: acc = increment + residual per segment
         # (a fresh allocation per step: the residual views kept below alias it).
         numel = sum(sizes)
         acc = torch.empty(numel, dtype=dtype, device=tensors[0].device)
-        for n, t, part in zip(names, tensors, torch.split(acc, sizes)):
-            self.memory.compensate_into(n, t.detach().reshape(-1).to(dtype), part)
+        if self.momentum.enabled:
+            flat = self.momentum.accumulate(names, sizes, flat, dtype, acc.device)
+        for n, g, part in zip(names, flat, torch.split(acc, sizes)):
+            self.memory.compensate_into(n, g, part)
         offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
         ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
                                rank=self.transport.rank, kernels=cfg.kernels)
         idx, vals = self.selector.select(acc, offsets, k, ctx)
-        wire_vals = vals.to(cfg.value_dtype or dtype)
+        wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype)
         seconds["select"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -170,8 +233,15 @@ class GradientReducer:
                 # acc is this call's own buffer and nothing else refers to it:
                 # turn it into the residual in place, O(k) instead of a copy of N
                 residual = self.memory.remainder_(acc, idx, sent_vals)
+            if agg.residual_add is not None and agg.residual_add[0].numel():
+                # wire rounding of merged sums that this rank owns (DESIGN.md §3)
+                residual.index_add_(0, agg.residual_add[0].long(), agg.residual_add[1].to(dtype))
             for n, part in zip(names, torch.split(residual, sizes)):
                 self.memory.update(n, part)
+        if self.momentum.enabled and idx is not None:
+            # momentum factor masking: the velocity restarts where v was sent.
+            # Not for dense methods: there u is the plain momentum buffer.
+            self.momentum.mask_(names, idx)
         selected = int(vals.numel())
         sent = numel if idx is None else int(idx.numel())
         rounds = agg.rounds
@@ -187,14 +257,44 @@ class GradientReducer:
         return out
 
     def reset(self) -> None:
-        """Forget residuals (e.g. after the set of parameters changed)."""
+        """Forget residuals and velocities (e.g. after the set of parameters changed)."""
         self.memory.reset()
+        self.momentum.reset()
+
+    # ------------------------------------------------- clipping, loss scale
+    def _follow_loss_scale(self, loss_scale: Optional[float]) -> None:
+        """Keep residuals and velocities in the units of the incoming
+        gradients: when the AMP loss scale changed since the last call,
+        multiply them by new/old (a power of two for GradScaler: exact)."""
+        if loss_scale is None:
+            return
+        s = float(loss_scale)
+        if not (s > 0.0) or math.isinf(s):
+            raise ValueError(f"loss_scale must be a positive finite number; got {loss_scale!r}")
+        if self.loss_scale is not None and s != self.loss_scale:
+            f = s / self.loss_scale
+            self.memory.rescale_(f)
+            self.momentum.rescale_(f)
+        self.loss_scale = s
+
+    def _clip_scale(self, flat, grad_norm, loss_scale, P) -> float:
+        """DGC local clipping: the factor that brings this worker's gradient
+        norm down to ``clip_norm · P^-1/2`` (times the loss scale), else 1."""
+        c = self.config.clip_norm
+        if c is None:
+            return 1.0
+        if grad_norm is None:
+            grad_norm = local_grad_norm(flat)
+        thr = c / math.sqrt(P) * (1.0 if loss_scale is None else float(loss_scale))
+        grad_norm = float(grad_norm)
+        return 1.0 if grad_norm <= thr else thr / (grad_norm + 1e-6 * thr)
 
     def state_dict(self) -> dict:
         """Residuals and step: everything a bit-exact resume needs (random
         draws are keyed by (seed, step, name), so the step is the RNG state)."""
         return {"version": 1, "method": self.config.method, "seed": self.config.seed,
-                "step": self.step, "residuals": self.memory.state_dict()}
+                "step": self.step, "residuals": self.memory.state_dict(),
+                "velocities": self.momentum.state_dict(), "loss_scale": self.loss_scale}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != 1:
@@ -204,6 +304,8 @@ class GradientReducer:
                              f"{self.config.method!r}")
         self.step = int(sd["step"])
         self.memory.load_state_dict(sd["residuals"])
+        self.momentum.load_state_dict(sd.get("velocities", {}))
+        self.loss_scale = sd.get("loss_scale")
 
     # ------------------------------------------------------------ internals
     @staticmethod
@@ -258,7 +360,7 @@ class GradientReducer:
         else:
             offs = [0, sum(sizes)]
             ks = [k_for(density, sum(sizes))]
-            seg_names = [_GLOBAL_SEGMENT]
+            seg_names = [global_segment_name(names)]
         return (torch.tensor(offs, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64), seg_names)
 
     @staticmethod
@@ -271,7 +373,8 @@ class GradientReducer:
     def _skip(self, names, tensors, sizes, density, P, before, seconds, advance_step):
         """nonfinite="skip": every rank returns zero updates for this step and
         keeps its residuals; the step's gradients are dropped on all ranks."""
-        out = {n: torch.zeros_like(t) for n, t in zip(names, tensors)}
+        fill = math.inf if self.config.nonfinite == "propagate" else 0.0
+        out = {n: torch.full_like(t, fill) for n, t in zip(names, tensors)}
         numel = sum(sizes)
         st = ReduceStats(method=self.config.method, aggregation=self.aggregation, step=self.step,
                          world_size=P, numel=numel, k=0, density=density, skipped=True,

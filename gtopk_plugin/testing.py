@@ -17,7 +17,7 @@ import torch
 from . import kernels
 from .compress import SelectionContext, registry
 from .config import ReducerConfig
-from .reducer import _GLOBAL_SEGMENT, k_for
+from .reducer import global_segment_name, k_for
 
 Tensor = torch.Tensor
 
@@ -64,7 +64,7 @@ class Oracle:
         else:
             offs = np.array([0, sum(sizes)])
             ks = [k_for(density, sum(sizes))]
-            seg_names = [_GLOBAL_SEGMENT]
+            seg_names = [global_segment_name(names)]
         N = int(offs[-1])
         offsets_t, k_t = torch.tensor(offs, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
 

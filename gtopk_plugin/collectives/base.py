@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 
@@ -42,6 +42,12 @@ class Aggregated:
     vals: Tensor
     reached: Optional[Tensor]
     rounds: int
+    # Rounding (or clamping) error that a lower-precision wire introduced
+    # after this rank's own rounding -- a merged sum re-rounded for the next
+    # round -- and that this rank owns (DESIGN.md §3, precision): global
+    # int64 indices and values in the sum dtype, added to this rank's
+    # residual so mass conservation holds to the sum dtype's rounding.
+    residual_add: Optional[Tuple[Tensor, Tensor]] = None
 
 
 class Aggregation(abc.ABC):

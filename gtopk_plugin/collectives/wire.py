@@ -14,6 +14,19 @@ def entry_bytes(idx_dtype: torch.dtype, val_dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=idx_dtype).element_size() + torch.empty(0, dtype=val_dtype).element_size()
 
 
+def to_wire(vals: Tensor, dtype: torch.dtype) -> Tensor:
+    """Round ``vals`` to the wire dtype without ever producing ±inf: values
+    beyond the dtype's finite range are clamped to it first (the sender's
+    residual keeps the remainder, since the residual is what was not sent).
+    DESIGN.md §3: a value the wire cannot hold never reaches it as ±inf."""
+    if vals.dtype == dtype:
+        return vals
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(vals.dtype).max:
+        big = torch.finfo(dtype).max
+        vals = vals.clamp(-big, big)
+    return vals.to(dtype)
+
+
 def pack(idx: Tensor, vals: Tensor, idx_dtype: torch.dtype) -> Tensor:
     """``[indices | values]`` as one uint8 tensor."""
     i = idx.to(idx_dtype).contiguous().view(torch.uint8)

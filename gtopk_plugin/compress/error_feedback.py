@@ -45,6 +45,11 @@ class ErrorFeedback:
             acc[i] = acc[i] - sent_vals.to(acc.dtype)
         return acc
 
+    def rescale_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (the AMP loss scale changed)."""
+        for r in self.residuals.values():
+            r.mul_(factor)
+
     def reset(self) -> None:
         self.residuals.clear()
 

@@ -1,0 +1,153 @@
+"""Momentum correction and momentum factor masking (DGC: Lin et al. 2018,
+"Deep Gradient Compression", arXiv 1712.01887, §3.2), the velocity half of
+error feedback.
+
+Sparsifying the gradient and then applying momentum to the sparse update
+(what a user gets by keeping ``SGD(momentum=m)`` after a sparse reducer)
+delays the bulk of every coordinate by many steps and then applies it with
+the momentum of a stale direction.  DGC moves the momentum in front of the
+compressor instead, per worker:
+
+    u ← m·u + g               (Nesterov: u ← m·(u + g), increment u + g)
+    v ← v + u                 (v is the error-feedback residual)
+    select from v; where an entry of v reached the global result, zero it in
+    v (error feedback) *and* in u (momentum factor masking)
+
+and the optimizer applies the reduced update **without** momentum of its own.
+Summed over workers this is plain momentum SGD on the dense gradient, up to
+the delay of what is still in v (DESIGN.md §3, momentum correction):
+    Σ_ranks Σ_steps increment_t = Σ_steps result_t + Σ_ranks v.
+
+Dampening follows ``torch.optim.SGD``: u ← m·u + (1 − dampening)·g.
+The velocity is kept as one flat buffer per tensor layout so that masking
+touches only the k reached entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class MomentumSpec:
+    """Hyper-parameters of one tensor's correction (those of torch.optim.SGD)."""
+
+    momentum: float
+    nesterov: bool = False
+    dampening: float = 0.0
+
+    def __post_init__(self):
+        m = self.momentum
+        if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= float(m) < 1.0):
+            raise ValueError(f"momentum must be a number in [0, 1), e.g. 0.9; got {m!r}")
+        if not (0.0 <= float(self.dampening) <= 1.0):
+            raise ValueError(f"dampening must be in [0, 1]; got {self.dampening!r}")
+        if self.nesterov and (float(m) == 0.0 or float(self.dampening) != 0.0):
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening 0 "
+                             "(as torch.optim.SGD)")
+
+
+class MomentumCorrection:
+    """Per-worker velocities ``u`` of DGC's momentum correction.
+
+    ``spec`` is the default :class:`MomentumSpec` (``None``: correction off);
+    ``per_name`` overrides it per tensor (an optimizer binding refreshes it
+    from the optimizer's param groups before every step, so momentum
+    schedules such as OneCycleLR's are followed).  ``masking`` zeroes the
+    velocity where the accumulator's entry reached the result (DGC's momentum
+    factor masking; on by default, as in DGC).
+    """
+
+    def __init__(self, spec: Optional[MomentumSpec] = None, masking: bool = True):
+        self.spec = spec
+        self.masking = bool(masking)
+        self.per_name: Dict[str, MomentumSpec] = {}
+        self.velocities: Dict[str, Tensor] = {}
+        self._flat: Dict[Tuple[str, ...], Tensor] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec is not None or bool(self.per_name)
+
+    def spec_for(self, name: str) -> Optional[MomentumSpec]:
+        return self.per_name.get(name, self.spec)
+
+    def _flat_velocity(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> Tensor:
+        """One flat buffer for this layout, its per-name views stored as the
+        velocities (so masking with the layout's global indices is O(k)).  A
+        name moving to another layout (DDP rebuilds buckets after step 0)
+        carries its velocity along."""
+        key = tuple(names)
+        buf = self._flat.get(key)
+        if buf is not None and buf.dtype == dtype and buf.device == device:
+            return buf
+        buf = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        for n, part in zip(names, torch.split(buf, list(sizes))):
+            old = self.velocities.get(n)
+            if old is not None:
+                if old.numel() != part.numel():
+                    raise RuntimeError(f"velocity of {n!r} has {old.numel()} entries but the gradient "
+                                       f"has {part.numel()}; the layout changed, call reset()")
+                part.copy_(old.reshape(-1))
+            self.velocities[n] = part
+        moved = set(names)
+        for other in [k for k in self._flat if k != key and moved.intersection(k)]:
+            del self._flat[other]
+        self._flat[key] = buf
+        return buf
+
+    def accumulate(self, names: Sequence[str], sizes: Sequence[int], flat_grads: Sequence[Tensor],
+                   dtype, device) -> List[Tensor]:
+        """Advance every velocity by its gradient and return the increments
+        that enter the residual (``u`` itself, or ``u + g`` with Nesterov;
+        the gradient as it is for a name without correction)."""
+        self._flat_velocity(names, sizes, dtype, device)
+        out = []
+        for n, g in zip(names, flat_grads):
+            spec = self.spec_for(n)
+            if spec is None:
+                out.append(g)
+                continue
+            u = self.velocities[n]
+            m, d = float(spec.momentum), float(spec.dampening)
+            if spec.nesterov:
+                u.add_(g).mul_(m)          # u <- m (u + g)
+                out.append(u + g)          # increment u + g (torch's g + m·buf)
+            else:
+                u.mul_(m).add_(g, alpha=1.0 - d)
+                out.append(u)
+        return out
+
+    def mask_(self, names: Sequence[str], reached_idx: Tensor) -> None:
+        """Momentum factor masking: zero the velocity at the layout's global
+        indices whose accumulated value reached the global result."""
+        if not self.masking or reached_idx is None or reached_idx.numel() == 0:
+            return
+        buf = self._flat.get(tuple(names))
+        if buf is None:
+            return
+        buf[reached_idx.long()] = 0
+
+    def rescale_(self, factor: float) -> None:
+        """Multiply every velocity by ``factor`` (the loss scale changed)."""
+        for buf in self._flat.values():
+            buf.mul_(factor)
+        flat_names = {n for k in self._flat for n in k}
+        for n, u in self.velocities.items():
+            if n not in flat_names:
+                u.mul_(factor)
+
+    def reset(self) -> None:
+        self.velocities.clear()
+        self._flat.clear()
+
+    def state_dict(self) -> Dict[str, Tensor]:
+        return {n: u.detach().cpu().clone() for n, u in self.velocities.items()}
+
+    def load_state_dict(self, sd: Mapping[str, Tensor]) -> None:
+        self._flat.clear()
+        self.velocities = {n: u.clone() for n, u in sd.items()}
