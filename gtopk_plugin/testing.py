@@ -16,8 +16,9 @@ import torch
 
 from . import kernels
 from .compress import SelectionContext, registry
+from .compress.momentum import MomentumCorrection, MomentumSpec
 from .config import ReducerConfig
-from .reducer import global_segment_name, k_for
+from .reducer import global_segment_name, k_for, local_grad_norm
 
 Tensor = torch.Tensor
 
@@ -44,6 +45,12 @@ class Oracle:
         self.selector = registry.get(self.cfg.method)(r_factor=self.cfg.r_factor)
         self.aggregation = self.cfg.aggregation
         self.residuals: List[Dict[str, Tensor]] = [dict() for _ in range(world_size)]
+        # DGC momentum correction per simulated worker: the library's own
+        # MomentumCorrection (the convergence study runs the library's code;
+        # tests/oracles.py has an independent numpy twin)
+        spec = None if self.cfg.momentum is None else \
+            MomentumSpec(self.cfg.momentum, self.cfg.nesterov, self.cfg.dampening)
+        self.velocity = [MomentumCorrection(spec, self.cfg.momentum_masking) for _ in range(world_size)]
         self.step_count = 0
         self.last_sent: List[Tensor] = []
 
@@ -70,9 +77,16 @@ class Oracle:
 
         accs = []
         for r in range(P):
+            flat = [grads_per_rank[r][n].detach().reshape(-1).to(dtype) for n in names]
+            if cfg.clip_norm is not None:
+                norm = local_grad_norm(flat)
+                thr = cfg.clip_norm / P ** 0.5
+                if norm > thr:
+                    flat = [g * (thr / (norm + 1e-6 * thr)) for g in flat]
+            if self.velocity[r].enabled:
+                flat = self.velocity[r].accumulate(names, sizes, flat, dtype, flat[0].device)
             parts = []
-            for n in names:
-                g = grads_per_rank[r][n].detach().reshape(-1).to(dtype)
+            for n, g in zip(names, flat):
                 res = self.residuals[r].get(n) if cfg.error_feedback else None
                 parts.append(g.clone() if res is None else g + res)
             accs.append(torch.cat(parts))
@@ -106,6 +120,8 @@ class Oracle:
             i = sel_idx[r][reached[r]]
             res[i] = accs[r][i] - sel_wire[r][reached[r]].to(dtype)
             self.last_sent.append(i)
+            if self.velocity[r].enabled and self.aggregation != "dense":
+                self.velocity[r].mask_(names, i)
             if cfg.error_feedback:
                 for n, part in zip(names, torch.split(res, sizes)):
                     self.residuals[r][n] = part
