@@ -144,6 +144,7 @@ class GradientReducer:
         self.momentum = MomentumCorrection(
             None if cfg.momentum is None else MomentumSpec(cfg.momentum, cfg.nesterov, cfg.dampening),
             masking=cfg.momentum_masking)
+        self.binding = None  # OptimizerBinding: momentum and weight decay from an optimizer
         # the loss scale the residuals and velocities are expressed in (AMP)
         self.loss_scale: Optional[float] = None
         self.step = 0
@@ -193,6 +194,13 @@ class GradientReducer:
         scale = self._clip_scale(flat, grad_norm, loss_scale, P)
         if scale != 1.0:
             flat = [g * scale for g in flat]
+        if self.binding is not None:
+            # the optimizer's momentum settings of this step, and its weight
+            # decay added to the (clipped) gradient as SGD adds it (in the
+            # gradient's units: times the loss scale under AMP)
+            self.momentum.per_name.update(self.binding.specs(names))
+            ls = 1.0 if loss_scale is None else float(loss_scale)
+            flat = [self.binding.add_weight_decay(n, g, ls) for n, g in zip(names, flat)]
         # One flat buffer, written once: acc = increment + residual per segment
         # (a fresh allocation per step: the residual views kept below alias it).
         numel = sum(sizes)
@@ -255,6 +263,23 @@ class GradientReducer:
         if advance_step:
             self.step += 1
         return out
+
+    def correct_momentum(self, optimizer, named_parameters) -> "GradientReducer":
+        """Turn on DGC momentum correction with ``optimizer``'s own settings:
+        its SGD momentum (nesterov, dampening) and weight decay move in
+        front of the compressor, read from its param groups at every call,
+        and ``optimizer.step()`` runs with momentum and weight decay 0 for
+        those groups (restored right after the step).  ``named_parameters``
+        gives the names this reducer sees.  Returns ``self``.
+
+        Raises ``ValueError`` for optimizers without SGD momentum (Adam,
+        AdamW: use plain error feedback)."""
+        from .compress.optimizer_binding import OptimizerBinding
+
+        if self.binding is not None:
+            self.binding.remove()
+        self.binding = OptimizerBinding(optimizer, named_parameters)
+        return self
 
     def reset(self) -> None:
         """Forget residuals and velocities (e.g. after the set of parameters changed)."""

@@ -1,0 +1,136 @@
+"""Take a ``torch.optim`` optimizer's momentum and weight decay over into the
+reducer, so that momentum correction (DGC, Lin et al. 2018) can be turned on
+without the user rewriting their optimizer.
+
+Why: with momentum correction the velocity lives in front of the
+compressor, per worker (compress/momentum.py); the optimizer that applies the
+reduced update must not apply momentum a second time.  The binding therefore
+
+- reads ``momentum``, ``nesterov``, ``dampening`` and ``weight_decay`` from
+  the optimizer's param groups *at every step* (so momentum schedules such as
+  OneCycleLR's ``cycle_momentum`` are followed);
+- adds ``weight_decay · p`` to each worker's (clipped) gradient before the
+  correction, as ``torch.optim.SGD`` adds it before its momentum (summed over
+  P workers with op="average" this is exactly SGD's ``g + wd·p``);
+- sets ``momentum`` and ``weight_decay`` of those groups to 0 for the
+  duration of ``optimizer.step()`` only (step pre/post hooks), so the
+  optimizer applies ``p ← p − lr·update`` and its ``param_groups`` and
+  ``state_dict()`` still show the user's values between steps.
+
+Only SGD-style groups (a ``momentum`` key) can be corrected: Adam/AdamW keep
+their own moments of the reduced update (plain error feedback; see
+docs/momentum.md), and binding them is a clear ``ValueError``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+from .momentum import MomentumSpec
+
+Tensor = torch.Tensor
+
+
+class OptimizerBinding:
+    """Momentum and weight decay of ``optimizer``'s groups, per parameter name.
+
+    ``named_parameters``: (name, parameter) pairs with the names the reducer
+    sees.  Groups with ``momentum == 0`` are left entirely to the optimizer
+    (no correction, their weight decay stays there too).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[Tuple[str, Tensor]]):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        named = list(named_parameters)
+        if not named:
+            raise ValueError("named_parameters is empty: pass model.named_parameters()")
+        self.optimizer = optimizer
+        self.params: Dict[str, Tensor] = {}
+        by_id = {}
+        for n, p in named:
+            if not isinstance(n, str) or not isinstance(p, torch.Tensor):
+                raise ValueError("named_parameters must yield (str, torch.Tensor) pairs")
+            self.params[n] = p
+            by_id[id(p)] = n
+        self._group_of: Dict[str, dict] = {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                n = by_id.get(id(p))
+                if n is None:
+                    continue
+                if "momentum" not in g:
+                    raise ValueError(
+                        f"momentum correction needs an SGD-style optimizer (param group with a "
+                        f"'momentum' setting); {type(optimizer).__name__} keeps its own moments "
+                        "(Adam/AdamW: use error feedback alone, momentum_correction=False; "
+                        "see docs/momentum.md)")
+                if g.get("maximize", False):
+                    raise ValueError("momentum correction does not support maximize=True")
+                self._group_of[n] = g
+        self._corrected_groups = []
+        for g in optimizer.param_groups:
+            if any(self._group_of.get(by_id.get(id(p))) is g for p in g["params"]):
+                self._corrected_groups.append(g)
+                for p in g["params"]:
+                    if id(p) not in by_id and p.requires_grad:
+                        raise ValueError(
+                            "a param group holds parameters that are not reduced by gtopk_plugin "
+                            "(not in named_parameters); momentum correction would turn their "
+                            "momentum off too -- put them in a separate param group")
+        self._saved: list = []
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._after_step)]
+
+    # -- what the reducer asks, every step ---------------------------------
+    def spec(self, name: str) -> Optional[MomentumSpec]:
+        g = self._group_of.get(name)
+        if g is None or float(g["momentum"]) == 0.0:
+            return None
+        return MomentumSpec(float(g["momentum"]), bool(g.get("nesterov", False)),
+                            float(g.get("dampening", 0.0)))
+
+    def specs(self, names) -> Dict[str, Optional[MomentumSpec]]:
+        return {n: self.spec(n) for n in names}
+
+    def weight_decay(self, name: str) -> float:
+        """The weight decay the reducer applies for ``name`` (0 when the
+        optimizer keeps it: groups without momentum)."""
+        if self.spec(name) is None:
+            return 0.0
+        return float(self._group_of[name].get("weight_decay", 0.0))
+
+    def add_weight_decay(self, name: str, flat_grad: Tensor, loss_scale: float = 1.0) -> Tensor:
+        """``g + wd·p`` (``wd·scale·p`` for a loss-scaled gradient)."""
+        wd = self.weight_decay(name)
+        if wd == 0.0:
+            return flat_grad
+        p = self.params[name].detach().reshape(-1)
+        return flat_grad.add(p.to(flat_grad.dtype), alpha=wd * loss_scale)
+
+    # -- the optimizer's step runs without momentum and weight decay -------
+    def _before_step(self, _opt, _args, _kwargs):
+        self._saved = []
+        for g in self._corrected_groups:
+            if float(g["momentum"]) == 0.0:
+                continue
+            self._saved.append((g, g["momentum"], g.get("weight_decay", 0.0), g.get("nesterov", False)))
+            g["momentum"] = 0.0
+            g["weight_decay"] = 0.0
+            if "nesterov" in g:
+                g["nesterov"] = False
+
+    def _after_step(self, _opt, _args, _kwargs):
+        for g, m, wd, nesterov in self._saved:
+            g["momentum"], g["weight_decay"] = m, wd
+            if "nesterov" in g:
+                g["nesterov"] = nesterov
+        self._saved = []
+
+    def remove(self) -> None:
+        """Give momentum and weight decay back to the optimizer."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
