@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from gtopk_plugin import kernels, k_for
 from gtopk_plugin.collectives import wire
 from gtopk_plugin.kernels import reference
-from oracles import merge_np, mag_np, topk_np
+from oracles import assert_values_equal, merge_np, merge_values_np, mag_np, topk_np
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SPECIALS = [0.0, -0.0, 1.0, -1.0, 2.0, float("inf"), float("-inf"), float("nan")]
@@ -49,9 +49,14 @@ def test_select_topk_matches_bruteforce(case):
     assert idx.dtype == torch.int32
     expect = topk_np(x, offsets, ks)
     np.testing.assert_array_equal(idx.long().numpy(), expect)
-    assert torch.equal(vals.view(torch.uint8) if vals.dtype == torch.bfloat16 else vals,
-                       x[idx.long()].view(torch.uint8) if x.dtype == torch.bfloat16 else x[idx.long()]) \
-        or torch.isnan(vals).any()
+    # values: the input's own entries at the oracle's indices, checked on every
+    # entry (NaN exactly where the input has NaN; the rest equal, sign of zero
+    # included: selection copies, it does not add)
+    assert vals.dtype == x.dtype
+    want = x.double().numpy()[expect]
+    assert_values_equal(vals.double().numpy(), want, "selected values")
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(vals.double().numpy()[finite]), np.signbit(want[finite]))
     # exactly k per segment
     seg = np.searchsorted(offsets, idx.long().numpy(), side="right") - 1
     np.testing.assert_array_equal(np.bincount(seg, minlength=len(ks)), ks)
@@ -98,8 +103,12 @@ def test_threshold_count_lands_near_k_on_large_segments():
         assert 0.9 * k <= idx.numel() <= 1.1 * k
 
 
+MERGE_POOL = [-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.0]
+NONFINITE = [float("inf"), float("-inf"), float("nan"), 65504.0, -65504.0]
+
+
 @st.composite
-def sparse_pair(draw):
+def sparse_pair(draw, nonfinite=False):
     sizes = draw(st.lists(st.integers(1, 30), min_size=1, max_size=4))
     offsets = np.cumsum([0] + sizes)
     n = int(offsets[-1])
@@ -108,8 +117,8 @@ def sparse_pair(draw):
 
     def one():
         chosen = sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))
-        vals = draw(st.lists(st.sampled_from([-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.0]),
-                             min_size=len(chosen), max_size=len(chosen)))
+        pool = MERGE_POOL + NONFINITE if nonfinite else MERGE_POOL
+        vals = draw(st.lists(st.sampled_from(pool), min_size=len(chosen), max_size=len(chosen)))
         return torch.tensor(chosen, dtype=torch.int32), torch.tensor(vals, dtype=dtype)
 
     return one(), one(), offsets, ks
@@ -126,10 +135,33 @@ def test_merge_select_matches_bruteforce_and_is_symmetric(case):
     assert torch.equal(idx, idx2) and torch.equal(vals.view(torch.uint8) if vals.dtype == torch.float16 else vals,
                                                     vals2.view(torch.uint8) if vals2.dtype == torch.float16 else vals2)
     np.testing.assert_array_equal(idx.long().numpy(), merge_np(ia, va.double(), ib, vb.double(), offsets, ks))
+    # summed values too, rounded as the dtype rounds one addition (numpy oracle)
+    e_idx, e_vals = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                                    offsets, ks, va.dtype)
+    np.testing.assert_array_equal(idx.long().numpy(), e_idx)
+    assert vals.dtype == va.dtype
+    assert_values_equal(vals.double().numpy(), e_vals, "merged sums")
     kept = set(idx.long().tolist())
     assert keep_a.tolist() == [i in kept for i in ia.tolist()]
     assert keep_b.tolist() == [i in kept for i in ib.tolist()]
     assert torch.equal(keep_a, keep_a2) and torch.equal(keep_b, keep_b2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sparse_pair(nonfinite=True))
+def test_merge_select_with_nan_and_inf_checks_every_sum(case):
+    """NaN/±inf operands (inf − inf = NaN, 65504 + 65504 overflows fp16):
+    indices equal the oracle's (NaN ranks as +inf), NaN sums sit exactly
+    where the oracle's do, and every other sum equals the oracle's."""
+    (ia, va), (ib, vb), offsets, ks = case
+    idx, vals, keep_a, keep_b = kernels.merge_select(ia, va, ib, vb, *_t(offsets, ks))
+    e_idx, e_vals = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                                    offsets, ks, va.dtype)
+    np.testing.assert_array_equal(idx.long().numpy(), e_idx)
+    assert_values_equal(vals.double().numpy(), e_vals, "merged sums")
+    kept = set(e_idx.tolist())
+    assert keep_a.tolist() == [i in kept for i in ia.tolist()]
+    assert keep_b.tolist() == [i in kept for i in ib.tolist()]
 
 
 def test_scatter_and_residual_update():

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 import gtopk_plugin as gp
 from gtopk_plugin import kernels
 from gtopk_plugin.kernels import _build, cpu, reference
-from oracles import mag_np, merge_np, topk_np
+from oracles import assert_values_equal, mag_np, merge_values_np, topk_np
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -77,7 +77,10 @@ def check_selection(x, offsets, ks, *, oracle=True):
     assert_all_same(got, reference.select_topk(x, off_t, k_t))
     assert got[0].dtype == torch.int32
     if oracle:
-        np.testing.assert_array_equal(got[0].long().numpy(), topk_np(x, offsets, [max(0, k) for k in ks]))
+        expect = topk_np(x, offsets, [max(0, k) for k in ks])
+        np.testing.assert_array_equal(got[0].long().numpy(), expect)
+        # the values too, NaN entries included (NaN where the input has NaN)
+        assert_values_equal(got[1].double().numpy(), x.double().numpy()[expect], "selected values")
     assert_same(got[1], x[got[0].long()])
     thr = cpu.select_threshold(x, off_t, k_t)
     assert_all_same(thr, reference.select_threshold(x, off_t, k_t))
@@ -315,10 +318,16 @@ def test_merge_select_matches_reference_oracle_and_is_symmetric(case):
     assert_all_same(got, reference.merge_select(ia, va, ib, vb, off_t, k_t))
     idx2, vals2, keep_b2, keep_a2 = cpu.merge_select(ib, vb, ia, va, off_t, k_t)
     assert_all_same((idx2, vals2, keep_a2, keep_b2), got)
-    # the oracle sums in float64: it models the other dtypes' rounding only there
-    if va.dtype == torch.float64 and not any(torch.isnan(v).any() for v in (va, vb)):
-        np.testing.assert_array_equal(
-            got[0].long().numpy(), merge_np(ia, va.double(), ib, vb.double(), offsets, [max(0, k) for k in ks]))
+    # the numpy oracle, every dtype (one addition rounded as the dtype rounds
+    # it), NaN/inf included: indices, and every summed value (NaN exactly
+    # where the oracle has NaN, all other sums equal)
+    e_idx, e_vals = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                                    offsets, [max(0, k) for k in ks], va.dtype)
+    np.testing.assert_array_equal(got[0].long().numpy(), e_idx)
+    assert_values_equal(got[1].double().numpy(), e_vals, "merged sums")
+    kept = set(e_idx.tolist())
+    assert got[2].tolist() == [i in kept for i in ia.tolist()]
+    assert got[3].tolist() == [i in kept for i in ib.tolist()]
 
 
 def test_merge_select_large_and_threads(threads):
