@@ -133,29 +133,81 @@ def test_gated_norm_policy_breaks_exactly_at_beta_and_applies_every_update_once(
         assert out["norm_delay1"]["forced"]
 
 
+def _deviations(sc, n_units, steps, divide_by=1.0):
+    """Per step, Σ_layers ‖local − reduced/divide_by‖² recomputed by the test."""
+    return [math.fsum(float((a.double() - b.double() / divide_by).square().sum())
+                      for u in range(n_units) for a, b in zip(sc["local"][(u, t)], sc["reduced"][(u, t)]))
+            for t in range(steps)]
+
+
+def _ema(samples, factor):
+    out, est = [], None
+    for x in samples:
+        est = x if est is None else 0.9 * est + 0.1 * x
+        out.append(factor * est)
+    return out
+
+
+def _check_variance_breaks(sc, r, ema):
+    breaks = list(_check_gated(sc, r))
+    assert breaks, f"the variance barrier never broke on rank {r}"
+    for t, A, applied, before, missing, missing_before, total, bound in breaks:
+        # B^2 is the factor times the running estimate over the steps completed so far
+        assert any(math.isclose(bound, e, rel_tol=1e-9) for e in ema[:t]), (bound, ema)
+        assert missing <= bound * (1 + 1e-12)
+        if A:
+            assert missing_before > bound, f"step {t}: broke late"
+
+
 @pytest.mark.timeout(300)
 def test_gated_variance_policy_breaks_exactly_at_the_bound():
+    """The scheduler as built by the user (policy not bound to the back end
+    unless the scheduler binds it): breaks exactly at B² = factor × EMA of
+    the per-step samples, whichever estimate the policy runs — the
+    uncorrected Σ‖local − reduced‖², or, once bound, P/(P−1) times it (the
+    back end averages).  The bound estimate itself is pinned down by
+    test_gated_variance_policy_estimates_the_variance_unbiased."""
     res = cached("gated", 2, ew.gated)
+    P = 2
     for r, out in enumerate(res):
         sc = out["variance"]
         steps = sc["stats"]["steps"]
-        n = len(sc["units"])
-        # d_t = sum over layers of ||local - reduced||^2, EMA with momentum 0.1
-        d = [math.fsum(float((a.double() - b.double()).square().sum())
-                       for u in range(n) for a, b in zip(sc["local"][(u, t)], sc["reduced"][(u, t)]))
-             for t in range(steps)]
-        ema, est = [], None
-        for x in d:
-            est = x if est is None else 0.9 * est + 0.1 * x
-            ema.append(sc["variance_factor"] * est)
-        breaks = list(_check_gated(sc, r))
-        assert breaks, f"the variance barrier never broke on rank {r}"
-        for t, A, applied, before, missing, missing_before, total, bound in breaks:
-            # B^2 is the factor times the running estimate over the steps completed so far
-            assert any(math.isclose(bound, e, rel_tol=1e-9) for e in ema[:t]), (bound, ema)
-            assert missing <= bound * (1 + 1e-12)
-            if A:
-                assert missing_before > bound, f"step {t}: broke late"
+        d = _deviations(sc, len(sc["units"]), steps)
+        legacy = _ema(d, sc["variance_factor"])
+        unbiased = _ema([x * P / (P - 1) for x in d], sc["variance_factor"])
+        b = [x["bound"] for x in sc["stats"]["breaks"]]
+        ema = legacy if all(any(math.isclose(v, e, rel_tol=1e-9) for e in legacy) for v in b) else unbiased
+        _check_variance_breaks(sc, r, ema)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [3])  # P = 2 runs unbound above; the factor P/(P-1) = 3/2 here
+def test_gated_variance_policy_estimates_the_variance_unbiased(P):
+    """Variance policy bound to its back end (policies.bind_to_backend), on
+    the real gloo allreduce behind the Gate: each complete step's sample is
+    s_t = P/(P−1)·Σ_layers ‖g_i − ḡ‖² (unbiased for the per-worker variance
+    σ²: E‖g_i − ḡ‖² = (P−1)/P·σ²), B² = factor × EMA(s), and the barrier
+    breaks exactly when the missing part falls to B² (recomputed here from
+    the recorded local and reduced gradients).  With gTop-k the reduced
+    update is not the mean: no sample, a RuntimeWarning, and the barrier
+    holds on every step (synchronous SGD)."""
+    import variance_workers as vw
+
+    res = cached("gated_variance", P, vw.gated_variance)
+    for r, out in enumerate(res):
+        sc = out["dense"]
+        assert sc["bound"] == (P, "average", True) and not sc["warnings"]
+        steps = sc["stats"]["steps"]
+        d = _deviations(sc, len(sc["units"]), steps)
+        ema = _ema([x * P / (P - 1) for x in d], sc["variance_factor"])
+        assert math.isclose(sc["estimate"] * sc["variance_factor"], ema[-1], rel_tol=1e-9)
+        _check_variance_breaks(sc, r, ema)
+        g = out["gtopk"]
+        assert g["bound"] == (P, "sum", False)
+        assert any("compressing reducer" in w for w in g["warnings"]), g["warnings"]
+        assert g["estimate"] is None
+        assert g["stats"]["barrier_breaks"] == 0 and set(g["stats"]["staleness"]) == {0}
+        assert g["stats"]["updates_applied"] == vw.STEPS * 4
 
 
 @pytest.mark.timeout(300)

@@ -206,6 +206,88 @@ def test_policies_formulas():
     assert math.isfinite(v.estimate)
 
 
+def _simulate_variance(pol, P, op, steps=300, d=2000, sigma=0.05, seed=0):
+    """P simulated workers, g_i = mu + sigma * xi_i (numpy, i.i.d. normal
+    noise: the per-worker variance is sigma^2 = d * sigma^2 exactly), split
+    into two layers; the reduction is the dense mean (op="average") or sum
+    (op="sum"), computed in numpy.  Feeds the policy like the scheduler does
+    (observe(Σ_layers deviation)) on worker 0 and returns sigma^2."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    mu = rng.standard_normal(d)
+    cut = d // 3
+    for _ in range(steps):
+        g = mu + sigma * rng.standard_normal((P, d))
+        red = g.sum(0) if op == "sum" else g.mean(0)
+        local = [torch.from_numpy(g[0, :cut].astype(np.float32)), torch.from_numpy(g[0, cut:].astype(np.float32))]
+        reduced = [torch.from_numpy(red[:cut].astype(np.float32)), torch.from_numpy(red[cut:].astype(np.float32))]
+        pol.observe(math.fsum(pol.deviation([a], [b]) for a, b in zip(local, reduced)))
+    return d * sigma ** 2
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_variance_policy_estimates_the_per_worker_variance_unbiased(P, op):
+    """The bound policy's estimate σ̂² of the paper's σ² (E‖g_i − ∇f‖²):
+    P/(P−1)·‖g_i − ḡ‖², ḡ = the reduced update, divided by P under op="sum".
+    With d = 2000 coordinates one sample has relative sd √(2/d) = 3.2%, the
+    EMA (m = 0.1) 0.7%: the 4% tolerance is 5 sd.  The uncorrected estimate
+    (unbound policy) is off by (P−1)/P — 50%, 33%, 20% low here — or, under
+    op="sum", by orders of magnitude: the test tells them apart."""
+    pol = VariancePolicy(2.0).bind(P, op=op, exact=True)
+    sigma2 = _simulate_variance(pol, P, op)
+    assert pol.estimate == pytest.approx(sigma2, rel=0.04)
+    assert pol.bound() == pytest.approx(2.0 * pol.estimate) and pol.samples == 300
+    legacy = VariancePolicy(2.0)  # unbound: Σ‖g_i − reduced‖² as before
+    _simulate_variance(legacy, P, op)
+    if op == "average":
+        assert legacy.estimate == pytest.approx(sigma2 * (P - 1) / P, rel=0.04)
+    else:
+        assert legacy.estimate > 10 * sigma2
+    assert abs(legacy.estimate / sigma2 - 1) > 0.15
+
+
+def test_variance_policy_takes_no_sample_from_a_compressed_update_or_one_worker():
+    """A compressing reducer's update is not the workers' mean: binding says
+    so with a RuntimeWarning, no sample is taken and the barrier holds; one
+    worker has no spread to measure.  Bad bindings raise ValueError."""
+    with pytest.warns(RuntimeWarning, match="compressing reducer"):
+        pol = VariancePolicy(1.0).bind(3, op="sum", exact=False)
+    assert math.isnan(pol.deviation([torch.ones(3)], [torch.zeros(3)]))
+    pol.observe(pol.deviation([torch.ones(3)], [torch.zeros(3)]))
+    pol.observe(5.0)  # whatever the core computed: no sample without a mean
+    assert pol.estimate is None and pol.bound() is None and not pol.broken(0.0, 0.0, 1.0)
+    one = VariancePolicy(1.0).bind(1)
+    one.observe(one.deviation([torch.ones(3)], [torch.zeros(3)]))
+    assert one.estimate is None
+    for kw in (dict(world_size=0), dict(world_size=2, op="max"), dict(world_size=2.0)):
+        with pytest.raises(ValueError):
+            VariancePolicy(1.0).bind(**kw)
+
+
+def test_make_policy_binds_the_variance_policy_to_its_back_end():
+    from gtopk_plugin.elastic.policies import make_policy
+
+    class Dense:
+        size = 4
+
+    class Reducer:
+        size = 2
+        reducer = gp.GradientReducer(method="dense", op="sum", transport=gp.SingleProcessTransport())
+
+    cfg = ElasticConfig(policy="variance", variance_factor=1.0)
+    p = make_policy(cfg, Dense())
+    assert (p.world_size, p.op, p.exact) == (4, "average", True)
+    p = make_policy(cfg, Reducer())
+    assert (p.world_size, p.op, p.exact) == (2, "sum", True)
+    Reducer.reducer = gp.GradientReducer(method="gtopk", transport=gp.SingleProcessTransport())
+    with pytest.warns(RuntimeWarning):
+        p = make_policy(cfg, Reducer())
+    assert (p.world_size, p.op, p.exact) == (2, "average", False)
+    assert make_policy(cfg).world_size is None  # unbound without a back end
+
+
 def test_byteps_env_readers(monkeypatch):
     for k in ("BYTEPS_ELASTIC_POLICY", "BYTEPS_ELASTIC_BETA", "BYTEPS_ELASTIC_MAX_STALENESS"):
         monkeypatch.delenv(k, raising=False)

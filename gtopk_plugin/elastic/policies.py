@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Dict, Optional, Type
+import warnings
+from typing import Dict, Optional, Sequence, Type
+
+import torch
 
 from .settings import ElasticConfig
+
+Tensor = torch.Tensor
 
 
 class Policy(abc.ABC):
@@ -46,8 +51,13 @@ class Policy(abc.ABC):
         """The threshold in force (for statistics): β²·‖whole‖²'s β², or B²."""
         return None
 
+    def deviation(self, local: Sequence[Tensor], reduced: Sequence[Tensor]) -> float:
+        """One layer's contribution to the step's deviation (policies with
+        ``needs_deviation``): Σ‖local − reduced‖² in float64 here."""
+        return math.fsum(float((a.double() - b.double()).square().sum()) for a, b in zip(local, reduced))
+
     def observe(self, deviation_sq: float) -> None:
-        """A step completed; ``deviation_sq`` = Σ_layers ‖local − reduced‖²."""
+        """A step completed; ``deviation_sq`` = Σ_layers :meth:`deviation`."""
 
     def state_dict(self) -> dict:
         return {}
@@ -87,14 +97,39 @@ class NormPolicy(Policy):
 
 
 class VariancePolicy(Policy):
-    """Variance-bounded: break once ‖missing‖² ≤ B² with
-    B² = variance_factor · σ̂², where σ̂² is a running estimate of the
-    stochastic gradient's variance: after each complete step,
-    d_t = Σ_layers ‖local gradient − reduced update‖² (how far this worker's
-    gradient is from the global one), and σ̂² ← d_0, then
-    σ̂² ← (1 − m)·σ̂² + m·d_t with m = ``momentum`` (0.1).  The missing part
-    is then no larger than the noise SGD already tolerates.  Until a first
-    step has completed there is no estimate and the barrier holds.
+    """Variance-bounded: break once ‖missing‖² ≤ B², B² = variance_factor · σ̂².
+
+    σ² is the paper's variance bound of one worker's stochastic gradient,
+    E‖g_i − ∇f(x)‖² ≤ σ² (arXiv 2001.05918; the variance-bounded scheduler
+    lets the part of the update missing from a worker's view be as large as
+    the noise SGD already tolerates).  Each complete step gives a sample from
+    the spread of the workers' local gradients g_i around their dense mean
+    ḡ = (1/P)·Σ_j g_j.  For i.i.d. worker noise, E‖g_i − ḡ‖² = (P−1)/P · σ²,
+    so the unbiased sample is
+
+        s_t = P/(P−1) · Σ_layers ‖g_i − ḡ‖²,
+
+    and σ̂² ← s_0, then σ̂² ← (1 − m)·σ̂² + m·s_t with m = ``momentum`` (0.1).
+    Until a first sample there is no estimate and the barrier holds.
+
+    ḡ must be the *dense mean of the raw gradients*, on the average's scale.
+    :meth:`bind` tells the policy what the reduction returns:
+
+    - ``op="average"``: the reduced update is ḡ (dense allreduce / P);
+    - ``op="sum"``: it is P·ḡ, and :meth:`deviation` divides it by P first;
+    - ``exact=False`` (a compressing reducer: Top-k, gTop-k, rTop-k, ...):
+      the update is a sparse, error-fed approximation of ḡ, and
+      ‖g_i − update‖² would measure the compression error, not the
+      variance.  No sample is taken (:meth:`deviation` returns NaN, which
+      :meth:`observe` ignores), so the barrier holds — synchronous SGD —
+      and a ``RuntimeWarning`` says so at :meth:`bind`.
+    - ``world_size=1``: no spread to measure; no sample, the barrier holds.
+
+    An unbound policy (nothing called :meth:`bind`) keeps the uncorrected
+    sample Σ‖g_i − reduced‖² of earlier versions: biased low by (P−1)/P,
+    and wrong under ``op="sum"`` or with compression.  The scheduler binds
+    the policy from its back end (world size, the reducer's ``op``, whether
+    it compresses).
     """
 
     name = "variance"
@@ -105,6 +140,43 @@ class VariancePolicy(Policy):
         self.variance_factor = float(variance_factor)
         self.estimate: Optional[float] = None
         self.samples = 0
+        self.world_size: Optional[int] = None
+        self.op = "average"
+        self.exact = True
+
+    def bind(self, world_size: int, op: str = "average", exact: bool = True) -> "VariancePolicy":
+        """What the reduction returns: ``world_size`` P ≥ 1, ``op``
+        ("average": the mean, "sum": P times the mean) and ``exact`` (False
+        for a compressing reducer).  Returns ``self``."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+        if op not in ("average", "sum"):
+            raise ValueError(f"op must be 'average' or 'sum'; got {op!r}")
+        self.world_size, self.op, self.exact = world_size, op, bool(exact)
+        if not self.exact and world_size > 1:
+            warnings.warn("gtopk_plugin elastic: policy='variance' with a compressing reducer cannot "
+                          "estimate the gradient variance (the reduced update is a compressed "
+                          "approximation of the workers' mean, not the mean); the barrier holds, as "
+                          "synchronous SGD. Use policy='norm', or a dense reduction.", RuntimeWarning,
+                          stacklevel=2)
+        return self
+
+    def deviation(self, local: Sequence[Tensor], reduced: Sequence[Tensor]) -> float:
+        """One layer's Σ‖g_i − ḡ‖² (float64), ḡ recovered from the reduced
+        update as bound; NaN when no sample can be taken (see the class)."""
+        if self.world_size is not None and (not self.exact or self.world_size < 2):
+            return float("nan")
+        div = float(self.world_size) if (self.world_size is not None and self.op == "sum") else 1.0
+        return math.fsum(float((a.double() - b.double() / div).square().sum()) for a, b in zip(local, reduced))
+
+    def sample(self, deviation_sq: float) -> float:
+        """The variance sample s_t of a step from Σ_layers ‖g_i − ḡ‖²."""
+        P = self.world_size
+        if P is None:
+            return float(deviation_sq)      # unbound: uncorrected (see the class)
+        if P < 2 or not self.exact:
+            return float("nan")
+        return float(deviation_sq) * P / (P - 1)
 
     def broken(self, applied_sq, missing_sq, total_sq):
         b2 = self.bound()
@@ -114,12 +186,15 @@ class VariancePolicy(Policy):
         return None if self.estimate is None else self.variance_factor * self.estimate
 
     def observe(self, deviation_sq):
-        if not math.isfinite(deviation_sq):
-            return  # a non-finite step says nothing about the variance
+        """A step completed; ``deviation_sq`` = Σ_layers ‖g_i − ḡ‖² (the sum
+        of :meth:`deviation` over the step's layers)."""
+        s = self.sample(deviation_sq)
+        if not math.isfinite(s):
+            return  # a non-finite step (or no sample possible) says nothing about the variance
         if self.estimate is None:
-            self.estimate = float(deviation_sq)
+            self.estimate = s
         else:
-            self.estimate = (1.0 - self.momentum) * self.estimate + self.momentum * float(deviation_sq)
+            self.estimate = (1.0 - self.momentum) * self.estimate + self.momentum * s
         self.samples += 1
 
     def state_dict(self):
@@ -134,13 +209,30 @@ _POLICIES: Dict[str, Type[Policy]] = {"barrier": BarrierPolicy, "norm": NormPoli
                                       "variance": VariancePolicy}
 
 
-def make_policy(cfg: ElasticConfig) -> Policy:
-    """The policy object of a validated configuration."""
+def make_policy(cfg: ElasticConfig, backend=None) -> Policy:
+    """The policy object of a validated configuration; with the scheduler's
+    back end (an :class:`~.backend.AsyncReduction`), the variance policy is
+    bound to what the back end returns (:func:`bind_to_backend`)."""
     if cfg.policy == "norm":
         return NormPolicy(cfg.beta)
     if cfg.policy == "variance":
-        return VariancePolicy(cfg.variance_factor)
+        pol = VariancePolicy(cfg.variance_factor)
+        if backend is not None:
+            bind_to_backend(pol, backend)
+        return pol
     return _POLICIES[cfg.policy]()
+
+
+def bind_to_backend(policy: VariancePolicy, backend) -> VariancePolicy:
+    """Bind the variance policy to a back end: its world size, and, for a
+    :class:`~gtopk_plugin.GradientReducer` back end (``backend.reducer``),
+    the reducer's ``op`` and whether it compresses (every method but
+    "dense").  Native dense back ends (torch.distributed, Horovod, BytePS,
+    a Transport's allreduce) return the average."""
+    red = getattr(backend, "reducer", None)
+    if red is None:
+        return policy.bind(int(backend.size), op="average", exact=True)
+    return policy.bind(int(backend.size), op=red.config.op, exact=red.config.method == "dense")
 
 
 def names():
