@@ -15,7 +15,19 @@ and prints test accuracy and traffic side by side::
 Each worker gets its shard of every global batch; the reducer's update (the
 global top-k average for gTop-k, with error feedback keeping what was not
 sent, Algorithm 2 of the paper) is written into ``p.grad`` and applied by
-``torch.optim.SGD`` with momentum.  Exit status is non-zero if any worker
+``torch.optim.SGD``.
+
+The default run is the recipe the convergence study supports
+(docs/convergence.md, "The recipe"): for the sparse method, DGC momentum
+correction with momentum factor masking (Lin et al. 2018), turned on with
+``reducer.correct_momentum(opt, model.named_parameters())`` so that the
+SGD optimizer's momentum 0.9 moves in front of the compressor (the
+optimizer then steps without momentum); DGC's exponential density warm-up
+(``DensityWarmup``, 25% down to the target over the first epoch); and a
+cosine learning-rate decay to zero for both runs.  ``--no-momentum-correction``,
+``--warmup-epochs 0`` and ``--lr-schedule const`` give the plain setup
+(momentum applied by the optimizer to the sparse update), which ends
+several points below dense.  Exit status is non-zero if any worker
 raises, dies, or the run exceeds ``--timeout``; the surviving workers are
 killed rather than left waiting in a collective.
 """
@@ -36,8 +48,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 METHODS = ("dense", "topk", "gtopk", "rtopk", "randomk", "threshold")
-DEFAULTS = dict(workers=4, method="gtopk", density=0.05, epochs=8, batch_size=32, lr=0.05,
-                momentum=0.9, seed=0, timeout=600.0)
+DEFAULTS = dict(workers=4, method="gtopk", density=0.04, epochs=8, batch_size=32, lr=0.05,
+                momentum=0.9, seed=0, timeout=600.0, warmup_epochs=1.0, lr_schedule="cosine")
+WARMUP_START = 0.25  # DGC's first warm-up density
 _TEST_FRACTION = 0.2  # fixed train/test split of the 1797 digits (1437 / 360)
 _SPLIT_SEED = 0
 
@@ -88,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"SGD learning rate (default {d['lr']})")
     p.add_argument("--momentum", type=float, default=d["momentum"],
                    help=f"SGD momentum (default {d['momentum']})")
+    p.add_argument("--no-momentum-correction", action="store_true",
+                   help="keep momentum in the optimizer, applied to the sparse update (by default the "
+                        "sparse method runs DGC momentum correction + masking: "
+                        "reducer.correct_momentum(optimizer, named_parameters))")
+    p.add_argument("--warmup-epochs", type=float, default=d["warmup_epochs"],
+                   help=f"DGC density warm-up: the density decays geometrically from {WARMUP_START:g} to "
+                        f"--density over this many epochs (default {d['warmup_epochs']:g}; 0: off)")
+    p.add_argument("--lr-schedule", choices=("cosine", "const"), default=d["lr_schedule"],
+                   help=f"learning rate: cosine decay to 0 over the run, or constant (default {d['lr_schedule']})")
     p.add_argument("--seed", type=int, default=d["seed"], help=f"random seed (default {d['seed']})")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the dense-allreduce baseline run")
@@ -109,6 +131,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      "so that every worker gets a sample of each batch")
     if not (0.0 <= args.momentum < 1.0):
         parser.error(f"--momentum must be in [0, 1); got {args.momentum}")
+    if not (args.warmup_epochs >= 0.0) or args.warmup_epochs > args.epochs:
+        parser.error(f"--warmup-epochs must be in [0, --epochs]; got {args.warmup_epochs}")
     if args.fail_rank is not None and not (0 <= args.fail_rank < args.workers):
         parser.error(f"--fail-rank must be in [0, {args.workers - 1}]; got {args.fail_rank}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -189,6 +213,33 @@ def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int):
     return [perm[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
+def warmup_schedule(method: str, args, steps_per_epoch: int):
+    """DGC's exponential density warm-up as the reducer's one ``warmup=``
+    argument (None for dense or ``--warmup-epochs 0``)."""
+    from .config import DensityWarmup
+
+    steps = int(round(args.warmup_epochs * steps_per_epoch))
+    if method == "dense" or steps < 1:
+        return None
+    return DensityWarmup(steps=steps, start_density=max(WARMUP_START, args.density))
+
+
+def uses_momentum_correction(method: str, args) -> bool:
+    """Sparse methods correct momentum unless told not to; dense keeps the
+    optimizer's momentum (for a dense reduction the two are the same)."""
+    return method != "dense" and args.momentum > 0 and not args.no_momentum_correction
+
+
+def lr_at(args, step: int, total_steps: int) -> float:
+    """``--lr-schedule cosine``: lr·½(1 + cos(π·step/total)), the schedule of
+    benchmarks/convergence (sim.lr_at); else constant."""
+    import math
+
+    if args.lr_schedule == "cosine":
+        return args.lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+    return args.lr
+
+
 @dataclass
 class _Traffic:
     """This rank's reducer traffic, summed over steps (``ReduceStats``)."""
@@ -215,7 +266,7 @@ def _progress(batches, desc: str, show: bool):
 
 
 def _train_epoch(model, opt, reducer, x, y, batches, rank: int, world: int, traffic: _Traffic,
-                 fail_at_step: Optional[int]) -> float:
+                 fail_at_step: Optional[int], lr_of=None) -> float:
     """One epoch of S-SGD: each rank takes its shard of every global batch,
     backpropagates, reduces the gradients and steps.  Returns the mean loss
     over all ranks' shards."""
@@ -232,6 +283,9 @@ def _train_epoch(model, opt, reducer, x, y, batches, rank: int, world: int, traf
         loss = F.cross_entropy(model(x[shard]), y[shard])
         loss.backward()
         _apply_reduced_gradients(model, reducer)
+        if lr_of is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_of(traffic.steps)
         opt.step()
         traffic.add(reducer.last_stats)
         loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
@@ -251,18 +305,28 @@ def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Opti
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model()
     torch.manual_seed(args.seed * 1_000_003 + rank)  # then a per-process stream
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed)
     x_tr, y_tr = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    steps_per_epoch = len(y_tr) // args.batch_size
+    reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed,
+                                 warmup=warmup_schedule(method, args, steps_per_epoch))
+    corrected = uses_momentum_correction(method, args)
+    if corrected:
+        # DGC momentum correction + factor masking: the velocity lives in the
+        # reducer, per worker, in front of the compressor; opt.step() runs
+        # without momentum (the binding reads it from opt at every step)
+        reducer.correct_momentum(opt, model.named_parameters())
     x_te, y_te = torch.from_numpy(data["x_test"]), torch.from_numpy(data["y_test"])
     show, traffic, history = rank == 0, _Traffic(), []
 
     dist.barrier()
     t0 = time.perf_counter()
+    total_steps = args.epochs * steps_per_epoch
     for epoch in range(args.epochs):
         batches = _progress(_epoch_batches(len(y_tr), args.batch_size, args.seed, epoch),
                             f"{method:>9} epoch {epoch + 1}/{args.epochs}", show)
-        loss = _train_epoch(model, opt, reducer, x_tr, y_tr, batches, rank, world, traffic, fail_at_step)
+        loss = _train_epoch(model, opt, reducer, x_tr, y_tr, batches, rank, world, traffic, fail_at_step,
+                            lambda step: lr_at(args, step, total_steps))
         if show:
             batches.close()
             acc = _evaluate(model, x_te, y_te)
@@ -281,7 +345,7 @@ def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Opti
             "dense_bytes_per_step_per_worker": totals[1].item() / per_worker_step,
             "ratio_vs_dense": totals[0].item() / totals[1].item() if totals[1].item() else None,
             "total_bytes": int(totals[0].item()), "total_control_bytes": int(totals[2].item()),
-            "wall_time_s": wall, "history": history}
+            "momentum_correction": corrected, "wall_time_s": wall, "history": history}
 
 
 def _print_epoch(method: str, epoch: int, epochs: int, loss: float, acc: float, traffic: _Traffic) -> None:
@@ -306,6 +370,7 @@ def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[s
             data = {k: z[k] for k in z.files}
 
         torch.set_num_threads(1)
+        _thread_lock_for_tqdm()
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
         results = []
@@ -326,6 +391,25 @@ def _worker(rank: int, world: int, rendezvous: str, outdir: str, methods: List[s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock instead of its default multiprocessing RLock.
+
+    Why: tqdm's default write lock creates a ``multiprocessing.RLock``, a
+    named POSIX semaphore that a spawned worker registers with the
+    launcher's resource tracker.  Workers leave through ``os._exit`` (no
+    finalizers run), so the semaphore is never unregistered and the tracker
+    prints "There appear to be 1 leaked semaphore objects to clean up at
+    shutdown" when ``gtopk-demo`` ends.  Only rank 0 draws bars, in one
+    process, so a thread lock is all the lock tqdm needs here."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the launcher checked; nothing to do without tqdm
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 # --------------------------------------------------------------- launcher
@@ -449,8 +533,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point ``gtopk-demo``; returns the exit status."""
     args = parse_args(argv)
     methods = [args.method] if (args.no_compare or args.method == "dense") else ["dense", args.method]
+    recipe = []
+    if args.method != "dense" and args.momentum > 0:
+        recipe.append("no momentum correction (momentum in the optimizer)" if args.no_momentum_correction
+                      else f"momentum {args.momentum:g} with DGC correction + masking")
+    if args.method != "dense" and args.warmup_epochs > 0:
+        recipe.append(f"density warm-up over {args.warmup_epochs:g} epoch(s)")
+    recipe.append(f"{args.lr_schedule} lr {args.lr:g}")
     print(f"gtopk-demo: {args.workers} workers (gloo), methods {', '.join(methods)}, density "
-          f"{args.density:g}, {args.epochs} epochs, global batch {args.batch_size}", flush=True)
+          f"{args.density:g}, {args.epochs} epochs, global batch {args.batch_size}; {', '.join(recipe)}",
+          flush=True)
     t0 = time.perf_counter()
     try:
         _check_extras()
@@ -469,7 +561,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         out = {"workers": args.workers, "method": args.method, "density": args.density,
                "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
-               "momentum": args.momentum, "seed": args.seed, "methods": methods,
+               "momentum": args.momentum, "momentum_correction": not args.no_momentum_correction,
+               "warmup_epochs": args.warmup_epochs, "lr_schedule": args.lr_schedule,
+               "seed": args.seed, "methods": methods,
                "total_wall_time_s": total, "results": {r["method"]: r for r in results}}
         try:
             _write_json(args.json, out)

@@ -72,3 +72,116 @@ def test_grid_is_deduplicated():
     # dense appears once per (task, P, seed) in the main group whatever the density
     dense_main = {s for g, s in grid if g == "main" and s.method == "dense"}
     assert len(dense_main) == len(study.ALL_TASKS) * len(study.WORKERS)
+
+
+# ------------------------------------------------------------ momentum group
+def test_momentum_modes_use_the_library_correction():
+    """Modes "corr"/"dgc" hand momentum, Nesterov and masking to the reducer
+    (no private copy in the simulator); the optimizer then has no momentum.
+    Dense keeps momentum in the optimizer."""
+    steps = 100
+    s = sim.RunSpec(task="digits", method="gtopk", momentum=0.9, momentum_mode="dgc", nesterov=True,
+                    clip_norm=2.0, warmup_epochs=1.0)
+    kw = sim.reducer_kwargs(s, steps, steps_per_epoch=22)
+    assert kw["momentum"] == 0.9 and kw["nesterov"] is True and kw["momentum_masking"] is True
+    assert kw["clip_norm"] == 2.0 and kw["warmup"].steps == 22 and kw["warmup"].start_density == 0.25
+    assert sim.optimizer_momentum(s) == 0.0
+    corr = sim.reducer_kwargs(sim.RunSpec(task="digits", method="topk", momentum=0.9, momentum_mode="corr"), steps, 22)
+    assert corr["momentum_masking"] is False
+    assert "momentum" not in sim.reducer_kwargs(sim.RunSpec(task="digits", method="topk", momentum=0.9,
+                                                            momentum_mode="opt"), steps, 22)
+    dense = sim.RunSpec(task="digits", method="dense", momentum=0.9, momentum_mode="dgc", nesterov=True)
+    assert "momentum" not in sim.reducer_kwargs(dense, steps, 22)
+    import torch
+    opt = sim.make_optimizer(dense, [torch.zeros(3, requires_grad=True)], 0.1)
+    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["nesterov"]
+    adamw = sim.RunSpec(task="digits", method="gtopk", optimizer="adamw", weight_decay=0.01)
+    assert isinstance(sim.make_optimizer(adamw, [torch.zeros(3, requires_grad=True)], 1e-3), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="AdamW"):
+        sim.RunSpec(task="digits", method="gtopk", optimizer="adamw", momentum=0.9, momentum_mode="dgc")
+
+
+def test_dgc_mode_equals_an_independent_velocity():
+    """One simulated step of mode "corr" on digits equals feeding each
+    worker's own velocity u = m·u + g (computed here, outside the library)
+    to a reducer without momentum, over three steps."""
+    import torch
+    from gtopk_plugin.testing import Oracle
+
+    from benchmarks.convergence import tasks
+
+    task = tasks.get("digits")
+    spec = sim.RunSpec(task="digits", method="topk", density=0.05, workers=3, momentum=0.9,
+                       momentum_mode="corr", steps=3, lr=0.05)
+    out = sim.run(task, spec, keep_params=True)
+    # the same three steps by hand
+    model = sim.initial_model(task, 0)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    plain = Oracle(3, method="topk", density=0.05, seed=0, kernels="reference")
+    vel = [[torch.zeros_like(p) for p in params] for _ in range(3)]
+    for step in range(3):
+        batch = task.batch_indices(0, step, task.batch_size)
+        grads = []
+        for r in range(3):
+            _, g = sim.worker_gradients(task, model, params, batch, r, 3)
+            for u, gi in zip(vel[r], g):
+                u.mul_(0.9).add_(gi)
+            grads.append({n: u.clone() for n, u in zip(names, vel[r])})
+        upd = plain.step(grads)
+        with torch.no_grad():
+            for n, p in zip(names, params):
+                p -= 0.05 * upd[n]
+    # without masking the velocities are never reset, so the two agree to rounding
+    ref = torch.cat([p.detach().reshape(-1) for p in params])
+    assert torch.allclose(out["params"], ref, atol=1e-6, rtol=1e-5)
+
+
+def test_batchnorm_running_stats_are_rank0s():
+    """glyphs_resnet: after a simulated step the BatchNorm running statistics
+    are those rank 0's shard alone produces (DDP's broadcast_buffers), not
+    the result of all P simulated forwards on the shared model."""
+    import torch
+
+    from benchmarks.convergence import tasks
+
+    task = tasks.get("glyphs_resnet")
+    spec = sim.RunSpec(task="glyphs_resnet", method="gtopk", workers=4, steps=1)
+    batch = task.batch_indices(0, 0, task.batch_size)
+    model = sim.initial_model(task, 0)
+    task.loss(model, task.shard(batch, 0, 4))  # rank 0's forward only
+    expect = [b.clone() for b in model.buffers()]
+    out = sim.run(task, spec, keep_params=True)
+    assert len(out["buffers"]) == len(expect) > 0
+    for a, b in zip(expect, out["buffers"]):
+        assert torch.equal(a, b)
+    # another shard gives other statistics, so the check can fail
+    m1 = sim.initial_model(task, 0)
+    task.loss(m1, task.shard(batch, 1, 4))
+    assert not all(torch.equal(a, b) for a, b in zip(expect, m1.buffers()))
+
+
+@pytest.fixture(scope="module")
+def momentum_quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mom") / "mq.json"
+    rc = cli.main(["--group", "momentum", "--quick", "--steps", "8", "--json", str(out), "--jobs", "1",
+                   "--no-progress"])
+    assert rc == 0
+    return out, json.loads(out.read_text())
+
+
+def test_momentum_group_quick(momentum_quick):
+    path, res = momentum_quick
+    assert {"meta", "goals", "summary"} <= set(res)
+    text = path.read_text()
+    assert "\n" not in text.strip(), "the momentum JSON is compact (no indentation)"
+    variants = {(r["task"], r["method"], r["variant"]) for r in res["summary"]}
+    for v in ("recipe", "opt", "nesterov", "adamw", "clip"):
+        assert ("digits", "gtopk", v) in variants, v
+    assert ("glyphs_resnet", "gtopk", "recipe") in variants
+    for r in res["summary"]:
+        assert not r["diverged"], r
+        assert len(r["curve"]["step"]) <= 24
+    g = res["goals"][0]
+    assert g["task"] == "digits" and g["unit"] == "pp" and "holds" in g
+    assert os.path.getsize(str(path).replace(".json", ".png")) > 0

@@ -33,11 +33,18 @@ def test_demo_trains_and_reports_json(tmp_path):
     proc, _ = run_demo("--workers", "2", "--epochs", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test accuracy" in proc.stdout and "bytes sent/step/worker" in proc.stdout
+    # the workers leave through os._exit: nothing they created may be left to
+    # the resource tracker (tqdm's multiprocessing lock used to be)
+    assert "leaked semaphore" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["workers"] == 2 and report["epochs"] == 2
     res = report["results"]
     assert set(res) == {"dense", "gtopk"}
     dense, gtopk = res["dense"], res["gtopk"]
+    # the default recipe: DGC momentum correction for the sparse run only,
+    # density warm-up, cosine learning rate
+    assert gtopk["momentum_correction"] is True and dense["momentum_correction"] is False
+    assert report["warmup_epochs"] > 0 and report["lr_schedule"] == "cosine"
     assert gtopk["bytes_per_step_per_worker"] < dense["bytes_per_step_per_worker"]
     # Dense traffic is the ring-allreduce figure; gTop-k with P=2 is one round
     # of k entries of 8 bytes per layer (DESIGN.md §3), about 10% of it here.
@@ -59,6 +66,9 @@ def test_demo_trains_and_reports_json(tmp_path):
     (["--workers", "4", "--batch-size", "2"], "--batch-size (2) must be at least --workers (4)"),
     (["--workers", "2", "--fail-rank", "2"], "--fail-rank must be in [0, 1]"),
     (["--json", os.path.join(os.sep, "no-such-dir-gtopk", "out.json")], "does not exist"),
+    (["--warmup-epochs", "-1"], "--warmup-epochs must be in [0, --epochs]"),
+    (["--epochs", "2", "--warmup-epochs", "3"], "--warmup-epochs must be in [0, --epochs]"),
+    (["--lr-schedule", "step"], "invalid choice: 'step'"),
 ])
 def test_bad_arguments_are_rejected(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -93,6 +103,22 @@ def test_timeout_kills_workers_and_exits_nonzero():
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timed out after 1 s" in proc.stderr
     assert elapsed < 90
+
+
+def test_recipe_helpers():
+    """Warm-up as the reducer's one argument, the cosine schedule, and when
+    the correction is on."""
+    args = demo.parse_args([])
+    w = demo.warmup_schedule("gtopk", args, 44)
+    assert w.steps == round(args.warmup_epochs * 44) and w.start_density == demo.WARMUP_START
+    assert w.density(0, args.density) == demo.WARMUP_START and w.density(w.steps, args.density) == args.density
+    assert demo.warmup_schedule("dense", args, 44) is None
+    assert demo.warmup_schedule("gtopk", demo.parse_args(["--warmup-epochs", "0"]), 44) is None
+    assert demo.lr_at(args, 0, 100) == args.lr and abs(demo.lr_at(args, 50, 100) - args.lr / 2) < 1e-12
+    assert demo.lr_at(demo.parse_args(["--lr-schedule", "const"]), 99, 100) == args.lr
+    assert demo.uses_momentum_correction("gtopk", args) and not demo.uses_momentum_correction("dense", args)
+    assert not demo.uses_momentum_correction("gtopk", demo.parse_args(["--no-momentum-correction"]))
+    assert not demo.uses_momentum_correction("gtopk", demo.parse_args(["--momentum", "0"]))
 
 
 def test_format_table_lists_every_method():

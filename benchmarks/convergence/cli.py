@@ -31,19 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "simulated exactly with gtopk_plugin.testing.Oracle; one configuration per "
                     "task is rerun on real gloo workers. Writes JSON, PNG plots and markdown.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--group", choices=("all", "momentum"), default="all",
+                   help="'all': the study of docs/convergence.md (main grid, ablations, momentum 0.9 at "
+                        "P=4, gtopk-demo configuration); 'momentum': the momentum group run with the "
+                        "library's momentum correction, Nesterov, AdamW, the BatchNorm ResNet "
+                        "(benchmarks/convergence/momentum.py; results convergence_momentum.*)")
     p.add_argument("--quick", action="store_true",
                    help=f"small CI configuration: every method once per task, {QUICK_STEPS} steps, one seed")
     p.add_argument("--json", metavar="OUT.json", default=None,
                    help="results file; plots and the markdown tables are written next to it "
                         "(default benchmarks/results/convergence.json, or convergence_quick.json with --quick)")
-    p.add_argument("--tasks", nargs="+", choices=study.ALL_TASKS, default=list(study.ALL_TASKS))
-    p.add_argument("--seeds", type=int, default=len(study.SEEDS), help="seeds per configuration (full study)")
+    p.add_argument("--tasks", nargs="+", choices=study.ALL_TASKS, default=list(study.ALL_TASKS),
+                   help="tasks (with --group momentum, 'glyphs' also runs the BatchNorm ResNet on glyphs)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help=f"seeds per configuration (default {len(study.SEEDS)}; 1 with --group momentum)")
     p.add_argument("--demo-seeds", type=int, default=None,
                    help="seeds of the gtopk-demo configuration group (default: --seeds; 0: leave it out)")
     p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="simulation processes (one thread each)")
     p.add_argument("--nice", type=int, default=0, help="niceness added to the simulation processes")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="--group momentum: start no new run after this many minutes (runs in priority "
+                        "order; finished runs are kept in a journal next to the JSON and reused)")
     p.add_argument("--no-gloo", action="store_true", help="skip the real gloo runs")
     p.add_argument("--docs", metavar="PATH", default=None,
                    help=f"markdown file whose generated section is replaced (between the "
@@ -64,6 +74,14 @@ def _condense_loss(losses: List[float], every: int) -> List[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.group == "momentum":
+        from . import momentum
+
+        if args.seeds is None:
+            args.seeds = 1  # the momentum group's default (CPU budget; docs/convergence.md)
+        return momentum.main(args)
+    if args.seeds is None:
+        args.seeds = len(study.SEEDS)
     t_start = time.perf_counter()
     json_path = os.path.abspath(args.json or os.path.join(
         RESULTS, "convergence_quick.json" if args.quick else "convergence.json"))
@@ -195,13 +213,20 @@ def _json_default(o):
 
 
 def _update_docs(path: str, md: str) -> None:
-    text = open(path).read() if os.path.exists(path) else f"# Convergence study\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    update_docs_section(path, md, "benchmarks.convergence")
+
+
+def update_docs_section(path: str, md: str, tag: str) -> None:
+    """Replace the text between ``<!-- BEGIN GENERATED: tag -->`` and its END
+    marker in ``path`` (appended at the end when missing)."""
+    begin, end = f"<!-- BEGIN GENERATED: {tag} -->", f"<!-- END GENERATED: {tag} -->"
+    text = open(path).read() if os.path.exists(path) else f"# Convergence study\n\n{begin}\n{end}\n"
+    if begin not in text or end not in text:
+        text = text.rstrip() + f"\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n\n{md}\n{END}{tail}")
+        f.write(f"{head}{begin}\n\n{md}\n{end}{tail}")
 
 
 def _console_summary(rows, goals) -> str:

@@ -44,13 +44,14 @@ def _worker(rank: int, P: int, rendezvous: str, outdir: str, spec_d: dict, timeo
         steps, lr, batch_size = sim.resolved(task, spec)
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=P,
                                 timeout=datetime.timedelta(seconds=timeout))
-        if spec.momentum_mode in ("corr", "dgc"):
-            raise ValueError("the gloo check runs momentum modes 'none' and 'opt' only")
         model = sim.initial_model(task, spec.seed)
         names = [n for n, _ in model.named_parameters()]
         params = [p for _, p in model.named_parameters()]
-        reducer = gp.GradientReducer(**sim.reducer_kwargs(spec, steps))
-        opt = torch.optim.SGD(params, lr=lr, momentum=sim.optimizer_momentum(spec))
+        # momentum correction, clipping and warm-up: the reducer's own
+        # (sim.reducer_kwargs), as in the simulation; BatchNorm buffers stay
+        # per rank and rank 0 evaluates with its own (sim.Rank0Buffers)
+        reducer = gp.GradientReducer(**sim.reducer_kwargs(spec, steps, sim.steps_per_epoch(task, batch_size)))
+        opt = sim.make_optimizer(spec, params, lr)
         hist = {"step": [], "metric": [], "eval_loss": []}
 
         def record(step):
@@ -70,6 +71,8 @@ def _worker(rank: int, P: int, rendezvous: str, outdir: str, spec_d: dict, timeo
             upd = reducer.reduce(dict(zip(names, g)))
             for n, p in zip(names, params):
                 p.grad = upd[n]
+            for grp in opt.param_groups:
+                grp["lr"] = sim.lr_at(spec, lr, step, steps)
             opt.step()
             losses.append(loss.item())
             sent.append(reducer.last_stats.bytes_sent)

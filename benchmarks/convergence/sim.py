@@ -9,17 +9,39 @@ global batch with the shared weights (the same call a real worker makes, see
 update.  Bytes communicated per worker come from the exact formulas of
 DESIGN.md §3 (checked against the reducer's own counters in the gloo run).
 
-Momentum, four ways (``RunSpec.momentum_mode``):
+Momentum, four ways (``RunSpec.momentum_mode``), plain or Nesterov
+(``RunSpec.nesterov``):
 
 - ``"none"``: SGD without momentum.
 - ``"opt"``: momentum in the optimizer, applied to the reduced update (what a
-  user gets by putting ``torch.optim.SGD(momentum=m)`` after the reducer, as
-  ``gtopk-demo`` does).
-- ``"corr"``: DGC momentum correction (Lin et al. 2018): each worker keeps a
-  local velocity ``u = m·u + g`` and feeds ``u`` to the reducer (whose error
-  feedback then accumulates velocities); the optimizer has no momentum.
-- ``"dgc"``: momentum correction plus momentum factor masking: the velocity
-  is zeroed at the coordinates whose value reached the global result.
+  user gets by putting ``torch.optim.SGD(momentum=m)`` after the reducer
+  without turning the correction on).
+- ``"corr"``: DGC momentum correction (Lin et al. 2018), the library's own
+  (``Oracle(momentum=m, nesterov=..., momentum_masking=False)``, i.e.
+  :class:`gtopk_plugin.compress.momentum.MomentumCorrection` per simulated
+  worker): each worker keeps a local velocity and feeds it to error
+  feedback; the optimizer has no momentum.
+- ``"dgc"``: the same with momentum factor masking
+  (``momentum_masking=True``, the library's default).
+
+For ``dense`` every mode but "none" is plain momentum SGD (the correction
+of a dense reduction is the optimizer's momentum; study.canonical).
+
+``RunSpec.optimizer="adamw"``: ``torch.optim.AdamW`` applies the reduced
+update (error feedback alone, no correction: AdamW's first and second
+moments are fed the *reduced, averaged* sparse update, zero at every
+coordinate that no worker's value reached this step).
+
+DGC's other two ingredients come from the library too: ``clip_norm``
+(local clipping, threshold × P^-1/2, before the velocity) and
+``warmup_epochs`` (``DensityWarmup``: density decays geometrically from
+``warmup_start`` to the target over that many epochs).
+
+BatchNorm running statistics (``glyphs_resnet``): every worker normalises
+with its own shard's batch statistics in training (no SyncBatchNorm); the
+running mean/variance used for evaluation are **rank 0's** (updated by rank
+0's shards only), which is what DDP's default ``broadcast_buffers=True``
+gives every rank and what the real gloo workers of :mod:`.gloo` evaluate.
 """
 from __future__ import annotations
 
@@ -37,6 +59,7 @@ from gtopk_plugin.testing import Oracle
 from .tasks import Task
 
 MOMENTUM_MODES = ("none", "opt", "corr", "dgc")
+OPTIMIZERS = ("sgd", "adamw")
 ENTRY_BYTES = 8  # int32 index + fp32 value
 HEADER_BYTES = 8
 
@@ -59,14 +82,28 @@ class RunSpec:
     lr: Optional[float] = None        # None: the task's default times lr_scale
     lr_scale: float = 1.0
     batch_size: Optional[int] = None  # global batch; None: the task's default
+    nesterov: bool = False
+    optimizer: str = "sgd"            # "sgd" or "adamw" (error feedback alone)
+    weight_decay: float = 0.0         # the optimizer's (AdamW: decoupled)
+    clip_norm: Optional[float] = None  # DGC local clipping (library's clip_norm)
+    warmup_epochs: float = 0.0        # DGC density warm-up over these epochs (library's DensityWarmup)
+    warmup_start: float = 0.25
+    lr_schedule: str = "const"        # "const" or "cosine" (decay to 0 at the last step)
 
     def __post_init__(self):
         if self.momentum_mode not in MOMENTUM_MODES:
             raise ValueError(f"momentum_mode must be one of {MOMENTUM_MODES}; got {self.momentum_mode!r}")
+        if self.lr_schedule not in ("const", "cosine"):
+            raise ValueError(f"lr_schedule must be 'const' or 'cosine'; got {self.lr_schedule!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {self.optimizer!r}")
+        if self.optimizer == "adamw" and self.momentum_mode != "none":
+            raise ValueError("AdamW keeps its own moments: momentum_mode must be 'none'")
         if self.method == "dense":
             object.__setattr__(self, "density", 1.0)
         if self.momentum_mode == "none":
             object.__setattr__(self, "momentum", 0.0)
+            object.__setattr__(self, "nesterov", False)
 
     @property
     def label(self) -> str:
@@ -86,13 +123,53 @@ def warmup_schedule(steps: int) -> DensityWarmup:
     return DensityWarmup(steps=max(1, steps // 6), start_density=0.25)
 
 
-def reducer_kwargs(spec: RunSpec, steps: int) -> dict:
-    """The ``GradientReducer`` / ``Oracle`` keyword arguments of a run."""
+def dgc_warmup(epochs: float, steps_per_epoch: int, start_density: float = 0.25) -> DensityWarmup:
+    """DGC's exponential density warm-up as the library's one argument:
+    ``warmup=DensityWarmup(steps=epochs·steps_per_epoch, start_density=0.25)``
+    (DGC: 25% → 6.25% → 1.56% → 0.4% → 0.1% over four epochs)."""
+    return DensityWarmup(steps=max(1, int(round(epochs * steps_per_epoch))), start_density=start_density)
+
+
+def reducer_kwargs(spec: RunSpec, steps: int, steps_per_epoch: Optional[int] = None) -> dict:
+    """The ``GradientReducer`` / ``Oracle`` keyword arguments of a run
+    (momentum correction, clipping and warm-up included)."""
     kw = dict(method=spec.method, density=spec.density, r_factor=spec.r_factor, seed=spec.seed,
               error_feedback=spec.error_feedback)
-    if spec.warmup and spec.method != "dense":
-        kw["warmup"] = warmup_schedule(steps)
+    if spec.method != "dense":
+        if spec.warmup:
+            kw["warmup"] = warmup_schedule(steps)
+        elif spec.warmup_epochs > 0:
+            if steps_per_epoch is None:
+                raise ValueError("warmup_epochs needs steps_per_epoch")
+            kw["warmup"] = dgc_warmup(spec.warmup_epochs, steps_per_epoch, spec.warmup_start)
+        if spec.momentum_mode in ("corr", "dgc"):
+            kw.update(momentum=spec.momentum, nesterov=spec.nesterov,
+                      momentum_masking=spec.momentum_mode == "dgc")
+    if spec.clip_norm is not None:
+        kw["clip_norm"] = spec.clip_norm
     return kw
+
+
+def make_optimizer(spec: RunSpec, params, lr: float):
+    """The optimizer that applies the reduced update: SGD (momentum only in
+    mode "opt", or for dense), or AdamW."""
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay)
+    m = optimizer_momentum(spec)
+    return torch.optim.SGD(params, lr=lr, momentum=m, nesterov=spec.nesterov and m > 0,
+                           weight_decay=spec.weight_decay)
+
+
+def lr_at(spec: RunSpec, lr: float, step: int, steps: int) -> float:
+    """The learning rate of ``step``: constant, or cosine decay from ``lr``
+    to 0 over the run (the same schedule for every method)."""
+    if spec.lr_schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    return lr
+
+
+def steps_per_epoch(task: Task, batch_size: int) -> int:
+    return task.n_train // batch_size
 
 
 def bytes_per_worker(aggregation: str, P: int, numel: int, k_total: int,
@@ -127,6 +204,26 @@ def worker_gradients(task: Task, model, params, batch, rank: int, world: int):
     return loss.detach(), torch.autograd.grad(loss, params)
 
 
+class Rank0Buffers:
+    """Keep rank 0's module buffers (BatchNorm running statistics) while the
+    simulation runs every worker's forward on the one shared model: after
+    rank 0's forward the buffers are saved, after the last worker they are
+    put back (DDP's ``broadcast_buffers=True``: every rank uses rank 0's)."""
+
+    def __init__(self, model):
+        self.buffers = [b for b in model.buffers()]
+        self.saved = None
+
+    def after(self, rank: int, world: int) -> None:
+        if not self.buffers:
+            return
+        if rank == 0:
+            self.saved = [b.clone() for b in self.buffers]
+        if rank == world - 1 and self.saved is not None:
+            for b, s in zip(self.buffers, self.saved):
+                b.copy_(s)
+
+
 def resolved(task: Task, spec: RunSpec):
     """(steps, lr, global batch size) of a run."""
     return (spec.steps or task.steps, spec.lr or task.lr * spec.lr_scale,
@@ -159,15 +256,12 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     sizes = {n: p.numel() for n, p in zip(names, params)}
-    order = sorted(names)  # the oracle's flat layout
     numel = sum(sizes.values())
-    kw = reducer_kwargs(spec, steps)
+    kw = reducer_kwargs(spec, steps, steps_per_epoch(task, batch_size))
     cfg = ReducerConfig(**kw)
     oracle = Oracle(P, kernels="reference", **kw)
-    opt = torch.optim.SGD(params, lr=lr, momentum=optimizer_momentum(spec))
-    velocity = None
-    if spec.momentum_mode in ("corr", "dgc") and spec.method != "dense":
-        velocity = [[torch.zeros_like(p) for p in params] for _ in range(P)]
+    opt = make_optimizer(spec, params, lr)
+    buffers = Rank0Buffers(model)
 
     hist = {"step": [], "bytes": [], "metric": [], "eval_loss": []}
     train_loss, total_bytes, step_bytes = [], 0.0, []
@@ -187,11 +281,8 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
         grads, losses = [], []
         for r in range(P):
             loss, g = worker_gradients(task, model, params, batch, r, P)
+            buffers.after(r, P)
             losses.append(loss.item())
-            if velocity is not None:
-                for u, gi in zip(velocity[r], g):
-                    u.mul_(spec.momentum).add_(gi)
-                g = velocity[r]
             grads.append({n: gi for n, gi in zip(names, g)})
         train_loss.append(sum(losses) / P)
         if not all(math.isfinite(x) for x in losses):
@@ -199,14 +290,14 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
             break
         density = cfg.density_at(step)
         upd = oracle.step(grads)
-        if velocity is not None and spec.momentum_mode == "dgc":
-            _mask_velocity(velocity, oracle.last_sent, names, order, sizes)
         counts = [int(s.numel()) for s in oracle.last_sent] if spec.method == "threshold" else None
         k_total = numel if spec.method == "dense" else sum(k_for(density, sizes[n]) for n in names)
         step_bytes.append(bytes_per_worker(cfg.aggregation, P, numel, k_total, counts))
         total_bytes += step_bytes[-1]
         for n, p in zip(names, params):
             p.grad = upd[n]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(spec, lr, step, steps)
         opt.step()
         if (step + 1) % task.eval_every == 0 or step + 1 == steps:
             record(step + 1)
@@ -221,21 +312,6 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     if keep_params:
         out["params"] = torch.cat([p.detach().reshape(-1) for p in params])
+        out["buffers"] = [b.detach().clone() for b in model.buffers()]
         out["bytes_per_step_curve"] = step_bytes
     return out
-
-
-def _mask_velocity(velocity, last_sent, names, order, sizes) -> None:
-    """Momentum factor masking: zero each worker's velocity where its value
-    reached the global result (``Oracle.last_sent``, flat indices in the
-    oracle's sorted-name layout)."""
-    offs, o = {}, 0
-    for n in order:
-        offs[n] = o
-        o += sizes[n]
-    for r, sent in enumerate(last_sent):
-        for j, n in enumerate(names):
-            lo = offs[n]
-            sel = sent[(sent >= lo) & (sent < lo + sizes[n])] - lo
-            if sel.numel():
-                velocity[r][j].view(-1)[sel] = 0

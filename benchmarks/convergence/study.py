@@ -169,23 +169,67 @@ def cost(spec: RunSpec) -> float:
     return per * (spec.steps or 300) * (1 + spec.workers / 4)
 
 
+def _journal_load(path: Optional[str]) -> Dict[RunSpec, dict]:
+    """Results already in a journal (one JSON line per finished run)."""
+    import json
+
+    out: Dict[RunSpec, dict] = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                    out[RunSpec(**d["spec"])] = d["result"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill
+    return out
+
+
+def _journal_add(path: Optional[str], spec: RunSpec, result: dict) -> None:
+    import json
+
+    if not path or "error" in result or "params" in result:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"spec": spec.as_dict(), "result": result}) + "\n")
+
+
 def execute(specs: Sequence[RunSpec], jobs: int = 1, keep_params: Sequence[RunSpec] = (),
-            progress: bool = True, nice: int = 0) -> Dict[RunSpec, dict]:
-    """Run every spec (``jobs`` processes); returns spec -> result."""
+            progress: bool = True, nice: int = 0, journal: Optional[str] = None,
+            in_order: bool = False, budget_s: Optional[float] = None) -> Dict[RunSpec, dict]:
+    """Run every spec (``jobs`` processes); returns spec -> result.
+
+    ``journal``: a file where every finished run is appended as one JSON
+    line, and from which runs already finished are taken instead of rerun
+    (a long study killed half-way resumes).  ``in_order``: run in the given
+    (priority) order instead of longest first.  ``budget_s``: start no new
+    run after this many seconds (one process only); the runs left out are
+    simply missing from the result."""
     import torch
     from tqdm import tqdm
 
     keep = set(keep_params)
-    order = sorted(specs, key=cost, reverse=True)
-    results: Dict[RunSpec, dict] = {}
+    results: Dict[RunSpec, dict] = {s: r for s, r in _journal_load(journal).items()
+                                    if s in set(specs) and s not in keep}
+    order = [s for s in (list(specs) if in_order else sorted(specs, key=cost, reverse=True))
+             if s not in results]
+    if jobs <= 1 and nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
     bar = tqdm(total=len(order), desc="convergence runs", unit="run", disable=not progress,
                dynamic_ncols=True)
     try:
         if jobs <= 1:
             torch.set_num_threads(1)
+            t_start = time.monotonic()
             for s in order:
+                if budget_s is not None and time.monotonic() - t_start > budget_s:
+                    break
                 bar.set_postfix_str(f"{s.task} {s.label} P={s.workers} d={s.density:g}")
                 results[s] = _run_one((s, s in keep))[1]
+                _journal_add(journal, s, results[s])
                 bar.update(1)
         else:
             ctx = mp.get_context("spawn")
@@ -193,6 +237,7 @@ def execute(specs: Sequence[RunSpec], jobs: int = 1, keep_params: Sequence[RunSp
                 it = pool.imap_unordered(_run_one, [(s, s in keep) for s in order])
                 for s, r in it:
                     results[s] = r
+                    _journal_add(journal, s, r)
                     bar.set_postfix_str(f"{s.task} {s.label} P={s.workers} d={s.density:g}")
                     bar.update(1)
     finally:

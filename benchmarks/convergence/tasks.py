@@ -10,6 +10,8 @@ gradients from the same weights.
   CNN (``gtopk_plugin.demo.load_data`` / ``build_model``, ~39k parameters).
 - ``glyphs``: a harder procedurally generated 16x16 image task
   (:mod:`.glyphs`) and a 41k-parameter CNN.
+- ``glyphs_resnet``: the glyphs data with :class:`GlyphResNet`, a small
+  ResNet (three basic blocks with BatchNorm, ~50k parameters).
 - ``charlm``: a character-level LSTM language model on the Python
   documentation text that ships with every CPython installation
   (``pydoc_data.topics``), reporting validation perplexity.
@@ -126,6 +128,53 @@ def glyphs_task() -> Task:
                       "model": "GlyphCNN"})
 
 
+class BasicBlock(nn.Module):
+    """He et al. 2016's basic block: conv3x3-BN-ReLU-conv3x3-BN plus the
+    identity (or a strided 1x1 conv + BN when the shape changes), ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = None
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.short is None else self.short(x)))
+
+
+class GlyphResNet(nn.Module):
+    """A ResNet-style model for 16x16 glyphs: conv stem (BN), three basic
+    blocks of widths ``widths`` (the last two strided: 16 → 8 → 4 pixels),
+    global average pooling, linear read-out.  BatchNorm everywhere, so its
+    running statistics matter at evaluation (see sim.Rank0Buffers)."""
+
+    def __init__(self, widths=(12, 24, 48), classes: int = 10):
+        super().__init__()
+        a, b, c = widths
+        self.stem = nn.Sequential(nn.Conv2d(1, a, 3, padding=1, bias=False), nn.BatchNorm2d(a), nn.ReLU())
+        self.blocks = nn.Sequential(BasicBlock(a, a), BasicBlock(a, b, 2), BasicBlock(b, c, 2))
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def glyphs_resnet_task() -> Task:
+    from . import glyphs
+
+    data = glyphs.load()
+    return Task("glyphs_resnet", "accuracy", data, GlyphResNet, n_train=len(data["y_train"]),
+                steps=250, batch_size=64, lr=0.3, eval_every=25,
+                info={"source": "benchmarks.convergence.glyphs (procedural, 6000 train / 2000 test)",
+                      "model": "GlyphResNet (BatchNorm; rank 0's running statistics)"})
+
+
 # ------------------------------------------------------------------ charlm
 VOCAB = ["\n"] + [chr(c) for c in range(32, 127)] + ["\x00"]  # \x00: any other character
 _CHAR_ID = {c: i for i, c in enumerate(VOCAB)}
@@ -187,7 +236,7 @@ def charlm(seq_len: int = 32, val_chars: int = 32 * 1024) -> Task:
                       "corpus_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]})
 
 
-TASKS = {"digits": digits, "glyphs": glyphs_task, "charlm": charlm}
+TASKS = {"digits": digits, "glyphs": glyphs_task, "glyphs_resnet": glyphs_resnet_task, "charlm": charlm}
 
 
 def get(name: str) -> Task:
