@@ -102,11 +102,34 @@ class Oracle:
                                        rank=r, kernels="reference")
                 i, v = self.selector.select(accs[r], offsets_t, k_t, ctx)
             sel_idx.append(i.long())
-            sel_wire.append(v.to(wire))
+            sel_wire.append(_round_clamped(v, wire))
 
+        # A wire narrower than the gradients: sums in float32 (at least),
+        # every re-rounding owned by one rank (DESIGN.md §3, precision);
+        # charges[r]: dense error vectors added to r's residual, in order.
+        acc_dt = None if wire == dtype else torch.promote_types(dtype, torch.float32)
+        charges: List[List[Tensor]] = [[] for _ in range(P)]
         reached = [torch.ones(i.numel(), dtype=torch.bool) for i in sel_idx]
         if self.aggregation == "gtopk":
-            result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, wire).to(dtype)
+            result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, wire, acc_dt,
+                                     charges).to(dtype)
+        elif acc_dt is not None and self.aggregation in ("dense", "allreduce_values") and P > 1:
+            # every rank's value vector (the same positions everywhere) summed
+            # in rank order in acc_dt; position p belongs to the shard of
+            # rank q (n·q//P <= p < n·(q+1)//P), which rounds it and owns the error
+            total = torch.zeros(sel_wire[0].numel(), dtype=acc_dt)
+            for r in range(P):
+                total = total + sel_wire[r].to(acc_dt)
+            rounded = _round_clamped(total, wire)
+            err = total - rounded.to(acc_dt)
+            n = total.numel()
+            for q in range(P):
+                e = torch.zeros(N, dtype=acc_dt)
+                pos = torch.arange(n * q // P, n * (q + 1) // P)
+                e[sel_idx[0][pos]] = err[pos]
+                charges[q].append(e)
+            result = torch.zeros(N, dtype=dtype)
+            result[sel_idx[0]] = rounded.to(dtype)
         else:
             result = torch.zeros(N, dtype=dtype)
             for r in range(P):  # rank order
@@ -119,6 +142,8 @@ class Oracle:
             res = accs[r].clone()
             i = sel_idx[r][reached[r]]
             res[i] = accs[r][i] - sel_wire[r][reached[r]].to(dtype)
+            for e in charges[r]:
+                res = res + e.to(dtype)
             self.last_sent.append(i)
             if self.velocity[r].enabled and self.aggregation != "dense":
                 self.velocity[r].mask_(names, i)
@@ -130,49 +155,78 @@ class Oracle:
         self.step_count += 1
         return {n: u.view(s) for n, u, s in zip(names, torch.split(result, sizes), shapes)}
 
-    def _butterfly(self, sel_idx, sel_wire, reached, offs, ks, N, wire) -> Tensor:
-        """Explicit group simulation: a set is a dense (mask, values) pair; a
-        merge adds masked values and keeps the per-segment top-k by brute force.
-        Worker m's entry i reached the result iff i is in its group's set
-        after every merge its group takes part in."""
+    def _butterfly(self, sel_idx, sel_wire, reached, offs, ks, N, wire, acc_dt, charges) -> Tensor:
+        """Explicit group simulation: a group's set is a dense (mask, values)
+        pair; a merge adds masked values and keeps the per-segment top-k by
+        brute force.  Worker m's entry i reached the result iff i is in its
+        group's set after every merge its group takes part in.
+
+        ``acc_dt`` (a wire narrower than the gradients): values are held and
+        added in ``acc_dt``; each group's set is rounded (clamped) to the wire
+        before every butterfly round and once at the end, and the error goes
+        to the group's lowest member -- kept only at indices that stay in the
+        group's set through every later merge (``charges``, in order).
+        Returns the result in the wire dtype."""
         P = self.P
         Pp = 1 << (P.bit_length() - 1)
-        masks, vals, groups = [], [], []
-        for r in range(P):
+        vdt = acc_dt or wire
+
+        def own(r):
             m = torch.zeros(N, dtype=torch.bool)
             m[sel_idx[r]] = True
-            v = torch.zeros(N, dtype=wire)
-            v[sel_idx[r]] = sel_wire[r]
-            masks.append(m)
-            vals.append(v)
-            groups.append([r])
+            v = torch.zeros(N, dtype=vdt)
+            v[sel_idx[r]] = sel_wire[r].to(vdt)
+            return {"mask": m, "vals": v, "members": [r], "pending": []}
+
+        def round_set(g):
+            if acc_dt is None:
+                return
+            w = _round_clamped(g["vals"], wire).to(acc_dt)
+            err = torch.where(g["mask"], g["vals"] - w, torch.zeros((), dtype=acc_dt))
+            g["vals"] = w
+            if bool((err != 0).any()):
+                g["pending"].append((min(g["members"]), err))
 
         def merge(a, b):
-            m = masks[a] | masks[b]
-            v = torch.where(masks[a], vals[a], torch.zeros((), dtype=wire)) + \
-                torch.where(masks[b], vals[b], torch.zeros((), dtype=wire))
+            m = a["mask"] | b["mask"]
+            zero = torch.zeros((), dtype=vdt)
+            v = torch.where(a["mask"], a["vals"], zero) + torch.where(b["mask"], b["vals"], zero)
             keep = torch.zeros(N, dtype=torch.bool)
             cand = torch.nonzero(m).squeeze(1).numpy()
             mag = kernels.reference.magnitude(v).numpy()
             for s in range(len(ks)):
                 c = cand[(cand >= offs[s]) & (cand < offs[s + 1])]
                 keep[torch.from_numpy(_topk_positions(c, mag[c], ks[s]).copy())] = True
-            v = torch.where(keep, v, torch.zeros((), dtype=wire))
-            members = groups[a] + groups[b]
+            members = a["members"] + b["members"]
             for w in members:
                 reached[w] &= keep[sel_idx[w]]
-            return keep, v, members
+            pending = [(o, torch.where(keep, e, torch.zeros((), dtype=e.dtype)))
+                       for o, e in a["pending"] + b["pending"]]
+            return {"mask": keep, "vals": torch.where(keep, v, zero), "members": members,
+                    "pending": pending}
 
-        for r in range(Pp, P):
-            masks[r - Pp], vals[r - Pp], groups[r - Pp] = merge(r - Pp, r)
+        slots = [own(r) for r in range(Pp)]  # slot r: the group of rank r < P'
+        for r in range(Pp, P):  # fold-in: own wire values, nothing to round
+            slots[r - Pp] = merge(slots[r - Pp], own(r))
         j = 1
         while j < Pp:
-            for r in range(Pp):
-                p = r ^ j
-                if p > r:
-                    m, v, g = merge(r, p)
-                    masks[r] = masks[p] = m
-                    vals[r] = vals[p] = v
-                    groups[r] = groups[p] = g
+            for r in range(0, Pp, j):  # one slot per group (groups are blocks of j)
+                round_set(slots[r])
+            for r in range(0, Pp, 2 * j):
+                g = merge(slots[r], slots[r + j])
+                for q in range(r, r + 2 * j):
+                    slots[q] = g
             j <<= 1
-        return vals[0]
+        round_set(slots[0])
+        for o, e in slots[0]["pending"]:
+            charges[o].append(e)
+        return slots[0]["vals"].to(wire)
+
+
+def _round_clamped(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """``v`` in ``dtype``, values beyond its finite range clamped to it (what
+    the wire carries, DESIGN.md §3)."""
+    if v.dtype != dtype and torch.finfo(dtype).max < torch.finfo(v.dtype).max:
+        big = torch.finfo(dtype).max
+        v = v.clamp(-big, big)
+    return v.to(dtype)

@@ -7,7 +7,8 @@ with fp16) and s bytes per dense element:
 =========  =====================  ===========================================
 method     messages (sequential)  bytes sent by the busiest worker
 =========  =====================  ===========================================
-dense      2(P−1)                 2(P−1)/P · s·N          (ring allreduce)
+dense      2(P−1)                 2(P−1)/P · s·N          (ring allreduce;
+                                  a 2-byte wire: see :func:`dense_bytes`)
 topk       P−1                    (P−1) · e·K             (ring allgather)
 gtopk      ⌊log2 P⌋ (+2 folding)  ⌊log2 P⌋·e·K (+ e·K + ⌈K/8⌉ folding)
 =========  =====================  ===========================================
@@ -48,6 +49,22 @@ def butterfly_rounds(P: int) -> int:
     return (P.bit_length() - 1) + (0 if P & (P - 1) == 0 else 2)
 
 
+def dense_bytes(P: int, N: int, elem_bytes: int = 4) -> int:
+    """Bytes the busiest worker sends in a dense sum of N elements.
+
+    Values in the gradients' dtype go through the engine's ring allreduce,
+    counted with the ring model 2(P−1)/P·s·N.  A 2-byte wire (fp16/bf16
+    values of float32 gradients) is the library's reduce-scatter with
+    float32 accumulation plus an allgather (collectives/dense.py), counted
+    exactly: rank r sends the vector less its own shard, then less its right
+    neighbour's (shard q holds ⌊N(q+1)/P⌋ − ⌊Nq/P⌋ elements); the same
+    2(P−1)/P·s·N whenever P divides N."""
+    if elem_bytes >= 4:
+        return 2 * (P - 1) * N * elem_bytes // P
+    n = [N * (q + 1) // P - N * q // P for q in range(P)]
+    return max(2 * N - n[r] - n[(r + 1) % P] for r in range(P)) * elem_bytes
+
+
 def traffic(method: str, P: int, N: int, K: Optional[int], entry_bytes: int = 8,
             elem_bytes: int = 4, load: float = 1.0) -> Dict[str, float]:
     """Messages, bytes and CPU work of the busiest worker for one exchange
@@ -56,7 +73,7 @@ def traffic(method: str, P: int, N: int, K: Optional[int], entry_bytes: int = 8,
     if P <= 1:
         return {"messages": 0, "bytes": 0, "work": 0, "work_load": 0, "numel": N}
     if method == "dense":
-        out = {"messages": 2 * (P - 1), "bytes": 2 * (P - 1) * N * elem_bytes // P, "work": 2 * (P - 1) * N / P}
+        out = {"messages": 2 * (P - 1), "bytes": dense_bytes(P, N, elem_bytes), "work": 2 * (P - 1) * N / P}
     elif method == "topk":
         out = {"messages": P - 1, "bytes": (P - 1) * entry_bytes * K, "work": N + (P - 1) * K}
     elif method == "gtopk":

@@ -1,20 +1,92 @@
 """Dense allreduce (the S-SGD baseline) and the value-only allreduce of
-random-k, whose indices every rank already knows."""
+random-k, whose indices every rank already knows.
+
+With values on the wire in the gradients' dtype this is the engine's own
+allreduce.  With a narrower wire (fp16/bf16 ``value_dtype``) an engine would
+add in the wire dtype -- overflowing to ±inf, and rounding every partial sum
+into nobody's residual -- so the sum is taken as a reduce-scatter with
+accumulation in float32 (or the gradients' wider dtype) at the shard's
+owner, in rank order, followed by an allgather of the owner's shard rounded
+(and clamped) to the wire dtype (DESIGN.md §3, precision).  The owner's
+rounding error is returned in ``Aggregated.residual_add``: every entry of a
+dense sum reaches the result, so mass is conserved to the accumulation
+dtype's rounding, and every rank gets the owner's bits.  The bytes are those
+of a ring allreduce of the wire dtype: (P−1)/P of the vector each way per
+phase (exactly so when P divides its length; otherwise a rank's count is its
+real traffic, within one element per phase of that).
+"""
 from __future__ import annotations
 
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import wire
 from .base import Aggregated, Aggregation, Selection, register
 from .transport import Transport
 
-
-def _allreduce(vals, transport: Transport):
-    out = vals.clone()
-    if transport.size > 1:
-        transport.allreduce_sum_(out)
-    return out
+Tensor = torch.Tensor
 
 
 def _ring_rounds(P: int) -> int:
     return 0 if P == 1 else 2 * (P - 1)
+
+
+def shard_bounds(n: int, P: int) -> List[int]:
+    """Shard q of an ``n``-vector is ``[b[q], b[q+1])``: sizes differ by at
+    most one, rank q owns (sums and rounds) shard q."""
+    return [n * q // P for q in range(P + 1)]
+
+
+def sharded_sum(vals: Tensor, acc_dtype: torch.dtype, transport: Transport
+                ) -> Tuple[Tensor, Optional[Tuple[Tensor, Tensor]]]:
+    """Sum of every rank's wire-dtype ``vals`` (same length everywhere),
+    accumulated in ``acc_dtype`` and rounded once to the wire dtype.
+
+    Returns ``(sum in the wire dtype, (positions, errors))``: the positions
+    (int64, into ``vals``) and ``acc_dtype`` rounding errors this rank owns.
+    Reduce-scatter: in step s = 1..P−1 rank r sends shard r+s to its owner
+    while receiving its own shard from rank r−s (every rank takes part in
+    every step, as Horovod's alltoall-based sendrecv needs); the owner adds
+    the P pieces in rank order.  Allgather: the rounded shards, in a ring.
+    """
+    P, r = transport.size, transport.rank
+    n, wdt, dev = vals.numel(), vals.dtype, vals.device
+    b = shard_bounds(n, P)
+    esz = vals.element_size()
+    vals = vals.contiguous()
+    pieces: List[Optional[Tensor]] = [None] * P
+    pieces[r] = vals[b[r]:b[r + 1]]
+    for s in range(1, P):
+        dst, src = (r + s) % P, (r - s) % P
+        send = vals[b[dst]:b[dst + 1]].view(torch.uint8)
+        # a counted point-to-point step (sendrecv to dst, from src) of the
+        # base Transport: exact byte accounting, and HorovodTransport runs it
+        # as one alltoall (every rank calls it at once)
+        got = transport._ring_step(dst, src, send, (b[r + 1] - b[r]) * esz)
+        pieces[src] = wire.unpack_values(got.to(dev), wdt)
+    acc = torch.zeros(b[r + 1] - b[r], dtype=acc_dtype, device=dev)
+    for q in range(P):  # rank order: the owner's bits are the result's bits
+        acc += pieces[q].to(acc_dtype)
+    mine, err = wire.round_to_wire(acc, wdt)
+    blobs = transport.allgather_blobs(mine.contiguous().view(torch.uint8),
+                                      [(b[q + 1] - b[q]) * esz for q in range(P)])
+    out = torch.cat([wire.unpack_values(x.to(dev), wdt) for x in blobs])
+    nz = torch.nonzero(err).squeeze(1)
+    return out, (nz + b[r], err[nz])
+
+
+def _reduce(sel: Selection, transport: Transport):
+    """(sum in the wire dtype, residual_add as (positions, errors) or None)."""
+    P = transport.size
+    if P == 1:
+        return sel.vals.clone(), None
+    adt = wire.accumulation_dtype(sel.vals.dtype, sel.sum_dtype)
+    if adt is None:
+        out = sel.vals.clone()
+        transport.allreduce_sum_(out)
+        return out, None
+    return sharded_sum(sel.vals, adt, transport)
 
 
 @register("dense")
@@ -22,7 +94,8 @@ class DenseAllReduce(Aggregation):
     """Sum of the whole accumulator (``sel.idx is None``)."""
 
     def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
-        return Aggregated(None, _allreduce(sel.vals, transport), None, _ring_rounds(transport.size))
+        out, charged = _reduce(sel, transport)
+        return Aggregated(None, out, None, _ring_rounds(transport.size), charged)
 
 
 @register("allreduce_values")
@@ -30,4 +103,7 @@ class ValueAllReduce(Aggregation):
     """Random-k: the same indices on every rank, values summed by allreduce."""
 
     def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
-        return Aggregated(sel.idx, _allreduce(sel.vals, transport), None, _ring_rounds(transport.size))
+        out, charged = _reduce(sel, transport)
+        if charged is not None:  # positions in the value vector -> global indices
+            charged = (sel.idx.long()[charged[0]], charged[1])
+        return Aggregated(sel.idx, out, None, _ring_rounds(transport.size), charged)

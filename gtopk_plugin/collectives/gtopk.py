@@ -13,10 +13,20 @@ every round (a dropped index takes every contribution of the group with it;
 a later reappearance of i carries other workers' values only).  A folded-in
 rank learns its survivors from its partner as a bitmask over its own set
 (⌈k/8⌉ bytes, appended to the final message).
+
+Reduced-precision wire (fp16/bf16 values for wider gradients, DESIGN.md §3):
+merges add in float32 (at least) the exact wire values both partners
+exchanged, so sums agree bit for bit and cannot overflow; a merged set is
+rounded (and clamped: never ±inf) to the wire dtype before each send and
+once at the end.  Each such rounding is charged to one rank -- the lowest
+of the group that holds the set -- at the indices that go on to reach the
+result, through ``Aggregated.residual_add``; so mass is conserved to
+float32 rounding with no extra bytes on the wire.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -34,6 +44,9 @@ class ButterflyResult:
     vals: Tensor       # summed values (wire dtype)
     sent_mask: Tensor  # bool over the caller's own entries: reached the result
     rounds: int
+    # (int64 global idx, values in the accumulation dtype): wire roundings
+    # of merged sums that this rank owns and that reached the result
+    residual_add: Optional[Tuple[Tensor, Tensor]] = None
 
 
 def _rounds(P: int) -> int:
@@ -50,46 +63,106 @@ def _member_of(values: Tensor, ascending: Tensor) -> Tensor:
     return ascending[pos] == values
 
 
+class _Charges:
+    """Wire roundings this rank owns, kept only while they can still reach
+    the result (DESIGN.md §3, precision).
+
+    With a wire narrower than the sum dtype, a group's merged set is held in
+    the accumulation dtype and rounded to the wire before each send and once
+    at the end.  Every member of the group rounds identically; the group's
+    lowest rank records ``(idx, exact − rounded)``.  The error belongs in a
+    residual only if the rounded entry reaches the global result, i.e. if
+    its index stays in the group's set through every later merge -- exactly
+    the survival rule of the rank's own entries: a dropped index returns
+    each contributor's whole value to its own residual, so its rounding must
+    not be charged (and a later reappearance carries other values)."""
+
+    def __init__(self, device, dtype):
+        self.idx = torch.empty(0, dtype=torch.int64, device=device)
+        self.val = torch.empty(0, dtype=dtype, device=device)
+
+    def record(self, idx: Tensor, err: Tensor) -> None:
+        nz = err != 0  # most entries are exact already (e.g. own wire values)
+        if bool(nz.any()):
+            self.idx = torch.cat([self.idx, idx.long()[nz]])
+            self.val = torch.cat([self.val, err[nz]])
+
+    def survive(self, cur_long: Tensor) -> None:
+        if self.idx.numel():
+            keep = _member_of(self.idx, cur_long)
+            self.idx, self.val = self.idx[keep], self.val[keep]
+
+    def result(self) -> Optional[Tuple[Tensor, Tensor]]:
+        return (self.idx, self.val) if self.idx.numel() else None
+
+
 def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, transport: Transport,
                     idx_dtype: torch.dtype, static_count: bool,
-                    kernels_choice=None) -> ButterflyResult:
+                    kernels_choice=None, sum_dtype: Optional[torch.dtype] = None) -> ButterflyResult:
     """Run the butterfly on this rank's sparse set ``(idx, vals)``.
 
     ``static_count``: every set in flight has exactly ``sum(k)`` entries (exact
     top-k selection: a union of two sets with k_s entries per segment keeps
     exactly k_s), so message sizes are known and no header travels.
+
+    ``sum_dtype`` (the gradients' dtype; default ``vals.dtype``): when the
+    wire dtype ``vals.dtype`` differs, merges add in
+    :func:`wire.accumulation_dtype` (float32 at least) operands that are
+    exactly the wire values both partners exchanged, so the sums are
+    bit-identical on both sides and cannot overflow; a merged set is rounded
+    (clamped, never ±inf) to the wire before each send and once at the end,
+    and the rounding errors that reach the result are returned in
+    ``residual_add`` of the group's lowest rank (see :class:`_Charges`).
+    Messages keep the wire dtype: the bytes are those of a plain wire.
     """
     P, r = transport.size, transport.rank
     dev = vals.device
+    wdt = vals.dtype
     own_idx = idx.long()
     alive = torch.ones(own_idx.numel(), dtype=torch.bool, device=dev)
     if P == 1:
         return ButterflyResult(idx, vals, alive, 0)
 
     Pp = 1 << (P.bit_length() - 1)
-    eb = wire.entry_bytes(idx_dtype, vals.dtype)
+    eb = wire.entry_bytes(idx_dtype, wdt)
     K = int(k.sum())
     msg_bytes = K * eb if static_count else None
+    adt = wire.accumulation_dtype(wdt, wdt if sum_dtype is None else sum_dtype)
+    charges = None if adt is None else _Charges(dev, adt)
 
     def merge(a_idx, a_val, b_idx, b_val):
+        if adt is not None:
+            b_val = b_val.to(adt)  # exact: the partner's wire values
         return kernels.merge_select(a_idx, a_val, b_idx, b_val, offsets, k, kernels=kernels_choice)
 
     def unpack(blob, extra=0):
-        i, v, tail = wire.unpack(blob.to(dev), idx_dtype, vals.dtype, extra)
+        i, v, tail = wire.unpack(blob.to(dev), idx_dtype, wdt, extra)
         return i, v, tail
 
-    cur_idx, cur_val = idx.to(idx_dtype), vals
+    def to_wire(cur_idx, cur_val, owner: bool):
+        """(values to send, the set's values from now on): the wire
+        rounding, recorded when this rank owns it."""
+        if adt is None:
+            return cur_val, cur_val
+        w, err = wire.round_to_wire(cur_val, wdt)
+        if owner:
+            charges.record(cur_idx, err)
+        return w, w.to(adt)
+
+    cur_idx = idx.to(idx_dtype)
+    cur_val = vals if adt is None else vals.to(adt)
     headers = not static_count
     n_extra = P - Pp
     own_mask_bytes = wire.bitmask_bytes(own_idx.numel())
 
-    # Phase 1 (non-power-of-two P): ranks r >= P' fold their set into r - P'.
-    # Every rank takes part in every phase (see Transport.phase).
+    # Phase 1 (non-power-of-two P): ranks r >= P' fold their set into r - P'
+    # (their own wire values: nothing to round).  Every rank takes part in
+    # every phase (see Transport.phase).
     folded_idx = folded_alive = None
     if n_extra:
         send_to = r - Pp if r >= Pp else None
         recv_from = r + Pp if r < n_extra else None
-        blob = transport.phase(send_to, wire.pack(cur_idx, cur_val, idx_dtype) if send_to is not None else None,
+        blob = transport.phase(send_to, wire.pack(cur_idx, vals, idx_dtype) if send_to is not None else None,
                                recv_from, msg_bytes, dev, headers)
         if recv_from is not None:
             o_idx, o_val, _ = unpack(blob)
@@ -98,10 +171,16 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
             folded_idx, folded_alive = o_idx.long(), keep_b
 
     # Phase 2: log2(P') butterfly rounds among ranks < P'; both partners of a
-    # round compute the same merge.
+    # round compute the same merge.  Before round j the group of r is the
+    # 2^j ranks < P' that agree with r above bit j (plus their folded
+    # partners); its lowest rank, r with the low j bits clear, owns the
+    # rounding of the group's set.
     for j in range(Pp.bit_length() - 1):
         peer = (r ^ (1 << j)) if r < Pp else None
-        blob = transport.phase(peer, wire.pack(cur_idx, cur_val, idx_dtype) if peer is not None else None,
+        send = None
+        if peer is not None:
+            send, cur_val = to_wire(cur_idx, cur_val, owner=r % (1 << j) == 0)
+        blob = transport.phase(peer, wire.pack(cur_idx, send, idx_dtype) if peer is not None else None,
                                peer, msg_bytes, dev, headers)
         if peer is None:
             continue
@@ -112,6 +191,15 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         alive &= _member_of(own_idx, cur_long)
         if folded_idx is not None:
             folded_alive &= _member_of(folded_idx, cur_long)
+        if charges is not None:
+            charges.survive(cur_long)
+
+    # The result travels and is returned in the wire dtype on every rank
+    # (folded ranks included): one last rounding, owned by rank 0 (the
+    # lowest rank of the final group); every entry of it is in the result.
+    if r < Pp:
+        cur_val, _ = to_wire(cur_idx, cur_val, owner=r == 0)
+    residual_add = None if charges is None else charges.result()
 
     # Phase 3: the folded ranks get the result plus a bitmask of which of
     # their own entries reached it (they cannot tell from the result alone:
@@ -128,7 +216,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
             res_idx, res_val, bits = unpack(blob, own_mask_bytes)
             return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), own_idx.numel()),
                                    _rounds(P))
-    return ButterflyResult(cur_idx, cur_val, alive, _rounds(P))
+    return ButterflyResult(cur_idx, cur_val, alive, _rounds(P), residual_add)
 
 
 @register("gtopk")
@@ -137,5 +225,6 @@ class GTopKAllReduce(Aggregation):
 
     def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
         br = gtopk_allreduce(sel.idx, sel.vals, sel.offsets, sel.k, transport, sel.idx_dtype,
-                             static_count=sel.static_count, kernels_choice=sel.kernels)
-        return Aggregated(br.idx, br.vals, br.sent_mask, br.rounds)
+                             static_count=sel.static_count, kernels_choice=sel.kernels,
+                             sum_dtype=sel.sum_dtype)
+        return Aggregated(br.idx, br.vals, br.sent_mask, br.rounds, br.residual_add)

@@ -3,7 +3,7 @@
 dtype or the fp16/bf16 wire dtype.  8 bytes per fp32 entry; never an upcast."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,6 +25,27 @@ def to_wire(vals: Tensor, dtype: torch.dtype) -> Tensor:
         big = torch.finfo(dtype).max
         vals = vals.clamp(-big, big)
     return vals.to(dtype)
+
+
+def accumulation_dtype(wire_dtype: torch.dtype, sum_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype in which sums of wire values are taken when the wire is
+    narrower than the gradients (DESIGN.md §3, precision): the sum dtype, at
+    least float32.  ``None`` when the wire carries the sum dtype itself (then
+    sums are taken in it and nothing is re-rounded)."""
+    if wire_dtype == sum_dtype:
+        return None
+    return torch.promote_types(sum_dtype, torch.float32)
+
+
+def round_to_wire(vals: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``(w, err)``: ``w = to_wire(vals, dtype)`` (clamped, never ±inf) and
+    ``err = vals − w`` exactly in ``vals``' dtype -- the rounding (and
+    clamping) error that some rank's residual must own for the rounded value
+    to conserve mass.  (The difference of a float32/float64 value and its
+    fp16/bf16 rounding is exact (Sterbenz); a clamping remainder is exact
+    below 2^29 and otherwise off by one rounding of ``vals``' dtype.)"""
+    w = to_wire(vals, dtype)
+    return w, vals - w.to(vals.dtype)
 
 
 def pack(idx: Tensor, vals: Tensor, idx_dtype: torch.dtype) -> Tensor:
@@ -55,6 +76,11 @@ def unpack(blob: Tensor, idx_dtype: torch.dtype, val_dtype: torch.dtype,
     idx = _view(blob, 0, n * isz, idx_dtype)
     vals = _view(blob, n * isz, body, val_dtype)
     return idx, vals, blob[body:]
+
+
+def unpack_values(blob: Tensor, val_dtype: torch.dtype) -> Tensor:
+    """A blob of bare values (no indices) as ``val_dtype``."""
+    return _view(blob, 0, blob.numel(), val_dtype)
 
 
 def pack_bits(mask: Tensor) -> Tensor:
