@@ -247,13 +247,13 @@ def main(argv=None) -> int:
     ap.add_argument("--residual-growth", type=float, default=2.0)
     ap.add_argument("--curve-points", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=3 * 3600)
-    ap.add_argument("--quick", action="store_true", help="200 steps, sampled every 10 (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="100 steps, sampled every 5 (a smoke run)")
     ap.add_argument("--json", default=None, help="default: benchmarks/results/soak.json (soak_quick.json "
                                                  "with --quick)")
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.sample_every = 200, 10
+        args.steps, args.sample_every = 100, 5
     if args.steps < 20 * args.sample_every:
         ap.error("--steps must be at least 20 × --sample-every (the checks compare windows)")
     path = args.json or os.path.join(RESULTS, "soak_quick.json" if args.quick else "soak.json")
