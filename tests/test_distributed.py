@@ -72,8 +72,9 @@ def test_every_method_matches_oracle_conserves_mass_and_agrees_across_ranks(runs
         seed = kw.pop("grad_seed", 0)
         oracle = Oracle(P, **kw)
         exact = kw["method"] not in ("dense", "randomk")  # gloo's allreduce order is its own
-        fp_lo = kw.get("value_dtype") is not None
-        tol = dict(atol=5e-2, rtol=1e-2) if fp_lo else dict(atol=1e-4, rtol=1e-5)
+        # fp16/bf16 wires too: merges add in float32 and every re-rounding
+        # lands in one residual (DESIGN.md §3), so float32 tolerances hold
+        tol = dict(atol=1e-4, rtol=1e-5)
         sum_grad = torch.zeros(NUMEL, dtype=torch.float64)
         sum_out = torch.zeros(NUMEL, dtype=torch.float64)
         for s in range(STEPS):
