@@ -80,17 +80,31 @@ class OptimizerBinding:
                             "a param group holds parameters that are not reduced by gtopk_plugin "
                             "(not in named_parameters); momentum correction would turn their "
                             "momentum off too -- put them in a separate param group")
-        self._saved: list = []
+        # group id -> the user's (momentum, weight_decay, nesterov) while a
+        # step runs; a depth count because a wrapped optimizer class (Horovod's)
+        # runs the step hooks of its own step() and of the base class's.
+        self._saved: Dict[int, tuple] = {}
+        self._depth = 0
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step)]
 
     # -- what the reducer asks, every step ---------------------------------
+    def _user(self, g) -> Tuple[float, float, bool]:
+        """The user's (momentum, weight_decay, nesterov) of group ``g``, also
+        while a step runs with them set to 0 (Horovod reduces inside step())."""
+        saved = self._saved.get(id(g))
+        if saved is not None:
+            return saved
+        return float(g["momentum"]), float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False))
+
     def spec(self, name: str) -> Optional[MomentumSpec]:
         g = self._group_of.get(name)
-        if g is None or float(g["momentum"]) == 0.0:
+        if g is None:
             return None
-        return MomentumSpec(float(g["momentum"]), bool(g.get("nesterov", False)),
-                            float(g.get("dampening", 0.0)))
+        m, _, nesterov = self._user(g)
+        if m == 0.0:
+            return None
+        return MomentumSpec(m, nesterov, float(g.get("dampening", 0.0)))
 
     def specs(self, names) -> Dict[str, Optional[MomentumSpec]]:
         return {n: self.spec(n) for n in names}
@@ -100,7 +114,7 @@ class OptimizerBinding:
         optimizer keeps it: groups without momentum)."""
         if self.spec(name) is None:
             return 0.0
-        return float(self._group_of[name].get("weight_decay", 0.0))
+        return self._user(self._group_of[name])[1]
 
     def add_weight_decay(self, name: str, flat_grad: Tensor, loss_scale: float = 1.0) -> Tensor:
         """``g + wd·p`` (``wd·scale·p`` for a loss-scaled gradient)."""
@@ -112,22 +126,36 @@ class OptimizerBinding:
 
     # -- the optimizer's step runs without momentum and weight decay -------
     def _before_step(self, _opt, _args, _kwargs):
-        self._saved = []
+        self._depth += 1
+        if self._depth > 1:
+            return
         for g in self._corrected_groups:
-            if float(g["momentum"]) == 0.0:
+            m, wd, nesterov = self._user(g)
+            if m == 0.0:
                 continue
-            self._saved.append((g, g["momentum"], g.get("weight_decay", 0.0), g.get("nesterov", False)))
+            self._saved[id(g)] = (m, wd, nesterov)
             g["momentum"] = 0.0
             g["weight_decay"] = 0.0
             if "nesterov" in g:
                 g["nesterov"] = False
 
     def _after_step(self, _opt, _args, _kwargs):
-        for g, m, wd, nesterov in self._saved:
-            g["momentum"], g["weight_decay"] = m, wd
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
+        for g in self._corrected_groups:
+            saved = self._saved.pop(id(g), None)
+            if saved is None:
+                continue
+            g["momentum"], g["weight_decay"] = saved[0], saved[1]
             if "nesterov" in g:
-                g["nesterov"] = nesterov
-        self._saved = []
+                g["nesterov"] = saved[2]
+
+    def abort_step(self) -> None:
+        """A step raised (its post hooks never run): give the user's values
+        back and reset the depth count."""
+        self._depth = 1
+        self._after_step(None, None, None)
 
     def remove(self) -> None:
         """Give momentum and weight decay back to the optimizer."""

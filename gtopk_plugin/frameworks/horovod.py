@@ -55,7 +55,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without Horovod
 from .. import config
 from ..collectives.transport import Transport
 from ..config import ReducerConfig
-from ..reducer import GradientReducer
+from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
 from .compression_names import SPARSE_METHODS, CompressionNames
 
@@ -282,6 +282,17 @@ class SparseCompression:
         fusion_threshold: bucket size in bytes (default ``GTOPK_FUSION_THRESHOLD``
             or 64 MiB).  Smaller buckets start their exchange earlier in
             backward; each costs a consistency check and its own rounds.
+        momentum_correction: DGC momentum correction with factor masking,
+            using the wrapped SGD optimizer's own momentum, nesterov,
+            dampening and weight decay (read at every step; the optimizer's
+            ``step()`` then runs with momentum and weight decay 0 for those
+            groups, restored right after).  Adam/AdamW: ``ValueError`` (use
+            plain error feedback).  See docs/momentum.md.
+        momentum, nesterov, momentum_masking: explicit correction settings
+            (as GradientReducer) for an optimizer built without momentum.
+        clip_norm: DGC local clipping (threshold × P^-1/2, global norm over
+            all buckets of the step: with it, buckets are reduced after
+            backward, in ``synchronize()``).
 
     Objects of this class only work with ``gtopk_plugin.horovod.DistributedOptimizer``.
     """
@@ -290,7 +301,9 @@ class SparseCompression:
                  value_dtype: Optional[torch.dtype] = None, warmup=None, merge: Optional[str] = None,
                  granularity: str = "layer", seed: int = 0, nonfinite: str = "raise",
                  error_feedback: bool = True, kernels: Optional[str] = None,
-                 fusion_threshold: Optional[int] = None):
+                 fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
+                 momentum: Optional[float] = None, nesterov: bool = False,
+                 momentum_masking: bool = True, clip_norm: Optional[float] = None):
         if method == "dense":
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
@@ -305,7 +318,12 @@ class SparseCompression:
         kw = dict(method=method, density=density, r_factor=r_factor, merge=merge,
                   granularity=granularity, value_dtype=value_dtype, seed=seed, warmup=warmup,
                   nonfinite="skip" if nonfinite == "propagate" else nonfinite,
-                  error_feedback=bool(error_feedback))
+                  error_feedback=bool(error_feedback), momentum=momentum, nesterov=bool(nesterov),
+                  momentum_masking=bool(momentum_masking), clip_norm=clip_norm)
+        if momentum_correction and momentum is not None:
+            raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
+                             "or momentum=<float>, not both")
+        self.momentum_correction = bool(momentum_correction)
         if kernels is not None:
             kw["kernels"] = kernels
         self.config = ReducerConfig(**kw)  # validates (ValueError)
@@ -326,6 +344,8 @@ class SparseCompression:
     def __repr__(self):
         extra = "".join(f", {k}={v!r}" for k, v in self._reducer_kwargs.items()
                         if k not in ("method", "density") and v != _DEFAULTS.get(k))
+        if self.momentum_correction:
+            extra += ", momentum_correction=True"
         return f"Compression.{self.method}({self.density!r}{extra})"
 
     # Horovod's own optimizer calls these: say plainly that it cannot run us.
@@ -337,7 +357,8 @@ class SparseCompression:
 
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None, seed=0, warmup=None,
-                 nonfinite="raise", error_feedback=True)
+                 nonfinite="raise", error_feedback=True, momentum=None, nesterov=False,
+                 momentum_masking=True, clip_norm=None)
 
 
 class Compression(CompressionNames):
@@ -387,7 +408,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler=None):
         super(self.__class__, self).__init__(params)
         # Horovod's broadcast_optimizer_state initialises an empty optimizer
         # state with a plain local step() when the optimizer's module is
@@ -423,6 +444,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reducer = GradientReducer(transport=self._transport,
                                             op="average" if op == hvd.Average else "sum",
                                             **self._spec.reducer_kwargs())
+            if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+                raise ValueError("grad_scaler must be a torch.amp.GradScaler (an object with get_scale())")
+            self._grad_scaler = grad_scaler
+            self._step_loss_scale: Optional[float] = None
+            # local clipping needs the whole step's norm: buckets wait for synchronize()
+            self._hold_buckets = self._spec.config.clip_norm is not None
+            self._step_grad_norm: Optional[float] = None
+            if self._spec.momentum_correction:
+                self._reducer.correct_momentum(
+                    self, [(n, p) for p, n in self._parameter_names.items()])
+            elif self._spec.config.momentum is None and any(
+                    float(g.get("momentum", 0.0) or 0.0) > 0.0 for g in self.param_groups):
+                warnings.warn(
+                    f"{self._spec!r} with an optimizer that has momentum: the optimizer applies its "
+                    "momentum to the sparse update, which usually trains worse than dense; pass "
+                    "momentum_correction=True to the compression (DGC momentum correction, "
+                    "docs/momentum.md)", UserWarning, stacklevel=3)
             self._buckets = _make_buckets(self._requires_update, self._groups, self._spec.fusion_threshold)
             self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
             self._executor = None
@@ -465,15 +503,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
-                              "after optimizer.synchronize(). This can cause training slowdown. You may "
-                              "want to consider using optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
-        self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        try:
+            if self._should_synchronize:
+                if self._synchronized:
+                    warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                                  "after optimizer.synchronize(). This can cause training slowdown. You may "
+                                  "want to consider using optimizer.skip_synchronize() context if you use "
+                                  "optimizer.synchronize() in your code.")
+                self.synchronize()
+            self._synchronized = False
+            return super(self.__class__, self).step(closure)
+        except BaseException:
+            # the step hooks' post half never runs after an exception: give
+            # momentum and weight decay back to the optimizer's groups
+            binding = None if self._reducer is None else self._reducer.binding
+            if binding is not None:
+                binding.abort_step()
+            raise
 
     def zero_grad(self, set_to_none: bool = True):
         if self._handles or (self._spec is not None and self._sparse_started()):
@@ -654,6 +700,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- sparse path (the core's GradientReducer) -------------------------
     def _reset_sparse_step(self):
+        self._step_grad_norm = None
+        self._step_loss_scale = None
         self._ready = set()
         self._bucket_left = [len(b) for b in self._buckets]
         self._futures: List[Optional[concurrent.futures.Future]] = [None] * len(self._buckets)
@@ -674,6 +722,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _launch_ready_buckets(self):
         # Fixed order on every rank: bucket i+1 never starts before bucket i,
         # so the single worker thread walks the same op sequence everywhere.
+        if self._hold_buckets and self._step_grad_norm is None:
+            return
+        if self._next_bucket == 0 and self._step_loss_scale is None:
+            pre = 1.0 / self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+            scale = 1.0 if self._grad_scaler is None else float(self._grad_scaler.get_scale())
+            self._step_loss_scale = scale * pre
         while self._next_bucket < len(self._buckets) and self._bucket_left[self._next_bucket] == 0:
             i = self._next_bucket
             grads = {self._parameter_names[p]: p.grad for p in self._buckets[i]}
@@ -702,7 +756,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if g.is_sparse:
                 g = g.to_dense()
             prepared[n] = g * pre if pre != 1.0 else g
-        out = self._reducer.reduce(prepared, advance_step=(i == len(self._buckets) - 1))
+        scaled = self._grad_scaler is not None or pre != 1.0
+        out = self._reducer.reduce(prepared, advance_step=(i == len(self._buckets) - 1),
+                                   grad_norm=self._step_grad_norm,
+                                   loss_scale=self._step_loss_scale if scaled else None)
         return out, self._reducer.last_stats
 
     def _synchronize_sparse(self):
@@ -711,6 +768,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._sparse_param_ready(p)
+        if self._hold_buckets:
+            # this worker's gradient norm over the whole step (DGC local clipping)
+            pre = 1.0 / self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+            self._step_grad_norm = pre * local_grad_norm(
+                p.grad.to_dense() if p.grad.is_sparse else p.grad for p in self._requires_update)
+            self._launch_ready_buckets()
         first_error, stats = None, []
         post = self.gradient_predivide_factor if self.op == hvd.Average else 1.0
         try:
@@ -874,7 +937,7 @@ def _make_buckets(params: List[Tensor], groups, threshold: int) -> List[List[Ten
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=hvd.global_process_set):
+                         process_set=hvd.global_process_set, grad_scaler=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across
     the Horovod workers — ``horovod.torch.DistributedOptimizer`` with the
     same signature and behaviour, plus sparse ``compression=`` choices.
@@ -899,6 +962,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: reduce ``torch.sparse`` gradients as dense tensors
             (sparse compression always does).
         process_set: reduce over this Horovod process set.
+        grad_scaler: (sparse compression) the ``torch.amp.GradScaler`` of an
+            AMP loop: residuals and velocities follow its loss scale
+            (rescaled exactly when it changes) and the clipping threshold
+            is scaled with it; use ``nonfinite="propagate"`` so that every
+            rank's scaler sees an overflow on any rank.
 
     With a sparse compression the returned optimizer also has ``reducer``,
     ``last_stats`` (last bucket), ``last_step_traffic`` (bytes of the last
@@ -933,8 +1001,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                         0, groups, sparse_as_dense, process_set)
     body = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _GtopkHorovodOptimizer), body)
+    if grad_scaler is not None and not isinstance(compression, SparseCompression):
+        raise ValueError("grad_scaler= is for sparse compressions (error-feedback state follows the "
+                         "loss scale); Horovod's dense allreduce needs none")
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler)
 
 
 # ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..reducer import GradientReducer
+from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
 from .torch_distributed import TorchDistributedTransport
 
@@ -67,6 +67,25 @@ class SparseState:
             layout (buckets are rebuilt only after it).
         timeout: seconds one exchange may take before this rank raises
             (default: ``GTOPK_TIMEOUT`` or 300 s).
+        momentum_correction: take the SGD ``optimizer``'s momentum (nesterov,
+            dampening) and weight decay over into the hook (DGC momentum
+            correction with factor masking; ``GradientReducer.correct_momentum``):
+            the optimizer's ``step()`` then runs with momentum and weight
+            decay 0 for those parameters.  Needs ``optimizer`` and
+            ``named_parameters``.  Or pass ``momentum=`` (and ``nesterov=``)
+            explicitly and build the optimizer without momentum yourself.
+        optimizer: the ``torch.optim`` optimizer that applies the updates
+            (for ``momentum_correction``).
+        grad_scaler: a ``torch.amp.GradScaler``: residuals and velocities
+            follow its loss scale (rescaled exactly when it changes), the
+            clipping threshold is scaled by it, and a non-finite gradient on
+            any rank makes every rank's update +inf for that step (so every
+            rank's scaler skips it and lowers its scale; state untouched;
+            ``nonfinite`` defaults to "propagate").
+        clip_norm: DGC local clipping: the global norm is taken over all
+            buckets of a step, so with ``clip_norm`` the buckets of a step
+            are reduced together when the last one is ready (no overlap of
+            communication with the rest of backward).
 
     Internal state (checkpointed by :meth:`state_dict` and by pickling):
         the reducer's residuals and step counter (the RNG state), and the
@@ -87,7 +106,9 @@ class SparseState:
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-                 timeout: Optional[float] = None, **reducer_kwargs):
+                 timeout: Optional[float] = None, momentum_correction: bool = False,
+                 optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
+                 **reducer_kwargs):
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
                              "process_group=<torch.distributed group> instead of transport=")
@@ -100,6 +121,26 @@ class SparseState:
             raise ValueError("process_group must be None (the default group) or a "
                              "torch.distributed ProcessGroup (e.g. from dist.new_group); got "
                              f"{type(process_group).__name__}")
+        if grad_scaler is not None:
+            if not callable(getattr(grad_scaler, "get_scale", None)):
+                raise ValueError("grad_scaler must be a torch.amp.GradScaler (an object with get_scale())")
+            nf = reducer_kwargs.setdefault("nonfinite", "propagate")
+            if nf == "skip":
+                raise ValueError("nonfinite='skip' with a grad_scaler would hide overflows from the "
+                                 "scaler (it would never lower its scale); use 'propagate' (default "
+                                 "with a grad_scaler) or 'raise'")
+        if momentum_correction:
+            if optimizer is None or named_parameters is None:
+                raise ValueError("momentum_correction=True needs optimizer=<the torch.optim optimizer> "
+                                 "and named_parameters=model.named_parameters() (or pass momentum= "
+                                 "explicitly and build the optimizer without momentum)")
+            if reducer_kwargs.get("momentum") is not None:
+                raise ValueError("pass either momentum_correction=True (momentum read from the "
+                                 "optimizer) or momentum=<float>, not both")
+            named_parameters = list(named_parameters)
+        elif optimizer is not None:
+            raise ValueError("optimizer= is only used with momentum_correction=True")
+        self.grad_scaler = grad_scaler
         # -- hyper-parameters (kept so that unpickling can rebuild the reducer) --
         self._reducer_kwargs = dict(reducer_kwargs, method=method, density=density)
         self.process_group = process_group
@@ -109,6 +150,10 @@ class SparseState:
         self.reducer = GradientReducer(
             transport=TorchDistributedTransport(group=process_group, timeout=timeout),
             **self._reducer_kwargs)
+        if momentum_correction:
+            self.reducer.correct_momentum(optimizer, named_parameters)
+        # buckets of the current step held back for clipping (see sparse_hook)
+        self._pending: List[tuple] = []
         # -- parameter naming --
         # id(param) -> name as given by the user (holds the parameter too, so
         # that its id cannot be reused by another object while we map it).
@@ -272,6 +317,8 @@ class SparseState:
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
         self._traffic_acc = {}
+        self._pending = []
+        self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
         self.load_state_dict(d["state"])
 
@@ -300,26 +347,43 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> ddp_model.register_comm_hook(SparseState(method="gtopk", density=0.01), sparse_hook)
     """
     params = bucket.parameters()
-    grads = bucket.gradients()
     # Residuals are keyed by parameter name, not bucket index: DDP rebuilds
     # its buckets after the first iteration, so a bucket's index and content
     # change while each parameter keeps its name.
     names = [state.name_of(p) for p in params]
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
+    if state.reducer.config.clip_norm is None:
+        _reduce_bucket(state, item, bucket.is_last(), None)
+        return fut
+    # Local clipping needs this worker's norm over the whole step: hold the
+    # buckets back (DDP waits for the futures only after the last bucket's
+    # hook has run) and reduce them all, in order, when the last is ready.
+    state._pending.append(item)
+    if bucket.is_last():
+        pending, state._pending = state._pending, []
+        norm = local_grad_norm([g for it in pending for g in it[1]])
+        for j, it in enumerate(pending):
+            _reduce_bucket(state, it, j == len(pending) - 1, norm)
+    return fut
+
+
+def _reduce_bucket(state: SparseState, item, last: bool, grad_norm) -> None:
+    names, grads, buffer, index, fut = item
+    scale = None if state.grad_scaler is None else float(state.grad_scaler.get_scale())
     # Several buckets make up one training step; only the last one advances
     # the step counter, so that the warm-up density and random-k draws are
     # per step, not per bucket.
-    updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=bucket.is_last())
-    state._record_traffic(bucket.is_last())
-    buffer = bucket.buffer()
+    updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=last,
+                                   grad_norm=grad_norm, loss_scale=scale)
+    state._record_traffic(last)
     flat = torch.cat([updates[n].reshape(-1) for n in names]) if names else buffer.new_zeros(0)
     if flat.numel() != buffer.numel():
-        raise RuntimeError(f"DDP bucket {bucket.index()} buffer has {buffer.numel()} elements but "
+        raise RuntimeError(f"DDP bucket {index} buffer has {buffer.numel()} elements but "
                            f"its gradients have {flat.numel()}; unsupported bucket layout")
     # The reducer already divided by the world size (op="average"); DDP
     # copies the future's value into the gradients as is.  Writing into the
     # buffer in place (the reducer has consumed the gradients) avoids another
     # bucket-sized allocation, as torch's own compression hooks do.
     buffer.copy_(flat.view_as(buffer))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
-    return fut
