@@ -117,8 +117,9 @@ class VariancePolicy(Policy):
 
     - ``op="average"``: the reduced update is ḡ (dense allreduce / P);
     - ``op="sum"``: it is P·ḡ, and :meth:`deviation` divides it by P first;
-    - ``exact=False`` (a compressing reducer: Top-k, gTop-k, rTop-k, ...):
-      the update is a sparse, error-fed approximation of ḡ, and
+    - ``exact=False`` (a compressing reducer: Top-k, gTop-k, rTop-k, ...;
+      or a dense one with momentum correction or clipping): the update is
+      an approximation of ḡ (sparse and error-fed, or transformed), and
       ‖g_i − update‖² would measure the compression error, not the
       variance.  No sample is taken (:meth:`deviation` returns NaN, which
       :meth:`observe` ignores), so the barrier holds — synchronous SGD —
@@ -226,13 +227,17 @@ def make_policy(cfg: ElasticConfig, backend=None) -> Policy:
 def bind_to_backend(policy: VariancePolicy, backend) -> VariancePolicy:
     """Bind the variance policy to a back end: its world size, and, for a
     :class:`~gtopk_plugin.GradientReducer` back end (``backend.reducer``),
-    the reducer's ``op`` and whether it compresses (every method but
-    "dense").  Native dense back ends (torch.distributed, Horovod, BytePS,
-    a Transport's allreduce) return the average."""
+    the reducer's ``op`` and whether its update is the plain mean (or sum)
+    of the gradients: only method "dense" without DGC momentum correction
+    (the update is then a velocity) and without local clipping (a mean of
+    clipped gradients).  Native dense back ends (torch.distributed, Horovod,
+    BytePS, a Transport's allreduce) return the average."""
     red = getattr(backend, "reducer", None)
     if red is None:
         return policy.bind(int(backend.size), op="average", exact=True)
-    return policy.bind(int(backend.size), op=red.config.op, exact=red.config.method == "dense")
+    cfg = red.config
+    plain = cfg.method == "dense" and cfg.momentum is None and cfg.clip_norm is None
+    return policy.bind(int(backend.size), op=cfg.op, exact=plain)
 
 
 def names():
