@@ -379,6 +379,62 @@ def process_set_run():
     return out
 
 
+def momentum_run(nesterov=False, weight_decay=0.0, clip_norm=None, scaler_growth=False, steps=STEPS):
+    """SGD(momentum=0.9) under Compression.gtopk(momentum_correction=True)
+    with several buckets: local gradients and weights per step (for the
+    parent's numpy oracle), the optimizer's settings afterwards, velocities."""
+    model = make_model()
+    raw = RawGrads(model)
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=nesterov,
+                           weight_decay=weight_decay)
+    comp = Compression.gtopk(0.2, momentum_correction=True, clip_norm=clip_norm, fusion_threshold=256,
+                             nonfinite="propagate" if scaler_growth else "raise")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1) if scaler_growth else None
+    opt = DistributedOptimizer(base, model.named_parameters(), compression=comp, grad_scaler=scaler)
+    raws, before, scales = [], [], []
+    for s in range(steps):
+        before.append(flat_params(model))
+        opt.zero_grad()
+        loss = loss_of(model, s)
+        if scaler is None:
+            loss.backward()
+            raws.append(raw.take())
+            opt.step()
+        else:
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            raws.append(raw.take())
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+    sd = opt.state_dict()
+    return {"raw": raws, "before": before, "params": flat_params(model), "buckets": len(opt.buckets),
+            "momentum": opt.param_groups[0]["momentum"], "wd": opt.param_groups[0]["weight_decay"],
+            "velocities": sd["gtopk_plugin"]["velocities"], "scales": scales,
+            "buffers": [k for st in sd["state"].values() for k in st]}
+
+
+def momentum_warning():
+    model = make_model()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             model.named_parameters(), compression=Compression.gtopk(0.1))
+    return [str(x.message) for x in w]
+
+
+def job_momentum(res):
+    check(res, "mc_plain", momentum_run)
+    check(res, "mc_nesterov_wd", momentum_run, nesterov=True, weight_decay=1e-2)
+    check(res, "mc_clip", momentum_run, clip_norm=0.05)
+    check(res, "mc_clip_scaler", momentum_run, clip_norm=0.05, scaler_growth=True)
+    check(res, "mc_warning", momentum_warning)
+    check(res, "mc_adam", lambda: DistributedOptimizer(
+        torch.optim.Adam(make_model().parameters()), compression=Compression.gtopk(0.1, momentum_correction=True)))
+
+
 JOBS = {
     "main": lambda res: (job_dense(res), job_sparse(res),
                          check(res, "warn", warn_after_synchronize),
@@ -389,6 +445,7 @@ JOBS = {
                          check(res, "grad_scaler", grad_scaler),
                          check(res, "procset", process_set_run) if PROCSET is not None else None),
     "sparse": lambda res: job_sparse(res),
+    "momentum": job_momentum,
 }
 
 

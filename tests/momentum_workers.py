@@ -109,3 +109,38 @@ def local_model_grads(rank, steps_params, steps):
         ((model(x) - y) ** 2).mean().backward()
         out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     return out
+
+
+# ------------------------------------------------------------ elastic
+def elastic_momentum(rank, world_size, steps):
+    """ElasticScheduler(policy="barrier", reducer=gtopk, momentum_correction=True)
+    against the synchronous loop with GradientReducer.correct_momentum: under
+    the barrier policy both apply the same updates (DESIGN.md §3)."""
+    import torch.distributed as dist
+
+    from elastic_helpers import loss_of, make_model, params_of, train_elastic
+
+    def opt_for(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+    m = make_model()
+    opt = opt_for(m)
+    red = gp.GradientReducer("gtopk", 0.3, transport=gp.TorchDistributedTransport(dist.new_group(), timeout=60))
+    red.correct_momentum(opt, m.named_parameters())
+    for s in range(steps):
+        opt.zero_grad()
+        loss_of(m, s, rank).backward()
+        up = red.reduce({n: p.grad for n, p in m.named_parameters()})
+        for n, p in m.named_parameters():
+            p.grad.copy_(up[n])
+        opt.step()
+    sync = params_of(m)
+    m = make_model()
+    opt = opt_for(m)
+    red = gp.GradientReducer("gtopk", 0.3, transport=gp.TorchDistributedTransport(dist.new_group(), timeout=60))
+    sched = gp.ElasticScheduler(m, opt, reducer=red, policy="barrier", momentum_correction=True)
+    elastic = train_elastic(sched, m, steps, rank)
+    out = {"sync": sync, "elastic": elastic, "momentum": opt.param_groups[0]["momentum"],
+           "velocity_names": sorted(sched.state_dict()["reducer"]["velocities"])}
+    sched.close()
+    return out

@@ -84,6 +84,8 @@ class OptimizerBinding:
         # step runs; a depth count because a wrapped optimizer class (Horovod's)
         # runs the step hooks of its own step() and of the base class's.
         self._saved: Dict[int, tuple] = {}
+        self._stepping: list = []
+        self._param_ids = {id(p) for p in self.params.values()}
         self._depth = 0
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step)]
@@ -125,15 +127,21 @@ class OptimizerBinding:
         return flat_grad.add(p.to(flat_grad.dtype), alpha=wd * loss_scale)
 
     # -- the optimizer's step runs without momentum and weight decay -------
-    def _before_step(self, _opt, _args, _kwargs):
+    def _before_step(self, opt, _args, _kwargs):
+        # The groups of *this* step: the elastic scheduler steps narrowed
+        # copies of the groups, one layer at a time.
         self._depth += 1
         if self._depth > 1:
             return
-        for g in self._corrected_groups:
+        self._stepping = []
+        for g in (opt.param_groups if opt is not None else self._corrected_groups):
+            if not any(id(p) in self._param_ids for p in g["params"]):
+                continue
             m, wd, nesterov = self._user(g)
             if m == 0.0:
                 continue
             self._saved[id(g)] = (m, wd, nesterov)
+            self._stepping.append(g)
             g["momentum"] = 0.0
             g["weight_decay"] = 0.0
             if "nesterov" in g:
@@ -143,13 +151,14 @@ class OptimizerBinding:
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
-        for g in self._corrected_groups:
+        for g in getattr(self, "_stepping", []):
             saved = self._saved.pop(id(g), None)
             if saved is None:
                 continue
             g["momentum"], g["weight_decay"] = saved[0], saved[1]
             if "nesterov" in g:
                 g["nesterov"] = saved[2]
+        self._stepping = []
 
     def abort_step(self) -> None:
         """A step raised (its post hooks never run): give the user's values

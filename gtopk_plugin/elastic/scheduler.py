@@ -55,6 +55,11 @@ class ElasticScheduler:
             estimate of the gradient variance).
         max_staleness: int ≥ 0 (default 1): no parameter is used more than
             this many steps behind, whatever the policy.
+        momentum_correction: with a sparse ``reducer``, DGC momentum
+            correction with the SGD optimizer's own momentum and weight
+            decay (``GradientReducer.correct_momentum``): the velocity lives
+            in front of the compressor and every per-layer application runs
+            the optimizer with momentum and weight decay 0.
 
     Where the reductions run:
         reducer: ``None`` (dense allreduce, averaged) or a
@@ -90,9 +95,19 @@ class ElasticScheduler:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
                  policy: str = "norm", beta: float = 0.5, variance_factor: float = 1.0,
-                 max_staleness: int = 1, transport=None):
+                 max_staleness: int = 1, transport=None, momentum_correction: bool = False):
         bad: Optional[str] = None
         try:
+            if reducer is not None and getattr(getattr(reducer, "config", None), "clip_norm", None) is not None:
+                raise ValueError(
+                    "clip_norm needs this worker's norm over the whole step, but the elastic scheduler "
+                    "reduces each layer as soon as its gradient exists; build the reducer without "
+                    "clip_norm (or clip per layer yourself before the gradients are reduced)")
+            if momentum_correction:
+                if reducer is None:
+                    raise ValueError("momentum_correction=True applies to a sparse reducer; with dense "
+                                     "reduction the optimizer's own momentum is already exact")
+                reducer.correct_momentum(optimizer, model.named_parameters())
             self.config = ElasticConfig(policy=policy, beta=beta, variance_factor=variance_factor,
                                         max_staleness=max_staleness)
             if not isinstance(model, torch.nn.Module):
