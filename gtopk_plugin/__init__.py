@@ -9,7 +9,7 @@ demand (``gtopk_plugin.torch_ddp``, ``gtopk_plugin.horovod``, ...).
 from . import compress, kernels  # noqa: F401
 from .collectives.transport import SingleProcessTransport, TrafficCounters, Transport
 from .config import DensityWarmup, ReducerConfig
-from .consistency import LayoutMismatchError, NonFiniteGradientError, PeerInputError
+from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from .frameworks.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
 from .stats import ReduceStats
@@ -36,4 +36,4 @@ def __getattr__(name):
 
 __all__ = ["GradientReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
-           "NonFiniteGradientError", "PeerInputError", "k_for", "ElasticScheduler", "__version__"]
+           "NonFiniteGradientError", "PeerInputError", "JoinedRankError", "k_for", "ElasticScheduler", "__version__"]

@@ -25,6 +25,10 @@ class NonFiniteGradientError(RuntimeError):
     """A gradient holds NaN or Inf and ``nonfinite="raise"``."""
 
 
+class JoinedRankError(RuntimeError):
+    """A rank has called ``hvd.join()`` while others still reduce sparsely."""
+
+
 class PeerInputError(RuntimeError):
     """Another rank passed invalid input to the same collective call."""
 
@@ -54,11 +58,23 @@ def check(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str
     """Agree across ranks.  Raises on every rank for invalid input or a layout
     mismatch; returns ``(any_nonfinite, [(rank, names), ...])``."""
     fp = fingerprint(layout) if bad_input is None else 0
-    v = torch.tensor([int(bad_input is not None), int(bool(nonfinite_names)), fp, -fp],
-                     dtype=torch.int64)
+    # status: -1 fine, +1 invalid input.  A rank that has called hvd.join()
+    # takes part in Horovod allreduces with zeros, so a 0 after the MAX means
+    # a joined rank: detected here, before any collective it cannot join.
+    status = 1 if bad_input is not None else -1
+    v = torch.tensor([status, int(bool(nonfinite_names)), fp, -fp], dtype=torch.int64)
     if transport.size > 1:
         v = transport.control_allreduce_max(v)
-    bad, nonfinite, hi, neg_lo = v.tolist()
+    status, nonfinite, hi, neg_lo = v.tolist()
+    bad = status > 0
+    if status == 0:
+        raise JoinedRankError(
+            "gtopk_plugin: a rank has called hvd.join() (it has no more data) while others still "
+            "reduce: sparse compressions exchange index sets, which a joined rank cannot take part "
+            "in.  Give every rank the same number of steps (drop the uneven last batches, e.g. "
+            "DistributedSampler(drop_last=True)), or reduce the remaining steps with "
+            "Compression.none; then call hvd.join() on every rank.  Nothing was applied and "
+            "residuals are unchanged.")
     if bad:
         msgs = transport.allgather_object(bad_input) if transport.size > 1 else [bad_input]
         if bad_input is not None:

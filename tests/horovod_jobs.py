@@ -425,12 +425,39 @@ def momentum_warning():
     return [str(x.message) for x in w]
 
 
+def join_uneven(method):
+    """Uneven data: rank 0 runs out after 2 steps and calls hvd.join(); the
+    others' next sparse step must raise JoinedRankError on every one of them
+    (no hang), leave their residuals as they were, and let them join too."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               compression=Compression.from_name(method, 0.2))
+    steps = 2 if R == 0 else 4
+    err, done, before = None, 0, None
+    for s in range(steps):
+        opt.zero_grad()
+        loss_of(model, s).backward()
+        before = {n: r.clone() for n, r in opt.reducer.state_dict()["residuals"].items()}
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            err = (type(e).__name__, str(e))
+            break
+        done += 1
+    hvd.join()
+    after = opt.reducer.state_dict()["residuals"]
+    kept = before is not None and all(torch.equal(after[n], before[n]) for n in before)
+    return {"error": err, "done": done, "residuals_kept": kept}
+
+
 def job_momentum(res):
     check(res, "mc_plain", momentum_run)
     check(res, "mc_nesterov_wd", momentum_run, nesterov=True, weight_decay=1e-2)
     check(res, "mc_clip", momentum_run, clip_norm=0.05)
     check(res, "mc_clip_scaler", momentum_run, clip_norm=0.05, scaler_growth=True)
     check(res, "mc_warning", momentum_warning)
+    check(res, "join_gtopk", join_uneven, "gtopk")
+    check(res, "join_topk", join_uneven, "topk")
     check(res, "mc_adam", lambda: DistributedOptimizer(
         torch.optim.Adam(make_model().parameters()), compression=Compression.gtopk(0.1, momentum_correction=True)))
 

@@ -103,3 +103,17 @@ def test_horovod_warns_and_refuses():
     for r in res:
         status, val = r["mc_adam"]
         assert status == "error" and val[0] == "ValueError" and "Adam" in val[1]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("method", ["gtopk", "topk"])
+def test_hvd_join_with_uneven_data_fails_clearly_on_every_rank(np_, method):
+    """hvd.join() with a sparse compression: rank 0 joins after 2 steps; every
+    other rank's next step raises JoinedRankError (clear message, no hang,
+    residuals unchanged) and then joins as well."""
+    runs = ok(job(np_), f"join_{method}")
+    assert runs[0]["error"] is None and runs[0]["done"] == 2
+    for r in runs[1:]:
+        assert r["error"] is not None and r["error"][0] == "JoinedRankError", r["error"]
+        assert "hvd.join()" in r["error"][1] and r["done"] == 2
+        assert r["residuals_kept"]
