@@ -42,6 +42,19 @@ class DensityWarmup:
             raise ValueError(
                 f"DensityWarmup.start_density must be in (0, 1], got {self.start_density!r}")
 
+    @classmethod
+    def dgc(cls, steps_per_epoch: int, epochs: int = 4, start_density: float = 0.25) -> "DensityWarmup":
+        """The recommended recipe (Lin et al. 2018, DGC §3.3): density decays
+        exponentially from 25% to the target over the first ``epochs``
+        (DGC: 25% → 6.25% → 1.56% → 0.4% → 0.1% over 4 epochs), so the
+        early, fast-changing gradients are not starved.  One argument:
+        ``GradientReducer(..., warmup=DensityWarmup.dgc(len(loader)))``."""
+        if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be a positive int; got {steps_per_epoch!r}")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive int; got {epochs!r}")
+        return cls(steps=steps_per_epoch * epochs, start_density=start_density)
+
     def density(self, step: int, target: float) -> float:
         if step >= self.steps:
             return target

@@ -285,3 +285,15 @@ def test_elastic_barrier_with_momentum_correction_equals_synchronous():
         for n in r["sync"]:
             torch.testing.assert_close(r["elastic"][n], r["sync"][n], rtol=1e-6, atol=1e-7)
     assert all(torch.equal(res[0]["elastic"][n], x["elastic"][n]) for x in res for n in res[0]["elastic"])
+
+
+def test_dgc_warmup_recipe_is_one_argument():
+    """DensityWarmup.dgc(steps_per_epoch): 25% at step 0, geometric decay to
+    the target after `epochs` epochs (numbers computed by hand)."""
+    w = gp.DensityWarmup.dgc(10, epochs=4)
+    red = _single(method="topk", density=0.001, warmup=w)
+    assert red.config.density_at(0) == 0.25
+    assert math.isclose(red.config.density_at(20), 0.25 * (0.001 / 0.25) ** 0.5)
+    assert red.config.density_at(40) == 0.001
+    with pytest.raises(ValueError):
+        gp.DensityWarmup.dgc(0)
