@@ -116,8 +116,9 @@ def assert_values_equal(got: np.ndarray, expect: np.ndarray, what: str = "values
 
 def chi2_critical(df: int, alpha: float) -> float:
     """Upper ``alpha`` point of the chi-square distribution with ``df``
-    degrees of freedom (Wilson–Hilferty cube-root normal approximation,
-    within 1% of the exact value for df >= 3 at the alphas used here)."""
+    degrees of freedom (Wilson–Hilferty cube-root normal approximation; at
+    alpha = 1e-3 it lies 1.7% above the exact value for df = 3, 0.7% for
+    df = 9, 0.1% for df = 49: slightly conservative)."""
     z = {1e-2: 2.326348, 1e-3: 3.090232, 1e-4: 3.719016}[alpha]
     c = 2.0 / (9.0 * df)
     return df * (1.0 - c + z * np.sqrt(c)) ** 3
