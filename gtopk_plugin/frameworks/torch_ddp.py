@@ -150,6 +150,7 @@ class SparseState:
         self.reducer = GradientReducer(
             transport=TorchDistributedTransport(group=process_group, timeout=timeout),
             **self._reducer_kwargs)
+        self._needs_optimizer = False
         if momentum_correction:
             self.reducer.correct_momentum(optimizer, named_parameters)
         # buckets of the current step held back for clipping (see sparse_hook)
@@ -259,6 +260,13 @@ class SparseState:
         self._named = True
         self._seen = {}
 
+    def correct_momentum(self, optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """(Re)bind the optimizer for momentum correction, e.g. after
+        unpickling a state saved with ``momentum_correction=True``."""
+        self.reducer.correct_momentum(optimizer, named_parameters)
+        self._needs_optimizer = False
+
     def state_dict(self) -> dict:
         """Everything a bit-exact resume needs: the reducer's residuals, step
         and RNG state, and the parameter names in first-appearance order."""
@@ -304,6 +312,7 @@ class SparseState:
                            "saved SparseState.")
         return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
                 "timeout": self.timeout, "state": self.state_dict(),
+                "momentum_correction": self.reducer.binding is not None,
                 "last_step_traffic": self.last_step_traffic}
 
     def __setstate__(self, d):
@@ -320,6 +329,9 @@ class SparseState:
         self._pending = []
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
+        # the optimizer does not travel with the state: correction stays off
+        # (and the hook refuses to run) until correct_momentum() rebinds it
+        self._needs_optimizer = bool(d.get("momentum_correction", False))
         self.load_state_dict(d["state"])
 
     # ------------------------------------------------------------ internals
@@ -351,6 +363,10 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     # its buckets after the first iteration, so a bucket's index and content
     # change while each parameter keeps its name.
     names = [state.name_of(p) for p in params]
+    if state._needs_optimizer:
+        raise RuntimeError("this SparseState was saved with momentum_correction=True; the optimizer "
+                           "does not travel with it: call state.correct_momentum(optimizer, "
+                           "model.named_parameters()) before training")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
     if state.reducer.config.clip_norm is None:
