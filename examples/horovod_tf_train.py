@@ -5,10 +5,13 @@ gtopk_plugin's drop-in Keras DistributedOptimizer (sparse or dense exchange).
 
 Compared with a stock Horovod-Keras script, only two lines differ: the import
 of ``DistributedOptimizer``/``Compression`` and the ``compression=``
-argument.  Rank 0 prints the loss per epoch (averaged over the ranks by
-Horovod's MetricAverageCallback) and the test accuracy.  ``--tape`` trains
-with a custom loop and ``DistributedGradientTape`` inside ``tf.function``
-instead of ``model.fit``.
+argument (plus ``momentum_correction=True``: DGC momentum correction with
+momentum factor masking, the recipe that keeps SGD momentum 0.9 working
+with sparse updates; ``--no-momentum-correction`` turns it off).  Rank 0
+prints the loss per epoch (averaged over the ranks by Horovod's
+MetricAverageCallback) and the test accuracy.  ``--tape`` trains with a
+custom loop and ``DistributedGradientTape`` inside ``tf.function`` instead
+of ``model.fit``.
 """
 import argparse
 import os
@@ -39,6 +42,11 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tape", action="store_true", help="custom loop with DistributedGradientTape")
+    p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=True,
+                   help="DGC momentum correction: the compression takes SGD's momentum over (sparse "
+                        "compressions; default on)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="DGC local gradient clipping: each worker's gradient norm <= clip_norm/sqrt(P)")
     return p.parse_args()
 
 
@@ -70,13 +78,17 @@ def main():
     (x, y), (x_test, y_test) = data(args.seed, rank, world)
     model = make_model(args.seed)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    compression = Compression.from_name(args.compression, args.density)
+    if args.clip_norm is not None and args.compression in ("none", "fp16"):
+        raise SystemExit("--clip-norm needs a sparse compression")
+    compression = Compression.from_name(args.compression, args.density,
+                                        **({} if args.clip_norm is None else {"clip_norm": args.clip_norm}))
     if rank == 0:
         print(f"world size {world}, compression {compression!r}, {model.count_params()} parameters, "
               f"{-(-len(y) // args.batch_size)} steps per epoch", flush=True)
     t0 = time.perf_counter()
     if not args.tape:
-        opt = DistributedOptimizer(tf.keras.optimizers.SGD(args.lr, momentum=0.9), compression=compression)
+        opt = DistributedOptimizer(tf.keras.optimizers.SGD(args.lr, momentum=0.9), compression=compression,
+                                   momentum_correction=args.momentum_correction)
         model.compile(optimizer=opt, loss=loss_fn, metrics=["accuracy"])
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
         model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks,
@@ -90,7 +102,8 @@ def main():
         def train_step(xb, yb):
             with tf.GradientTape() as tape:
                 loss = loss_fn(yb, model(xb, training=True))
-            tape = DistributedGradientTape(tape, compression=compression)
+            tape = DistributedGradientTape(tape, compression=compression,
+                                           momentum_correction=args.momentum_correction, optimizer=opt)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
             return loss

@@ -3,14 +3,16 @@
 
     python tests/horovod_tf_elastic_job.py OUTDIR {tape|keras}
 
-Trains with gtopk_plugin's DistributedGradientTape (``tape``) or Keras
-DistributedOptimizer (``keras``: the state finds ``opt.gtopk_compression``
+Trains with gtopk_plugin's DistributedGradientTape (``tape``: the
+compression corrects momentum 0.9 itself, SGD has none) or Keras
+DistributedOptimizer (``keras``: SGD momentum 0.9 with
+``momentum_correction=True``; the state finds ``opt.gtopk_compression``
 itself), gTop-k inside tf.function, under ``hvd.elastic.run`` with a
 ``SparseKerasState`` and, once,
 raises ``HorovodInternalError`` on every worker after uncommitted steps (what
 Horovod raises when a peer is lost).  ``hvd.elastic.run`` then restores the
-last commit, re-initialises Horovod and syncs; the script records residuals
-and step counter at the commit, just before the failure and right after the
+last commit, re-initialises Horovod and syncs; the script records residuals,
+velocities and step counter at the commit, just before the failure and right after the
 restore, plus the final weights (pickled to OUTDIR/rank{r}.pkl).
 """
 import os
@@ -36,11 +38,13 @@ OUT, MODE = sys.argv[1], sys.argv[2]
 tf.keras.utils.set_random_seed(0)
 model = tf.keras.Sequential([tf.keras.Input((12,)), tf.keras.layers.Dense(10, activation="relu"),
                              tf.keras.layers.Dense(3)])
-comp = Compression.gtopk(0.1)
 if MODE == "keras":
-    opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=comp)
+    comp = Compression.gtopk(0.1)
+    opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=comp,
+                               momentum_correction=True)
 else:
-    opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    comp = Compression.gtopk(0.1, momentum=0.9)
+    opt = tf.keras.optimizers.SGD(0.1)
 loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -68,7 +72,8 @@ failed = []
 
 
 def sparse_state():
-    return {"step": int(comp.step.numpy()), "residuals": comp.residual_values()}
+    return {"step": int(comp.step.numpy()), "residuals": comp.residual_values(),
+            "velocities": comp.velocity_values()}
 
 
 @hvd.elastic.run

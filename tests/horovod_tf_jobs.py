@@ -61,6 +61,57 @@ GRAPH = {
     "randomk_warmup_graph": lambda: Compression.randomk(0.1, seed=2, warmup=DensityWarmup(2, 0.4)),
 }
 
+# DGC momentum correction (momentum factor masking) and local clipping:
+# name -> (Compression factory, traced); op hvd.Sum, MC_STEPS steps
+MC_STEPS = 4
+MOMENTUM = {
+    "mc_gtopk": (lambda: Compression.gtopk(0.1, momentum=0.9), False),
+    "mc_gtopk_nesterov_graph": (lambda: Compression.gtopk(0.1, momentum=0.9, nesterov=True), True),
+    "mc_topk": (lambda: Compression.topk(0.1, momentum=0.9), False),
+    "mc_topk_nesterov": (lambda: Compression.topk(0.1, momentum=0.9, nesterov=True), False),
+    "mc_rtopk": (lambda: Compression.rtopk(0.1, r_factor=3.0, seed=5, momentum=0.9), False),
+    "mc_rtopk_nesterov_graph": (lambda: Compression.rtopk(0.1, r_factor=2.0, seed=6, momentum=0.9,
+                                                          nesterov=True), True),
+    "mc_randomk_nesterov": (lambda: Compression.randomk(0.1, seed=3, momentum=0.9, nesterov=True), False),
+    "mc_gtopk_nomask": (lambda: Compression.gtopk(0.1, momentum=0.9, momentum_masking=False), False),
+    # the gradients' norm is ~15 (217 entries of about N(0, 1)): these clip
+    "clip_mc_gtopk": (lambda: Compression.gtopk(0.1, momentum=0.9, clip_norm=8.0), False),
+    "clip_topk_global_graph": (lambda: Compression.topk(0.05, granularity="global", clip_norm=5.0), True),
+}
+
+# fp16/bf16 wire (DESIGN.md §3, precision): name -> (Compression factory,
+# traced, gradients); op hvd.Sum
+WIRE = {
+    "gtopk_fp16_overflow": (lambda: Compression.gtopk(0.1, value_dtype=tf.float16), False, "overflow"),
+    "gtopk_fp16_overflow_graph": (lambda: Compression.gtopk(0.1, value_dtype=tf.float16), True, "overflow"),
+    "randomk_fp16_overflow": (lambda: Compression.randomk(0.2, seed=7, value_dtype=tf.float16), False, "overflow"),
+    "topk_fp16_overflow": (lambda: Compression.topk(0.1, value_dtype=tf.float16), False, "overflow"),
+    "gtopk_bf16wire": (lambda: Compression.gtopk(0.1, value_dtype=tf.bfloat16), False, "fine"),
+    "randomk_bf16wire_graph": (lambda: Compression.randomk(0.1, seed=8, value_dtype=tf.bfloat16), True, "fine"),
+    "threshold_butterfly_fp16wire": (lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.float16),
+                                     False, "fine"),
+}
+
+
+def overflow_grads(rank, step):
+    """Values an fp16 wire cannot hold: up to 1e6 on one rank (clamped at the
+    sender), 4e4 at the same entries on every rank (their sum overflows fp16
+    in a merge), and a fine-grained rest whose fp16 rounding matters."""
+    rng = np.random.default_rng(500 + 1000 * step + rank)
+    g = [(rng.standard_normal(s) * 3).astype(np.float32) for s in SHAPES]
+    g[0][0, :4] = 4e4
+    g[0][1, 2] = -4.5e4
+    g[2][1, 1] = 1e6 * (rank + 1)
+    g[1][3] = -3e5 if rank == 0 else 2e4
+    return g
+
+
+def fine_grads(rank, step):
+    """Values with many significant bits (bf16 keeps 8): every wire rounding
+    leaves an error."""
+    rng = np.random.default_rng(900 + 1000 * step + rank)
+    return [rng.standard_normal(s).astype(np.float32) * 10 for s in SHAPES]
+
 
 def grads_for(rank, step):
     """Local gradients of (rank, step): coarse values, so ties are common."""
@@ -68,8 +119,10 @@ def grads_for(rank, step):
     return [np.round(rng.standard_normal(s) * 4).astype(np.float32) / 4 for s in SHAPES]
 
 
-def make_vars():
-    return [tf.Variable(tf.zeros(s), name=f"v{i}") for i, s in enumerate(SHAPES)]
+def make_vars(random=False):
+    rng = np.random.default_rng(5)
+    return [tf.Variable(rng.standard_normal(s).astype(np.float32) if random else tf.zeros(s), name=f"v{i}")
+            for i, s in enumerate(SHAPES)]
 
 
 def loss_with_grads(variables, grads):
@@ -77,7 +130,7 @@ def loss_with_grads(variables, grads):
     return tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
 
 
-def run_tape(comp, op, steps=STEPS, graph=False):
+def run_tape(comp, op, steps=STEPS, graph=False, grads_fn=None):
     variables = make_vars()
 
     def step_fn(*grads):
@@ -90,11 +143,87 @@ def run_tape(comp, op, steps=STEPS, graph=False):
         step_fn = tf.function(step_fn)
     raw, out = [], []
     for s in range(steps):
-        g = grads_for(R, s)
+        g = (grads_fn or grads_for)(R, s)
         raw.append(g)
         out.append([u.numpy() for u in step_fn(*[tf.constant(x) for x in g])])
     return {"raw": raw, "out": out, "residuals": comp.residual_values(), "step": int(comp.step.numpy()),
-            "traffic": comp.last_step_traffic}
+            "traffic": comp.last_step_traffic, "velocities": comp.velocity_values()}
+
+
+def check_keras_momentum_correction(front, nesterov, graph, method, weight_decay):
+    """Keras SGD(lr, momentum 0.9[, nesterov, weight_decay]) with
+    momentum_correction=True -- the Keras DistributedOptimizer (``front``
+    "keras": ``opt.minimize``, Horovod's Keras optimizer reduces in
+    compute_gradients) or the tape (``optimizer=sgd``, then
+    ``sgd.apply_gradients``) -- trained on fixed gradients: the parent checks
+    the weights against the PyTorch oracle's updates (op average) applied as
+    w <- w - lr·wd·w - lr·update (Keras' weight decay is decoupled and stays
+    with the optimizer)."""
+    variables = make_vars(random=True)
+    w0 = [v.numpy() for v in variables]
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
+    comp = getattr(Compression, method)(0.1)
+    if front == "keras":
+        opt = DistributedOptimizer(sgd, compression=comp, momentum_correction=True)
+    else:
+        opt = sgd
+
+    def step_fn(*grads):
+        if front == "keras":
+            opt.minimize(lambda: loss_with_grads(variables, grads), variables)
+            return
+        with tf.GradientTape() as tape:
+            loss = loss_with_grads(variables, grads)
+        tape = DistributedGradientTape(tape, compression=comp, momentum_correction=True, optimizer=opt)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    if graph:
+        step_fn = tf.function(step_fn)
+    raw = []
+    for s in range(MC_STEPS):
+        g = grads_for(R, s)
+        raw.append(g)
+        step_fn(*[tf.constant(x) for x in g])
+    return {"raw": raw, "w0": w0, "weights": [v.numpy() for v in variables],
+            "residuals": comp.residual_values(), "velocities": comp.velocity_values(),
+            "momentum_after": (opt.momentum, opt.nesterov, opt.get_config()["momentum"]),
+            "step": int(comp.step.numpy())}
+
+
+def check_momentum_errors():
+    """Momentum applied twice, or a correction that cannot be set up: a
+    clear ValueError (before any collective, so on every rank)."""
+    out = {}
+    cases = {
+        "adam": lambda: DistributedOptimizer(tf.keras.optimizers.Adam(), compression=Compression.gtopk(0.1),
+                                             momentum_correction=True),
+        "twice": lambda: DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                              compression=Compression.gtopk(0.1, momentum=0.9)),
+        "both": lambda: DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                             compression=Compression.gtopk(0.1, momentum=0.9),
+                                             momentum_correction=True),
+        "tape_no_optimizer": lambda: DistributedGradientTape(tf.GradientTape(), compression=Compression.gtopk(0.1),
+                                                             momentum_correction=True),
+        "tape_twice": lambda: DistributedGradientTape(
+            tf.GradientTape(), compression=Compression.topk(0.1, momentum=0.5),
+            optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)),
+        "momentum_1": lambda: Compression.gtopk(0.1, momentum=1.0),
+        "clip_negative": lambda: Compression.gtopk(0.1, clip_norm=-1.0),
+        "nesterov_without_momentum": lambda: Compression.gtopk(0.1, nesterov=True),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = f"ValueError: {e}"
+    # allowed: the optimizer built without momentum next to the compression's
+    DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Compression.gtopk(0.1, momentum=0.9))
+    # dense: momentum_correction changes nothing (the optimizer's momentum is exact)
+    dense = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=Compression.none,
+                                 momentum_correction=True)
+    out["dense_momentum_kept"] = not getattr(dense, "_gtopk_momentum_taken", False)
+    return out
 
 
 # -- Keras ---------------------------------------------------------------------
@@ -138,20 +267,27 @@ def check_keras_backward_passes():
     return out
 
 
-def check_keras_sparse_and_checkpoint(outdir):
+def check_keras_sparse_and_checkpoint(outdir, momentum_correction=False):
     """Keras fit with gtopk; checkpoint (model + optimizer, which tracks the
-    residuals); a fresh model/optimizer restores it; one more step on both
-    must give the same bits."""
+    residuals and velocities); a fresh model/optimizer restores it; one more
+    step on both must give the same bits.  ``momentum_correction``: SGD with
+    Nesterov momentum 0.9, taken over by the compression."""
+    def make_opt():
+        sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True) if momentum_correction else \
+            tf.keras.optimizers.SGD(0.1)
+        return DistributedOptimizer(sgd, compression=Compression.gtopk(0.1), momentum_correction=momentum_correction)
+
     model = make_model()
-    opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Compression.gtopk(0.1))
+    opt = make_opt()
     weights = compile_fit(model, opt)
     comp = opt.gtopk_compression
     res_before = comp.residual_values()
+    vel_before = comp.velocity_values()
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-    path = ckpt.write(os.path.join(outdir, f"ckpt_rank{R}"))
+    path = ckpt.write(os.path.join(outdir, f"ckpt{int(momentum_correction)}_rank{R}"))
 
     model2 = make_model()
-    opt2 = DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Compression.gtopk(0.1))
+    opt2 = make_opt()
     model2.compile(optimizer=opt2, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     tf.train.Checkpoint(model=model2, optimizer=opt2).read(path).expect_partial()
     x, y = keras_data(R)
@@ -161,7 +297,9 @@ def check_keras_sparse_and_checkpoint(outdir):
             "restored_step_after": int(opt2.gtopk_compression.step.numpy()),
             "step_after": int(comp.step.numpy()),
             "cont": [w.numpy() for w in model.weights], "cont_restored": [w.numpy() for w in model2.weights],
-            "res_cont": comp.residual_values(), "res_cont_restored": opt2.gtopk_compression.residual_values()}
+            "res_cont": comp.residual_values(), "res_cont_restored": opt2.gtopk_compression.residual_values(),
+            "velocities_before": vel_before, "vel_cont": comp.velocity_values(),
+            "vel_cont_restored": opt2.gtopk_compression.velocity_values()}
 
 
 def check_tape_checkpoint(outdir):
@@ -231,7 +369,17 @@ def main(outdir):
         record(f"sparse/{name}", lambda make=make: run_tape(make(), hvd.Sum, graph=True))
     for cname in ("none", "fp16"):
         record(f"keras/dense/{cname}", lambda cname=cname: check_keras_dense(cname))
+    for name, (make, graph) in MOMENTUM.items():
+        record(f"momentum/{name}", lambda make=make, graph=graph: run_tape(make(), hvd.Sum, MC_STEPS, graph))
+    for name, args in (("keras_plain_wd_graph", ("keras", False, True, "gtopk", 0.01)),
+                       ("tape_nesterov", ("tape", True, False, "topk", None))):
+        record(f"momentum/{name}", lambda args=args: check_keras_momentum_correction(*args))
+    record("momentum/errors", check_momentum_errors)
+    for name, (make, graph, kind) in WIRE.items():
+        fn = overflow_grads if kind == "overflow" else fine_grads
+        record(f"wire/{name}", lambda make=make, graph=graph, fn=fn: run_tape(make(), hvd.Sum, STEPS, graph, fn))
     record("keras/gtopk_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir))
+    record("keras/mc_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir, momentum_correction=True))
     record("keras/backward_passes", check_keras_backward_passes)
     record("tape/checkpoint", lambda: check_tape_checkpoint(outdir))
     record("nonfinite", check_nonfinite)

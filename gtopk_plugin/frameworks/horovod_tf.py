@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -76,11 +77,13 @@ import torch  # noqa: E402  (validation and the shared random draws only)
 from .. import consistency  # noqa: E402
 from ..config import DensityWarmup, ReducerConfig  # noqa: E402
 from ..kernels import reference as _ref  # noqa: E402
-from ..reducer import k_for  # noqa: E402
+from ..compress.momentum import MomentumSpec  # noqa: E402
+from ..reducer import global_segment_name, k_for  # noqa: E402
 from .compression_names import SPARSE_METHODS, CompressionNames  # noqa: E402
-from .horovod_tf_collectives import TRAFFIC_KEYS, _allgather_sum, _butterfly, _Ops  # noqa: E402
+from .horovod_tf_collectives import TRAFFIC_KEYS, _allgather_sum, _butterfly, _Ops, _sharded_sum  # noqa: E402
 from .horovod_tf_kernels import (  # noqa: E402,F401
-    _randomk_positions, _rtopk_picks, magnitude, merge_select, select_threshold, select_topk)
+    _randomk_positions, _rtopk_picks, accumulation_dtype, clip_factor, magnitude, merge_select, momentum_step, select_threshold,
+    select_topk, to_wire)
 
 __all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "DistributedOptimizer",
            "magnitude", "select_topk", "select_threshold", "merge_select"]
@@ -143,31 +146,75 @@ class SparseCompression(tf.Module):
             step -> density): k per segment is ``k_for(density at the
             step, n)``, a run-time count inside ``tf.function``.
         error_feedback: keep the residual (default True).
+        momentum_correction: DGC momentum correction with momentum factor
+            masking, with the Keras SGD's own momentum and Nesterov flag (as
+            the PyTorch Horovod layer's keyword): ``DistributedOptimizer``
+            takes them from the optimizer it wraps, ``DistributedGradientTape``
+            from its ``optimizer=``; that optimizer then applies the update
+            without momentum (see ``_bind_momentum``).  The front ends'
+            ``momentum_correction=True`` does the same.
+        momentum, nesterov, dampening: DGC momentum correction (Lin et al.
+            2018; compress/momentum.py): each worker keeps a velocity
+            ``u <- m·u + g`` (Nesterov: ``u <- m·(u + g)``, increment
+            ``u + g``) and accumulates it, not ``g``, into the residual.
+            The optimizer that applies the update must then have no momentum
+            of its own: build it without, or let
+            ``DistributedOptimizer(..., momentum_correction=True)`` /
+            ``DistributedGradientTape(..., momentum_correction=True,
+            optimizer=opt)`` take a Keras SGD's momentum over (see there).
+            ``None`` (default): off.
+        momentum_masking: zero the velocity where the accumulator's entry
+            reached the global result (DGC's momentum factor masking;
+            default True).
+        clip_norm: DGC local gradient clipping: each worker scales its
+            gradient so that its L2 norm over all tensors of the call (the
+            whole step: one call reduces every gradient of a step) is at
+            most ``clip_norm · P^-1/2``, before the velocity and residual.
         name: prefix of the Horovod op names (distinct per object when
             several compressions reduce in the same step).
+
+    State (``tf.Variable`` objects tracked by this ``tf.Module``, so in
+    every checkpoint that holds it): ``residuals``, ``velocities`` (with
+    momentum correction) and ``step``.
     """
 
     def __init__(self, method: str, density: float, *, r_factor: float = 4.0, value_dtype=None,
                  merge: Optional[str] = None, granularity: str = "layer", seed: int = 0,
                  nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
+                 momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
+                 dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
                  name: Optional[str] = None):
         if method == "dense":
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
+        if nonfinite == "propagate":
+            raise ValueError("nonfinite='propagate' is for torch's GradScaler; the TensorFlow layer takes "
+                             "'raise' or 'skip'")
+        if momentum_correction and momentum is not None:
+            raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
+                             "or momentum=<float>, not both")
         wire = _wire_name(value_dtype)
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=_TORCH_WIRE[wire], seed=seed,
                                     nonfinite=nonfinite, error_feedback=bool(error_feedback),
-                                    warmup=warmup, kernels="reference")  # validates (ValueError)
+                                    warmup=warmup, momentum=momentum, nesterov=bool(nesterov),
+                                    dampening=dampening, momentum_masking=bool(momentum_masking),
+                                    clip_norm=clip_norm, kernels="reference")  # validates (ValueError)
         prefix = name or f"gtopk_tf_{method}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
             raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
         super().__init__(name=prefix)
         self.prefix = prefix
         self.wire_dtype = _TF_WIRE[wire]
+        # take the Keras SGD's momentum over (bound by the front ends)
+        self.momentum_correction = bool(momentum_correction)
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
+        self.velocities = {}  # "u0003" -> flat tf.Variable: momentum correction's u
+        # A Keras SGD whose momentum/nesterov the correction takes over
+        # (momentum_correction=True); None: the config's momentum.
+        self._momentum_from = None
         with tf.init_scope():  # bytes of the last step (TRAFFIC_KEYS), then numel, k, dense bytes
             self._traffic = tf.Variable(tf.zeros([len(TRAFFIC_KEYS) + 3], tf.int64), trainable=False,
                                         name="last_step_traffic")
@@ -184,8 +231,13 @@ class SparseCompression(tf.Module):
         c = self.config
         extra = "".join(f", {k}={v!r}" for k, v in (("r_factor", c.r_factor), ("merge", c.merge),
                                                      ("granularity", c.granularity), ("seed", c.seed),
-                                                     ("nonfinite", c.nonfinite))
+                                                     ("nonfinite", c.nonfinite), ("momentum", c.momentum),
+                                                     ("nesterov", c.nesterov), ("dampening", c.dampening),
+                                                     ("momentum_masking", c.momentum_masking),
+                                                     ("clip_norm", c.clip_norm))
                         if v != _DEFAULTS[k])
+        if self.momentum_correction:
+            extra += ", momentum_correction=True"
         if self.wire_dtype is not None:
             extra += f", value_dtype=tf.{self.wire_dtype.name}"
         return f"Compression.{c.method}({c.density!r}{extra})"
@@ -199,18 +251,37 @@ class SparseCompression(tf.Module):
     decompress = compress
 
     # -- state ----------------------------------------------------------------
-    def _residual(self, key: str, numel: int, dtype):
-        v = self.residuals.get(key)
+    def _state_var(self, store: dict, what: str, key: str, numel: int, dtype):
+        """This worker's flat state variable ``key`` in ``store`` (residuals
+        or velocities), created zero at first use."""
+        v = store.get(key)
         if v is None:
             with tf.init_scope():  # created once, eagerly, even while tracing
-                v = tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"residual_{key}")
-            self.residuals[key] = v
+                v = tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"{what}_{key}")
+            store[key] = v
         elif v.shape[0] != numel or v.dtype != dtype:
             raise ValueError(
-                f"{self!r}: the residual {key} has {v.shape[0]} {v.dtype.name} entries but the gradient "
+                f"{self!r}: the {what} {key} has {v.shape[0]} {v.dtype.name} entries but the gradient "
                 f"has {numel} {dtype.name}: pass the same variables in the same order every step "
                 "(one compression object per variable list)")
         return v
+
+    def _residual(self, key: str, numel: int, dtype):
+        return self._state_var(self.residuals, "residual", key, numel, dtype)
+
+    def momentum_spec(self):
+        """The momentum correction of the next call: ``(momentum, nesterov,
+        dampening)`` or None (off).  Taken from the bound Keras SGD (read at
+        every call, so inside ``tf.function`` at trace time, as Keras' own
+        ``update_step`` reads it) when its momentum is not 0, else from the
+        ``momentum=`` this compression was built with."""
+        opt = self._momentum_from
+        if opt is not None:
+            spec = _keras_sgd_momentum(opt)
+            if spec is not None:
+                return spec
+        c = self.config
+        return None if c.momentum is None else (c.momentum, c.nesterov, c.dampening)
 
     @property
     def last_step_traffic(self) -> dict:
@@ -232,6 +303,11 @@ class SparseCompression(tf.Module):
     def residual_values(self) -> dict:
         """This worker's residuals as numpy arrays (flat), by key."""
         return {k: v.numpy() for k, v in self.residuals.items()}
+
+    def velocity_values(self) -> dict:
+        """This worker's momentum-correction velocities as numpy arrays
+        (flat), by key (``u0003`` goes with the residual ``r0003``)."""
+        return {k: v.numpy() for k, v in self.velocities.items()}
 
     # -- the reduction ------------------------------------------------------------
     def reduce(self, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
@@ -280,7 +356,7 @@ class SparseCompression(tf.Module):
             seg_names = names
         else:
             offsets = [0, sum(sizes)]
-            seg_names = ["__global__"]
+            seg_names = [global_segment_name(names)]  # the PyTorch side's key of the draws
         seg_sizes = [offsets[s + 1] - offsets[s] for s in range(len(offsets) - 1)]
 
         def ks_at(step_value: int):  # the PyTorch side's rule: k_for(density at the step, n)
@@ -291,6 +367,9 @@ class SparseCompression(tf.Module):
         if N > _ref.INT32_LIMIT:
             raise ValueError(f"{N} gradient entries exceed int32 indices; reduce fewer variables per call")
         res_vars = [self._residual(f"r{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+        mspec = self.momentum_spec()
+        vel_vars = None if mspec is None else \
+            [self._state_var(self.velocities, "velocity", f"u{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
 
         # Consistency: one MAX-allreduce of [non-finite, layout, -layout, step]
         # tells every rank at once about NaN/Inf anywhere and about ranks that
@@ -298,7 +377,10 @@ class SparseCompression(tf.Module):
         # a worker that restored a checkpoint carries the others along).
         layout = [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(names, tensors)]
         layout.append(("settings", cfg.method, cfg.aggregation, cfg.granularity, str(self.wire_dtype),
-                       "average" if average else "sum", tuple(ks), _schedule_key(cfg.warmup)))
+                       "average" if average else "sum", tuple(ks), _schedule_key(cfg.warmup),
+                       None if mspec is None else (_momentum_key(mspec[0]), bool(mspec[1]), float(mspec[2]),
+                                                   cfg.momentum_masking),
+                       cfg.clip_norm))
         fp = consistency.fingerprint(layout)
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
         v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
@@ -323,8 +405,15 @@ class SparseCompression(tf.Module):
                 checks.append(tf.debugging.Assert(tf.equal(v[0], 0), [nonfinite_msg]))
         with tf.control_dependencies(checks):
             skip = v[0] > 0
-            acc = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) + r.read_value() if cfg.error_feedback
-                             else tf.reshape(tf.cast(t, dtype), [-1]) for t, r in zip(tensors, res_vars)], 0)
+            flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
+            if cfg.clip_norm is not None:  # DGC local clipping, over every tensor of the step
+                factor = tf.cast(clip_factor(flat, cfg.clip_norm, P), dtype)
+                flat = [g * factor for g in flat]
+            old_u = new_u = None
+            if mspec is not None:  # DGC momentum correction: the increments enter the residual
+                old_u = [u.read_value() for u in vel_vars]
+                flat, new_u = momentum_step(flat, old_u, *mspec)
+            acc = tf.concat([g + r.read_value() if cfg.error_feedback else g for g, r in zip(flat, res_vars)], 0)
 
         control = ops.traffic()  # the check only: what a skipped step sends
 
@@ -344,14 +433,14 @@ class SparseCompression(tf.Module):
             return self._sparse(ops, acc, offsets, ks, ks_fn, seg_names, step, dtype, wire, N, average)
 
         def skipped():
-            return tf.zeros([N], dtype), acc, control
+            return tf.zeros([N], dtype), acc, control, tf.zeros([0], tf.int32)
 
         if tf.executing_eagerly():
-            update, residual, traffic = skipped() if bool(skip) else run()
+            update, residual, traffic, reached = skipped() if bool(skip) else run()
         elif cfg.nonfinite == "skip":
-            update, residual, traffic = tf.cond(skip, skipped, run)
+            update, residual, traffic, reached = tf.cond(skip, skipped, run)
         else:
-            update, residual, traffic = run()
+            update, residual, traffic, reached = run()
         dense_bytes = 2 * (P - 1) * N * dtype.size // P
         k_sum = sum(ks) if ks_fn is None else tf.reduce_sum(tf.cast(ks, tf.int64))
         self._traffic.assign(tf.concat([traffic, tf.stack([tf.constant(N, tf.int64), tf.cast(k_sum, tf.int64),
@@ -361,6 +450,14 @@ class SparseCompression(tf.Module):
                 residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
             for r, part in zip(res_vars, tf.split(residual, sizes)):
                 r.assign(part)
+        if mspec is not None:
+            u = tf.concat(new_u, 0)
+            if cfg.momentum_masking:  # DGC momentum factor masking: u restarts where v reached the result
+                u = tf.tensor_scatter_nd_update(u, reached[:, None], tf.zeros(tf.shape(reached), dtype))
+            if cfg.nonfinite == "skip":  # a skipped step keeps the old velocity
+                u = tf.where(skip, tf.concat(old_u, 0), u)
+            for var, part in zip(vel_vars, tf.split(u, sizes)):
+                var.assign(part)
         self.step.assign(step + 1)
         out = list(grads)
         for i, t, u in zip(pos, tensors, tf.split(update, sizes)):
@@ -370,7 +467,7 @@ class SparseCompression(tf.Module):
 
     def _sparse(self, ops, acc, offsets, ks, ks_at, seg_names, step, dtype, wire, N, average):
         """One sparse step on the flat accumulator: (dense update, residual,
-        traffic).  ``ks``: per-segment counts, Python ints or (with
+        traffic, indices of this rank's entries that reached the result).  ``ks``: per-segment counts, Python ints or (with
         ``ks_at``, step -> counts, for the torch draws) a run-time tensor."""
         cfg = self.config
         P = ops.P
@@ -404,18 +501,28 @@ class SparseCompression(tf.Module):
             vals = tf.gather(acc, idx)
         else:  # pragma: no cover - ReducerConfig validated the method
             raise ValueError(method)
-        wire_vals = tf.cast(vals, wire)
+        wire_vals = to_wire(vals, wire)  # clamped to the wire's finite range, never ±inf
+        # A wire narrower than the gradients: sums in the accumulation dtype,
+        # each later rounding charged to one rank's residual (DESIGN.md §3).
+        acc_dt = accumulation_dtype(wire, dtype)
         divisor = tf.cast(P if average else 1, dtype)
-        alive = None
-        if agg == "allgather":
+        alive = charges = None
+        value_charges = None
+        if agg == "allgather":  # summed in the gradients' dtype, in rank order: nothing re-rounded
             summed = _allgather_sum(ops, idx, wire_vals, N, dtype, static_count=method != "threshold")
             update = summed / divisor if average else summed
         elif agg == "gtopk":
-            res_i, res_v, alive = _butterfly(ops, idx, wire_vals, offsets_t, k_t)
+            res_i, res_v, alive, charges = _butterfly(ops, idx, wire_vals, offsets_t, k_t, acc_dt)
             v = tf.cast(res_v, dtype)
             update = tf.scatter_nd(res_i[:, None], v / divisor if average else v, [N])
         elif agg == "allreduce_values":
-            summed = wire_vals if P == 1 else ops.allreduce(wire_vals, hvd.Sum, "values")
+            if P == 1:
+                summed = wire_vals
+            elif acc_dt is None:
+                summed = ops.allreduce(wire_vals, hvd.Sum, "values")
+            else:
+                summed, (pos, err) = _sharded_sum(ops, wire_vals, acc_dt)
+                value_charges = (tf.gather(idx, pos), err)
             v = tf.cast(summed, dtype)
             update = tf.scatter_nd(idx[:, None], v / divisor if average else v, [N])
         else:  # pragma: no cover
@@ -424,10 +531,17 @@ class SparseCompression(tf.Module):
         if alive is not None:
             idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(sent, alive)
         residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
-        return ops.keep(update, residual) + (ops.traffic(),)
+        if charges is not None:  # merged sums' wire roundings this rank owns
+            residual = charges.apply(residual)
+        if value_charges is not None:
+            residual = tf.tensor_scatter_nd_add(residual, value_charges[0][:, None],
+                                                tf.cast(value_charges[1], dtype))
+        # idx: this rank's entries that reached the result (momentum masking)
+        return ops.keep(update, residual) + (ops.traffic(), idx)
 
 
-_DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise")
+_DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
+                 nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None)
 
 
 class Compression(CompressionNames):
@@ -474,12 +588,129 @@ def _sparse_reduce_fn(compression: SparseCompression, process_set, op, gradient_
 
 
 # ---------------------------------------------------------------------------
+# Momentum correction with a Keras optimizer
+# ---------------------------------------------------------------------------
+def _momentum_key(m) -> str:
+    """The momentum as the same text on every rank (fingerprint): its value,
+    or "variable" when it is a tensor read at run time."""
+    return repr(float(m)) if isinstance(m, (int, float)) else "variable"
+
+
+def _is_keras_sgd(optimizer) -> bool:
+    return isinstance(optimizer, tf.keras.optimizers.SGD)
+
+
+def _keras_sgd_momentum(optimizer):
+    """``(momentum, nesterov, 0.0)`` of a Keras SGD, or None when its
+    momentum is the Python number 0 (nothing to correct).  A tensor or
+    variable momentum is used as it is, at run time."""
+    m = optimizer.momentum
+    if isinstance(m, (int, float)):
+        if float(m) == 0.0:
+            return None
+        MomentumSpec(float(m), bool(optimizer.nesterov))  # [0, 1): ValueError (Keras allows 1)
+        m = float(m)
+    return m, bool(optimizer.nesterov), 0.0
+
+
+def _keras_momentum_of(optimizer):
+    """What momentum ``optimizer`` applies itself: None (none, or taken over
+    by gtopk_plugin), else a description for error messages."""
+    if getattr(optimizer, "_gtopk_momentum_taken", False):
+        return None
+    if _is_keras_sgd(optimizer):
+        m = optimizer.momentum
+        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
+    hyper = getattr(optimizer, "_hyper", None)  # legacy Keras optimizers
+    if isinstance(hyper, dict) and "momentum" in hyper and getattr(optimizer, "_momentum", True):
+        m = hyper["momentum"]
+        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
+    return None
+
+
+def _bind_momentum(compression: "SparseCompression", optimizer) -> None:
+    """``momentum_correction=True``: ``compression`` takes the Keras SGD's
+    momentum and Nesterov flag over (read at every call) and the optimizer's
+    ``update_step`` runs with momentum 0 from now on.
+
+    Why this way: Keras 2.15's ``SGD.update_step`` reads ``self.momentum``
+    and ``self.nesterov`` as Python values each time it runs (eagerly) or is
+    traced (``tf.function``, XLA); with momentum 0 it computes
+    ``m = -lr·g + 0·m; w += m``, which is ``w -= lr·g`` bit for bit.  So the
+    optimizer's ``update_step`` is wrapped to see momentum 0 and no Nesterov
+    while it runs and the user's values otherwise: ``optimizer.momentum``,
+    ``get_config()`` and saved configs keep the user's values, and a
+    momentum changed between steps (eagerly) reaches the correction.  Keras'
+    ``weight_decay`` is decoupled (``apply_gradients`` subtracts
+    ``lr·wd·w`` from the variable before ``update_step``; it never enters
+    the momentum), so it stays with the optimizer, unchanged.  An L2
+    regularizer's gradient is part of the loss's gradient and so enters the
+    correction before the velocity, as DGC adds weight decay.
+    """
+    if not _is_keras_sgd(optimizer):
+        raise ValueError(
+            f"momentum_correction=True needs a Keras SGD optimizer (tf.keras.optimizers.SGD with "
+            f"momentum); got {type(optimizer).__name__}. Adam-style optimizers keep their own moments: use "
+            "error feedback alone (momentum_correction=False). For a legacy or other optimizer, build it "
+            "without momentum and pass momentum= (and nesterov=) to the compression instead")
+    if compression.config.momentum is not None:
+        raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) or "
+                         "momentum= to the compression, not both")
+    _keras_sgd_momentum(optimizer)  # validates
+    compression._momentum_from = optimizer
+    if getattr(optimizer, "_gtopk_momentum_taken", False):
+        return
+    inner = optimizer.update_step  # bound method (SGD's, or a subclass')
+
+    def update_step(gradient, variable):
+        saved = optimizer.momentum, optimizer.nesterov
+        optimizer.momentum, optimizer.nesterov = 0.0, False  # the correction applied it
+        try:
+            return inner(gradient, variable)
+        finally:
+            optimizer.momentum, optimizer.nesterov = saved
+
+    optimizer.update_step = update_step
+    optimizer._gtopk_momentum_taken = True
+
+
+def _setup_correction(compression, sparse: bool, momentum_correction: bool, optimizer,
+                      warn_uncorrected: bool = False) -> None:
+    """Front ends: bind (momentum_correction) or refuse a double momentum."""
+    if not sparse:
+        # Dense reduction: every worker's gradient reaches the average, so
+        # the optimizer's own momentum already is what the correction computes
+        # (nothing stays behind); momentum_correction=True changes nothing.
+        return
+    momentum_correction = momentum_correction or compression.momentum_correction
+    if momentum_correction:
+        if optimizer is None:
+            raise ValueError("momentum_correction=True needs the Keras optimizer: "
+                             "DistributedGradientTape(..., momentum_correction=True, optimizer=opt), or "
+                             "pass momentum= (and nesterov=) to the compression and build the optimizer "
+                             "without momentum")
+        _bind_momentum(compression, optimizer)
+    elif optimizer is not None and compression.config.momentum is not None:
+        own = _keras_momentum_of(optimizer)
+        if own is not None:
+            raise ValueError(
+                f"{compression!r} corrects momentum itself (momentum={compression.config.momentum}), and "
+                f"the optimizer has {own}: it would apply momentum a second time. Build the optimizer "
+                "without momentum, or pass momentum_correction=True instead of the compression's momentum=")
+    elif warn_uncorrected and optimizer is not None and _keras_momentum_of(optimizer) is not None:
+        warnings.warn(
+            f"{compression!r} with an optimizer that has {_keras_momentum_of(optimizer)}: the optimizer applies "
+            "its momentum to the sparse update, which usually trains worse than dense; pass "
+            "momentum_correction=True (DGC momentum correction)", UserWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------
 # Front ends
 # ---------------------------------------------------------------------------
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,
                             sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=hvd.global_process_set,
-                            scale_local_gradients=True):
+                            scale_local_gradients=True, momentum_correction=False, optimizer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with the same signature,
     plus the sparse ``compression=`` choices.  With ``Compression.none`` /
     ``fp16`` (or any Horovod ``Compressor``) it is Horovod's own tape.  With
@@ -488,8 +719,19 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     gradients are always reduced as dense tensors, together); local sources
     (``register_local_source``) and ``scale_local_gradients`` work as in
     Horovod.  Pass the same compression object every step: it holds the
-    residuals."""
+    residuals (and velocities).
+
+    ``momentum_correction=True, optimizer=opt`` (a Keras SGD with momentum):
+    DGC momentum correction with factor masking in the compression, with
+    ``opt``'s momentum and Nesterov flag; ``opt`` then applies the update
+    without momentum (its ``update_step`` runs with momentum 0; weight decay
+    stays with it; see ``_bind_momentum``).  Or build ``opt`` without
+    momentum and give the compression ``momentum=``.  ``optimizer=`` alone
+    only checks that no momentum is applied twice.  With a dense compression
+    ``momentum_correction`` changes nothing (the optimizer's momentum on the
+    exact average is already the corrected one)."""
     sparse = _check_compression(compression)
+    _setup_correction(compression, sparse, momentum_correction, optimizer)
     tape = hvd.DistributedGradientTape(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
         compression=_HvdCompression.none if sparse else compression, sparse_as_dense=sparse_as_dense,
@@ -505,13 +747,21 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
                          op=hvd.Average, backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=hvd.global_process_set,
-                         scale_local_gradients=True):
+                         scale_local_gradients=True, momentum_correction=False):
     """``horovod.tensorflow.keras.DistributedOptimizer`` with the same
     signature, plus the sparse ``compression=`` choices.  With a sparse
     compression the optimizer tracks it (attribute ``gtopk_compression``),
-    so its residuals and step counter checkpoint with the optimizer:
-    ``tf.train.Checkpoint(model=model, optimizer=opt)`` or
-    ``model.save_weights`` in TF format."""
+    so its residuals, velocities and step counter checkpoint with the
+    optimizer: ``tf.train.Checkpoint(model=model, optimizer=opt)`` or
+    ``model.save_weights`` in TF format.
+
+    ``momentum_correction=True`` (``optimizer`` a Keras SGD): DGC momentum
+    correction with momentum factor masking, with the optimizer's momentum
+    and Nesterov flag; the returned optimizer then applies the reduced
+    update without momentum (its ``update_step`` runs with momentum 0, its
+    config keeps the user's values) and keeps its (decoupled) weight decay.
+    A compression built with ``momentum=`` next to an SGD with momentum is a
+    ``ValueError`` (momentum applied twice)."""
     sparse = _check_compression(compression)
     opt = hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
@@ -534,4 +784,5 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                 if hasattr(helper, attr):
                     setattr(helper, attr, reduce_fn)
         opt.gtopk_compression = compression
+    _setup_correction(compression, sparse, momentum_correction, opt, warn_uncorrected=True)
     return opt

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 
-from .horovod_tf_kernels import _member_of, _pack, _pack_bits, _unpack, _unpack_bits, merge_select
+from .horovod_tf_kernels import _member_of, _pack, _pack_bits, _unpack, _unpack_bits, merge_select, round_to_wire
 
 # Bytes of one step, as the PyTorch side's TrafficCounters (collectives/transport.py).
 TRAFFIC_KEYS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sent", "header_bytes_received",
@@ -75,6 +75,18 @@ class _Ops:
         self.add("payload_bytes_sent", total - tf.cast(sizes[(r + 1) % P], tf.int64))
         self.add("payload_bytes_received", total - own)
         return blobs
+
+    def alltoall(self, t, splits, kind):
+        """``hvd.alltoall`` with ``splits`` (int32, one per rank): the
+        received pieces concatenated in source-rank order.  Counted as
+        point-to-point sends (the piece to oneself travels nowhere)."""
+        out, _ = hvd.alltoall(t, splits=splits, name=self._name(kind), ignore_name_scope=True,
+                              process_set=self.ps)
+        esz = t.dtype.size
+        own = tf.cast(splits[self.rank], tf.int64)
+        self.add("payload_bytes_sent", (tf.cast(tf.reduce_sum(splits), tf.int64) - own) * esz)
+        self.add("payload_bytes_received", (tf.size(out, out_type=tf.int64) - own) * esz)
+        return out
 
     def allreduce(self, t, op, kind):
         out = hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
@@ -147,44 +159,104 @@ def _allgather_sum(ops: _Ops, idx, vals, numel, sum_dtype, static_count):
     return out
 
 
-def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
+class _Charges:
+    """Wire roundings this rank owns (DESIGN.md §3, precision), as the
+    PyTorch butterfly's ``_Charges``: a list of (global int32 indices,
+    errors in the accumulation dtype), one entry per rounding (unique
+    indices within one), kept only at indices that stay in the group's set
+    through every later merge.  Applied to the residual one rounding after
+    the other (``apply``), so the additions happen in the PyTorch side's
+    order and no scatter adds to one index twice (deterministic on GPU)."""
+
+    def __init__(self):
+        self.parts = []
+
+    def record(self, idx, err):
+        nz = tf.not_equal(err, 0)  # most entries are exact already
+        self.parts.append((tf.boolean_mask(idx, nz), tf.boolean_mask(err, nz)))
+
+    def survive(self, cur_i):
+        self.parts = [(i, v) for i, v in
+                      ((tf.boolean_mask(i, m), tf.boolean_mask(v, m))
+                       for i, v, m in ((i, v, _member_of(i, cur_i)) for i, v in self.parts))]
+
+    def apply(self, residual):
+        for i, v in self.parts:
+            residual = tf.tensor_scatter_nd_add(residual, i[:, None], tf.cast(v, residual.dtype))
+        return residual
+
+
+def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t, acc_dtype=None):
     """gTop-k butterfly for any P (DESIGN.md §3), as collectives.gtopk does:
     fold-in of ranks >= P', log2 P' exchange rounds, fold-out with a bitmask
-    of the folded rank's surviving entries.  Returns ``(idx, vals, alive)``:
-    the global set (same bits on every rank) and which of this rank's own
-    entries reached it."""
+    of the folded rank's surviving entries.  Returns ``(idx, vals, alive,
+    charges)``: the global set (same bits on every rank, values in the wire
+    dtype ``vals.dtype``), which of this rank's own entries reached it, and
+    the :class:`_Charges` this rank owns (None with a full-width wire).
+
+    ``acc_dtype`` (a wire narrower than the gradients: float32 at least):
+    merges add, in ``acc_dtype``, exactly the wire values both partners
+    exchanged, so the sums agree bit for bit and cannot overflow; a merged
+    set is rounded (clamped, never ±inf) to the wire before each send --
+    charged to the lowest rank of the group that holds it -- and once at the
+    end, charged to rank 0.  Messages keep the wire dtype."""
     P, r = ops.P, ops.rank
+    wdt = vals.dtype
     alive = tf.ones_like(idx, dtype=tf.bool)
     if P == 1:
-        return idx, vals, alive
+        return idx, vals, alive, None
+    charges = None if acc_dtype is None else _Charges()
+
+    def merge(a_i, a_v, b_i, b_v):
+        return merge_select(a_i, a_v, b_i, b_v if acc_dtype is None else tf.cast(b_v, acc_dtype), offsets_t, k_t)
+
+    def to_wire_set(cur_i, cur_v, owner):
+        """(values to send, the set's values from now on)."""
+        if acc_dtype is None:
+            return cur_v, cur_v
+        w, err = round_to_wire(cur_v, wdt)
+        if owner:
+            charges.record(cur_i, err)
+        return w, tf.cast(w, acc_dtype)
+
     Pp = 1 << (P.bit_length() - 1)
     n_extra = P - Pp
     own = idx
-    cur_i, cur_v = idx, vals
+    cur_i, cur_v = idx, (vals if acc_dtype is None else tf.cast(vals, acc_dtype))
     folded_i = folded_alive = None
-    if n_extra:
+    if n_extra:  # fold-in: own wire values, nothing to round
         send_to = r - Pp if r >= Pp else None
         recv_from = r + Pp if r < n_extra else None
-        blob = ops.phase(send_to, _pack(cur_i, cur_v), recv_from)
+        blob = ops.phase(send_to, _pack(idx, vals), recv_from)
         if recv_from is not None:
-            o_i, o_v, _ = _unpack(blob, vals.dtype)
-            cur_i, cur_v, keep_a, keep_b = merge_select(cur_i, cur_v, o_i, o_v, offsets_t, k_t)
+            o_i, o_v, _ = _unpack(blob, wdt)
+            cur_i, cur_v, keep_a, keep_b = merge(cur_i, cur_v, o_i, o_v)
             alive = alive & keep_a
             folded_i, folded_alive = o_i, keep_b
     for j in range(Pp.bit_length() - 1):
         peer = (r ^ (1 << j)) if r < Pp else None
-        blob = ops.phase(peer, _pack(cur_i, cur_v), peer)
+        send = vals  # (idle: only the blob's type is used)
+        if peer is not None:
+            # the group of r before round j: the 2^j ranks < P' that agree
+            # with r above bit j (+ folded partners); its lowest rank owns
+            # the rounding
+            send, cur_v = to_wire_set(cur_i, cur_v, owner=r % (1 << j) == 0)
+        blob = ops.phase(peer, _pack(cur_i if peer is not None else idx, send), peer)
         if peer is None:
             continue
-        o_i, o_v, _ = _unpack(blob, vals.dtype)
-        cur_i, cur_v, _, _ = merge_select(cur_i, cur_v, o_i, o_v, offsets_t, k_t)
+        o_i, o_v, _ = _unpack(blob, wdt)
+        cur_i, cur_v, _, _ = merge(cur_i, cur_v, o_i, o_v)
         alive = alive & _member_of(own, cur_i)
         if folded_i is not None:
             folded_alive = folded_alive & _member_of(folded_i, cur_i)
+        if charges is not None:
+            charges.survive(cur_i)
+    if r < Pp:  # the result, in the wire dtype everywhere: one last rounding, owned by rank 0
+        cur_v, _ = to_wire_set(cur_i, cur_v, owner=r == 0)
     if n_extra:
         send_to = r + Pp if r < n_extra else None
         recv_from = r - Pp if r >= Pp else None
-        out = _pack(cur_i, cur_v)
+        out = _pack(cur_i, cur_v) if r < Pp else _pack(idx, vals)
         if send_to is not None:
             out = tf.concat([out, _pack_bits(folded_alive)], 0)
         blob = ops.phase(send_to, out, recv_from)
@@ -192,6 +264,37 @@ def _butterfly(ops: _Ops, idx, vals, offsets_t, k_t):
             mask_bytes = (int(own.shape[0]) + 7) // 8 if own.shape[0] is not None else None
             if mask_bytes is None:
                 mask_bytes = (tf.size(own) + 7) // 8
-            res_i, res_v, bits = _unpack(blob, vals.dtype, mask_bytes)
-            return res_i, res_v, _unpack_bits(bits, tf.size(own))
-    return cur_i, cur_v, alive
+            res_i, res_v, bits = _unpack(blob, wdt, mask_bytes)
+            return res_i, res_v, _unpack_bits(bits, tf.size(own)), charges
+    return cur_i, cur_v, alive, charges
+
+
+def _sharded_sum(ops: _Ops, vals, acc_dtype):
+    """Sum of every rank's wire-dtype ``vals`` (same positions everywhere;
+    random-k's values), accumulated in ``acc_dtype`` and rounded once to the
+    wire, as collectives.dense.sharded_sum: rank q owns the shard
+    ``[n·q//P, n·(q+1)//P)``, gets every rank's piece of it (one alltoall,
+    pieces in rank order), adds them in rank order, rounds (clamped, never
+    ±inf), and the rounded shards are allgathered.  Returns ``(sum in the
+    wire dtype, (positions, errors))``: this rank's rounding errors, to be
+    charged to its residual (every entry reaches the result).  ``n`` may be
+    a run-time count (a warm-up inside ``tf.function``)."""
+    P, r = ops.P, ops.rank
+    n = tf.size(vals, out_type=tf.int64)
+    b = tf.cast(n * tf.range(P + 1, dtype=tf.int64) // P, tf.int32)
+    splits = b[1:] - b[:-1]
+    wdt = vals.dtype
+    # as bit patterns: Horovod's alltoall/allgather take no bfloat16
+    carrier = {2: tf.int16, 4: tf.int32, 8: tf.int64}[wdt.size]
+    got = tf.bitcast(ops.alltoall(tf.bitcast(vals, carrier), splits, "shard"), wdt)
+    pieces = tf.split(got, tf.fill([P], splits[r]), num=P)
+    acc = tf.zeros([splits[r]], acc_dtype)
+    for q in range(P):  # rank order: the owner's bits are the result's bits
+        acc = acc + tf.cast(pieces[q], acc_dtype)
+    mine, err = round_to_wire(acc, wdt)
+    out = tf.bitcast(ops.allgather(tf.bitcast(mine, carrier), "shards"), wdt)
+    esz = vals.dtype.size  # the ring model of the allgather (sizes known to all: no headers)
+    ops.add("payload_bytes_sent", (n - tf.cast(splits[(r + 1) % P], tf.int64)) * esz)
+    ops.add("payload_bytes_received", (n - tf.cast(splits[r], tf.int64)) * esz)
+    nz = tf.cast(tf.where(tf.not_equal(err, 0))[:, 0], tf.int32)
+    return out, (nz + b[r], tf.gather(err, nz))

@@ -1,20 +1,25 @@
 """Elastic Horovod-TensorFlow (``hvd.elastic.run``) with sparse compressions:
 :class:`SparseKerasState`, Horovod's ``TensorFlowKerasState`` plus the
-residuals and step counters of gtopk_plugin's ``SparseCompression`` objects.
+residuals, momentum-correction velocities and step counters of
+gtopk_plugin's ``SparseCompression`` objects.
 
 Horovod's state commits and restores the model and optimizer variables and,
 on ``sync()`` (after a reset), broadcasts them from rank 0.  The residuals
-are neither (a Keras optimizer's ``variables()`` does not list them), and
-must not be broadcast: each is this worker's own unsent gradient mass
-(DESIGN.md §3), so copying rank 0's to everyone would apply it P times.
+and velocities are neither (a Keras optimizer's ``variables()`` does not
+list them), and must not be broadcast: each residual is this worker's own
+unsent gradient mass (DESIGN.md §3), so copying rank 0's to everyone would
+apply it P times, and each velocity is this worker's own momentum of its
+own gradients (DGC momentum correction), the source of its next residuals.
 Semantics, as the PyTorch layer's ``SparseOptimizerStateHandler``:
 
-- ``commit()``/``save()`` keeps a copy of every residual and step counter;
-- ``restore()`` (after a failure) puts them back; a residual created after
-  the last commit goes back to zero (it had no committed mass);
+- ``commit()``/``save()`` keeps a copy of every residual, velocity and step
+  counter;
+- ``restore()`` (after a failure) puts them back; a residual or velocity
+  created after the last commit goes back to zero (it had no committed mass);
 - ``sync()`` broadcasts the model and optimizer (Horovod's), then rank 0's
   step counter, so random-k/rTop-k draws and warm-ups agree again; each
-  worker keeps its own residuals (a worker that joins starts with none).
+  worker keeps its own residuals and velocities (a worker that joins starts
+  with none).
 """
 from __future__ import annotations
 
@@ -62,7 +67,9 @@ class SparseKerasState(TensorFlowKerasState):
 
     @staticmethod
     def _snapshot(c: SparseCompression) -> dict:
-        return {"step": tf.identity(c.step), "residuals": {k: tf.identity(v) for k, v in c.residuals.items()}}
+        return {"step": tf.identity(c.step),
+                "residuals": {k: tf.identity(v) for k, v in c.residuals.items()},
+                "velocities": {k: tf.identity(v) for k, v in c.velocities.items()}}
 
     def save(self):
         super().save()
@@ -72,8 +79,9 @@ class SparseKerasState(TensorFlowKerasState):
         super().restore()
         for c, saved in zip(self._compressions, self._saved_sparse):
             c.step.assign(saved["step"])
-            for k, v in c.residuals.items():
-                v.assign(saved["residuals"][k] if k in saved["residuals"] else tf.zeros_like(v))
+            for kind in ("residuals", "velocities"):
+                for k, v in getattr(c, kind).items():
+                    v.assign(saved[kind][k] if k in saved[kind] else tf.zeros_like(v))
 
     def sync(self):
         super().sync()

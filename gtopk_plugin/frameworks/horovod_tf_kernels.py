@@ -234,3 +234,77 @@ def _pack_bits(mask):
 def _unpack_bits(bits, n):
     w = tf.constant([1, 2, 4, 8, 16, 32, 64, 128], tf.uint8)
     return tf.reshape(tf.bitwise.bitwise_and(bits[:, None], w) != 0, [-1])[:n]
+
+
+# -- DGC momentum correction and local clipping (Lin et al. 2018) -----------
+# Twins of compress/momentum.py's MomentumCorrection.accumulate and of the
+# reducer's local clipping, op for op, so that fp32 results are the PyTorch
+# side's bits.
+def momentum_step(grads, velocities, momentum, nesterov: bool, dampening: float):
+    """One step of DGC's momentum correction per flat tensor: returns
+    ``(increments, new velocities)``.  ``u <- m·u + (1 - dampening)·g``
+    (increment ``u``), or Nesterov ``u <- m·(u + g)`` (increment ``u + g``),
+    as ``torch.optim.SGD`` / compress/momentum.py.  ``momentum``: a Python
+    float or a scalar tensor (a Keras optimizer's variable), cast to the
+    gradients' dtype as torch casts a Python scalar."""
+    incs, new = [], []
+    for g, u in zip(grads, velocities):
+        m = tf.cast(momentum, g.dtype)
+        if nesterov:
+            un = (u + g) * m
+            # Snapshot: Grappler's arithmetic optimizer would otherwise fold
+            # (un + g) + residual into one AddN and add in another order
+            incs.append(tf.raw_ops.Snapshot(input=un + g))
+        else:
+            un = u * m + (g if float(dampening) == 0.0 else g * tf.cast(1.0 - float(dampening), g.dtype))
+            incs.append(un)
+        new.append(un)
+    return incs, new
+
+
+def clip_factor(grads, clip_norm: float, world_size: int):
+    """DGC local clipping: the factor (float64 scalar) that brings this
+    worker's L2 norm over all ``grads`` down to ``clip_norm · P^-1/2``, else
+    1.  As the reducer: per-tensor norms in float64, their squares summed in
+    order, ``thr / (norm + 1e-6·thr)`` when ``norm > thr``.  The summation
+    order inside a tensor is TensorFlow's, not torch's: the norms agree to
+    double rounding (~1e-16 relative), which changes the fp32 factor only if
+    it lies that close to a float32 rounding boundary."""
+    thr = float(clip_norm) / math.sqrt(world_size)
+    total = tf.constant(0.0, tf.float64)
+    for g in grads:
+        n = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(g, tf.float64))))
+        total = total + n * n
+    norm = tf.sqrt(total)
+    return tf.where(norm > thr, thr / (norm + 1e-6 * thr), tf.constant(1.0, tf.float64))
+
+
+def to_wire(vals, wire_dtype):
+    """``vals`` rounded to the wire dtype, never to ±inf: values beyond its
+    finite range are clamped to it first (collectives/wire.py::to_wire; the
+    sender's residual keeps the remainder, since it is acc less what was
+    sent).  DESIGN.md §3: a value the wire cannot hold never reaches it as
+    ±inf.  NaN stays NaN (the consistency check has raised or skipped)."""
+    if vals.dtype == wire_dtype:
+        return vals
+    if wire_dtype.is_floating and wire_dtype.max < vals.dtype.max:
+        big = tf.constant(wire_dtype.max, vals.dtype)
+        vals = tf.clip_by_value(vals, -big, big)
+    return tf.cast(vals, wire_dtype)
+
+
+def round_to_wire(vals, wire_dtype):
+    """``(w, err)``: ``w = to_wire(vals)`` (clamped, never ±inf) and
+    ``err = vals − w`` in ``vals``' dtype: the rounding (and clamping) error
+    that one rank's residual owns (collectives/wire.py::round_to_wire)."""
+    w = to_wire(vals, wire_dtype)
+    return w, vals - tf.cast(w, vals.dtype)
+
+
+def accumulation_dtype(wire_dtype, sum_dtype):
+    """Sums of wire values are taken in the gradients' dtype, at least
+    float32, when the wire is narrower (collectives/wire.py); None when the
+    wire carries the gradients' dtype itself."""
+    if wire_dtype == sum_dtype:
+        return None
+    return tf.float64 if sum_dtype == tf.float64 else tf.float32
