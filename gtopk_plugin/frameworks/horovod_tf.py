@@ -505,7 +505,9 @@ class SparseCompression(tf.Module):
         # A wire narrower than the gradients: sums in the accumulation dtype,
         # each later rounding charged to one rank's residual (DESIGN.md §3).
         acc_dt = accumulation_dtype(wire, dtype)
-        divisor = tf.cast(P if average else 1, dtype)
+        # P + a run-time zero: in a traced graph Grappler turns a division by a
+        # constant into a multiplication by its reciprocal (other bits for P=3)
+        divisor = tf.cast(P + ops.zero if average else 1, dtype)
         alive = charges = None
         value_charges = None
         if agg == "allgather":  # summed in the gradients' dtype, in rank order: nothing re-rounded
