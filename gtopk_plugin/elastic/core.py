@@ -184,8 +184,7 @@ class ElasticCore:
         rec.n_applied += 1
         rec.arrived[u] = e.arrived_at
         if e.local is not None:
-            rec.dev[u] = math.fsum(float((a.double() - b.double()).square().sum())
-                                   for a, b in zip(e.local, e.result))
+            rec.dev[u] = self.policy.deviation(e.local, e.result)
         self.stats.updates_applied += 1
         if rec.broken:
             self.stats.late_updates += 1

@@ -140,7 +140,7 @@ class ElasticScheduler:
         self.optimizer = optimizer
         self.backend: AsyncReduction = backend
         self.units = units
-        self.policy = make_policy(self.config)
+        self.policy = make_policy(self.config, backend)
         self.stats = ElasticStats()
         s = self.config.max_staleness
         backend.setup([u.spec() for u in units], max_in_flight=s + 2)
