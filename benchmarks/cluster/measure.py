@@ -71,7 +71,7 @@ def _selection(method, acc, offsets, k, dtype, cache):
                      idx_dtype=kernels.index_dtype(acc.numel()), sum_dtype=acc.dtype, static_count=True)
 
 
-_WIRE_METHODS = ("exchange", "send", "recv", "phase", "allgather_blobs", "allreduce_sum_")
+_WIRE_METHODS = ("exchange", "send", "recv", "phase", "allgather_blobs", "allreduce_sum_", "_ring_step")
 
 
 class WireClock:
