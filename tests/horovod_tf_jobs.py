@@ -13,6 +13,7 @@ import pickle
 import sys
 import time
 import traceback
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -162,10 +163,11 @@ def check_keras_momentum_correction(front, nesterov, graph, method, weight_decay
     variables = make_vars(random=True)
     w0 = [v.numpy() for v in variables]
     sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
-    comp = getattr(Compression, method)(0.1)
-    if front == "keras":
-        opt = DistributedOptimizer(sgd, compression=comp, momentum_correction=True)
-    else:
+    if front == "keras":  # the compression's keyword, as in the PyTorch Horovod layer
+        comp = getattr(Compression, method)(0.1, momentum_correction=True)
+        opt = DistributedOptimizer(sgd, compression=comp)
+    else:  # the tape's keyword
+        comp = getattr(Compression, method)(0.1)
         opt = sgd
 
     def step_fn(*grads):
@@ -202,6 +204,7 @@ def check_momentum_errors():
         "both": lambda: DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
                                              compression=Compression.gtopk(0.1, momentum=0.9),
                                              momentum_correction=True),
+        "both_on_compression": lambda: Compression.gtopk(0.1, momentum=0.9, momentum_correction=True),
         "tape_no_optimizer": lambda: DistributedGradientTape(tf.GradientTape(), compression=Compression.gtopk(0.1),
                                                              momentum_correction=True),
         "tape_twice": lambda: DistributedGradientTape(
@@ -223,6 +226,10 @@ def check_momentum_errors():
     dense = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=Compression.none,
                                  momentum_correction=True)
     out["dense_momentum_kept"] = not getattr(dense, "_gtopk_momentum_taken", False)
+    with warnings.catch_warnings(record=True) as caught:  # momentum without correction: a warning
+        warnings.simplefilter("always")
+        DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=Compression.gtopk(0.1))
+    out["uncorrected_warning"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     return out
 
 

@@ -404,10 +404,10 @@ def test_momentum_correction_and_clipping_match_pytorch_oracle(P):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_keras_sgd_momentum_correction_weights_equal_the_oracle(P):
-    """SGD(0.1, momentum=0.9[, nesterov, weight_decay]) with
-    momentum_correction=True, through the Keras DistributedOptimizer (in
-    tf.function, weight decay 0.01) and the tape (optimizer=, eager,
-    Nesterov): the final weights are the initial ones updated with the
+    """SGD(0.1, momentum=0.9[, nesterov, weight_decay]) with momentum
+    correction, through the Keras DistributedOptimizer (the compression's
+    momentum_correction=True, in tf.function, weight decay 0.01) and the
+    tape (its momentum_correction=True, optimizer=, eager, Nesterov): the final weights are the initial ones updated with the
     PyTorch oracle's momentum-corrected updates and no second momentum,
     w <- w - lr·wd·w (Keras' decoupled weight decay, kept by the optimizer)
     - lr·update, bit for bit; the optimizer still shows the user's momentum."""
@@ -468,11 +468,12 @@ def test_momentum_correction_errors_and_checkpoint_resume(P):
     velocities, bit for bit."""
     for res in job(P):
         e = ok(res, "momentum/errors")
-        for case in ("adam", "twice", "both", "tape_no_optimizer", "tape_twice", "momentum_1", "clip_negative",
-                     "nesterov_without_momentum"):
+        for case in ("adam", "twice", "both", "both_on_compression", "tape_no_optimizer", "tape_twice",
+                     "momentum_1", "clip_negative", "nesterov_without_momentum"):
             assert e[case].startswith("ValueError"), (case, e[case])
         assert "second time" in e["twice"] and "second time" in e["tape_twice"], e
         assert e["dense_momentum_kept"]
+        assert len(e["uncorrected_warning"]) == 1 and "momentum_correction=True" in e["uncorrected_warning"][0], e
         c = ok(res, "keras/mc_checkpoint")
         assert c["step_after"] == c["restored_step_after"] == 5
         assert any(np.abs(v).max() > 0 for v in c["velocities_before"].values()), "no velocity kept"
