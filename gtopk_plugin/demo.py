@@ -414,6 +414,20 @@ def _thread_lock_for_tqdm() -> None:
     tqdm.set_lock(threading.RLock())
 
 
+def _prepare_kernels() -> None:
+    """Load (and, after a source change, compile) the CPU kernels once in the
+    launcher, before the workers start: otherwise every worker waits on the
+    same compilation inside ``--timeout`` (minutes on a loaded machine), and
+    the demo times out before training begins.  Nothing to do with
+    ``GTOPK_KERNELS=reference``; a failed build falls back to the reference
+    kernels with the library's own warning."""
+    import torch
+
+    from . import kernels
+
+    kernels.backend(torch.device("cpu"))
+
+
 # --------------------------------------------------------------- launcher
 class DemoError(RuntimeError):
     """A worker failed, died or timed out."""
@@ -549,6 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         _check_extras()
         data = load_data()
+        _prepare_kernels()
         results = launch(methods, args, data)
     except DemoError as e:
         print(f"gtopk-demo: error: {e}", file=sys.stderr, flush=True)
