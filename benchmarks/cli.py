@@ -20,6 +20,7 @@ BENCHMARKS = {
     "horovod_tf": ("benchmarks.horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
     "elastic": ("benchmarks.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
     "soak": ("benchmarks.soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
+    "step": ("benchmarks.step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
 }
 
 

@@ -24,6 +24,7 @@ from .collectives import Selection, Transport
 from .collectives import wire
 from .compress import ErrorFeedback, SelectionContext, registry
 from .compress.momentum import MomentumCorrection, MomentumSpec
+from .compress.topk import GTopKSelector, TopKSelector
 from .config import ReducerConfig
 from .stats import ReduceStats
 
@@ -67,6 +68,89 @@ def local_grad_norm(tensors) -> float:
     for t in tensors:
         total += float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64) ** 2)
     return math.sqrt(total)
+
+
+def _storage_refs(t: Tensor) -> Optional[int]:
+    """How many tensors share ``t``'s storage (``None`` where this torch
+    does not say)."""
+    f = getattr(torch._C, "_storage_Use_Count", None)
+    if f is None:
+        return None
+    try:
+        return int(f(t.untyped_storage()._cdata))
+    except Exception:  # pragma: no cover - a torch without it
+        return None
+
+
+class UpdateBuffers:
+    """Persistent dense update buffers, a small ring per layout.
+
+    Lifetime contract of the tensors ``reduce()`` returns: they are views
+    into one of these buffers and stay valid while the caller holds any of
+    them (or any view of them); once every returned tensor of a call has
+    been dropped, the buffer is reused by a later ``reduce()`` on the same
+    layout (same names, dtype, device).  A buffer is reused only when no
+    tensor outside the reducer refers to its storage (torch's storage use
+    count), so a caller that keeps updates across steps -- the elastic
+    scheduler holds several steps of one layer in flight -- gets a second
+    buffer instead of a clobbered one (up to :attr:`RING` per layout, then
+    fresh allocations).  Callers that copy the update right away (DDP's
+    bucket, Horovod's ``p.grad``) cycle through one buffer.
+
+    Reset cost: a sparse update rewrites only the entries the buffer's
+    previous sparse result set (O(k)); after a dense result it is zeroed once.
+    Dense results (dense allreduce, the sparse allgather's summed vector) do
+    not use the ring: the aggregation's own fresh sum is divided in place and
+    returned, so those updates belong to the caller outright.
+    """
+
+    RING = 4
+
+    def __init__(self):
+        self._rings: Dict[tuple, list] = {}
+
+    def clear(self) -> None:
+        self._rings.clear()
+
+    def take(self, key, numel: int, dtype, device, idx: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """``(buf, prev)``: a buffer of ``numel`` for this step's result at
+        ``idx`` (``idx is None``: a dense result, which overwrites the whole
+        buffer) and the indices of its previous sparse result, which the
+        caller zeroes (everything else in ``buf`` is zero for a sparse
+        result).  The buffer remembers ``idx`` for its next reset."""
+        ring = self._rings.get(key)
+        if ring is None:
+            names = set(key[0])
+            for other in [k for k in self._rings if names.intersection(k[0])]:
+                del self._rings[other]  # a name moved to another layout (DDP rebuild)
+            ring = self._rings[key] = []
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        entry = None
+        for e in ring:
+            refs = _storage_refs(e["buf"])
+            if e["base"] is not None and refs is not None and refs <= e["base"]:
+                entry = e
+                break
+        if entry is None:
+            buf = torch.zeros(numel, dtype=dtype, device=device)
+            if len(ring) >= self.RING:
+                return buf, none  # untracked, fresh: every ring buffer is still held
+            entry = {"buf": buf, "prev": None, "base": _storage_refs(buf)}
+            ring.append(entry)
+        buf, prev = entry["buf"], entry["prev"]
+        if prev is None:
+            prev = none
+        elif isinstance(prev, str):  # "dense": every entry was written
+            if idx is not None:
+                buf.zero_()
+            prev = none
+        entry["prev"] = "dense" if idx is None else idx.clone()
+        return buf, prev
+
+
+# Selectors whose select() is exactly kernels.select_topk(acc, offsets, k):
+# the reducer may fuse it with the compensation (kernels.compensate_select_topk).
+_FUSED_TOPK = (TopKSelector, GTopKSelector)
 
 
 class GradientReducer:
@@ -149,6 +233,9 @@ class GradientReducer:
         self.loss_scale: Optional[float] = None
         self.step = 0
         self.last_stats: Optional[ReduceStats] = None
+        # persistent dense update buffers per layout (see reduce(): lifetime)
+        self._updates = UpdateBuffers()
+        self._segment_cache: Dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------ API
     def reduce(self, grads: Mapping[str, Tensor], *, advance_step: bool = True,
@@ -168,18 +255,56 @@ class GradientReducer:
         velocities are kept in the scale of the latest call and rescaled
         exactly (powers of two) when it changes, and the clipping threshold
         is scaled with it.
+
+        Memory (issue #15): no N-sized allocation in steady state on the
+        sparse butterfly path.  Residuals and the scratch accumulator are
+        persistent per layout (see :mod:`.compress.error_feedback`), and the
+        returned updates are views into persistent buffers that are reused
+        once the caller has dropped every tensor of an earlier call (see
+        :class:`UpdateBuffers`): hold on to them as long as you need them,
+        but do not write into them (a later step may reuse the storage once
+        they are gone).  Dense results are fresh tensors of their own.
         """
         t0 = time.perf_counter()
         cfg = self.config
         bad, names, tensors = self._validate(grads)
         density = cfg.density_at(self.step)
         layout, sizes = self._layout(names, tensors, density)
-        nonfinite = [] if bad else [n for n, t in zip(names, tensors) if not _all_finite(t)]
-        before = self.transport.counters.copy()
-        any_nonfinite, where = consistency.check(self.transport, layout, bad, nonfinite)
         P = self.transport.size
+        before = self.transport.counters.copy()
+        dtype = self._flat_dtype(tensors) if not bad else None
+        # Fast path: nothing changes state before the cross-rank check, so
+        # the compensation acc = grad + residual and the finiteness check run
+        # as one pass into the scratch accumulator, ahead of the check
+        # (issue #15).  Momentum, clipping, an optimizer binding, a changed
+        # loss scale or mixed dtypes take the general path: check first.
+        fused = (not bad and not self.momentum.enabled and cfg.clip_norm is None
+                 and self.binding is None and all(t.dtype == dtype for t in tensors)
+                 and (loss_scale is None or float(loss_scale) == self.loss_scale))
+        t_comp = 0.0
+        flatres = acc = picked = None
+        if bad:
+            nonfinite = []
+        elif fused:
+            tc = time.perf_counter()
+            flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
+            if type(self.selector) in _FUSED_TOPK:
+                # compensation, finiteness check and exact top-k in one pass
+                offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
+                res = flatres.residual if res_parts[0] is not None else None
+                idx, vals, finite = kernels.compensate_select_topk(
+                    acc, [t.detach() for t in tensors], res, offsets, k, kernels=cfg.kernels)
+                picked = (idx, vals)
+                nonfinite = [n for n, ok in zip(names, finite.tolist()) if not ok]
+            else:
+                nonfinite = [n for n, t, part, r in zip(names, tensors, parts, res_parts)
+                             if not kernels.compensate(part, t.detach(), r, kernels=cfg.kernels)]
+            t_comp = time.perf_counter() - tc
+        else:
+            nonfinite = [n for n, t in zip(names, tensors) if not _all_finite(t)]
+        any_nonfinite, where = consistency.check(self.transport, layout, bad, nonfinite)
         t1 = time.perf_counter()  # the select phase includes compensation: phases tile the call
-        seconds = {"check": t1 - t0}
+        seconds = {"check": t1 - t0 - t_comp}
         if any_nonfinite:
             detail = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in where)
             if cfg.nonfinite == "raise":
@@ -188,33 +313,32 @@ class GradientReducer:
                     "applied and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step)
 
-        dtype = self._flat_dtype(tensors)
-        self._follow_loss_scale(loss_scale)
-        flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
-        scale = self._clip_scale(flat, grad_norm, loss_scale, P)
-        if scale != 1.0:
-            flat = [g * scale for g in flat]
-        if self.binding is not None:
-            # the optimizer's momentum settings of this step, and its weight
-            # decay added to the (clipped) gradient as SGD adds it (in the
-            # gradient's units: times the loss scale under AMP)
-            self.momentum.per_name.update(self.binding.specs(names))
-            ls = 1.0 if loss_scale is None else float(loss_scale)
-            flat = [self.binding.add_weight_decay(n, g, ls) for n, g in zip(names, flat)]
-        # One flat buffer, written once: acc = increment + residual per segment
-        # (a fresh allocation per step: the residual views kept below alias it).
+        if not fused:
+            self._follow_loss_scale(loss_scale)
+            flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
+            scale = self._clip_scale(flat, grad_norm, loss_scale, P)
+            if scale != 1.0:
+                flat = [g * scale for g in flat]
+            if self.binding is not None:
+                # the optimizer's momentum settings of this step, and its weight
+                # decay added to the (clipped) gradient as SGD adds it (in the
+                # gradient's units: times the loss scale under AMP)
+                self.momentum.per_name.update(self.binding.specs(names))
+                ls = 1.0 if loss_scale is None else float(loss_scale)
+                flat = [self.binding.add_weight_decay(n, g, ls) for n, g in zip(names, flat)]
+            flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
+            if self.momentum.enabled:
+                flat = self.momentum.accumulate(names, sizes, flat, dtype, acc.device, scratch=parts)
+            for g, part, r in zip(flat, parts, res_parts):
+                kernels.compensate(part, g, r, kernels=cfg.kernels)
         numel = sum(sizes)
-        acc = torch.empty(numel, dtype=dtype, device=tensors[0].device)
-        if self.momentum.enabled:
-            flat = self.momentum.accumulate(names, sizes, flat, dtype, acc.device)
-        for n, g, part in zip(names, flat, torch.split(acc, sizes)):
-            self.memory.compensate_into(n, g, part)
-        offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
-        ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
-                               rank=self.transport.rank, kernels=cfg.kernels)
-        idx, vals = self.selector.select(acc, offsets, k, ctx)
+        if picked is None:
+            offsets, k, seg_names = self._segments(names, sizes, density, acc.device)
+            ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
+                                   rank=self.transport.rank, kernels=cfg.kernels)
+            idx, vals = self.selector.select(acc, offsets, k, ctx)
         wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype)
-        seconds["select"] = time.perf_counter() - t1
+        seconds["select"] = time.perf_counter() - t1 + t_comp
 
         t2 = time.perf_counter()
         agg = self._aggregation(Selection(
@@ -225,27 +349,43 @@ class GradientReducer:
 
         t3 = time.perf_counter()
         divisor = P if cfg.op == "average" else 1
-        if agg.idx is None:
-            update = agg.vals.to(dtype)
-            update = update / divisor if divisor != 1 else update
+        if agg.idx is None and self._owned(agg.vals, dtype, numel, flatres):
+            # a dense result is the aggregation's own fresh sum (allreduce,
+            # allgather-and-add): divided in place and handed out as is, no
+            # further N-sized buffer touched
+            update = agg.vals
+            if divisor != 1:
+                update.div_(divisor)
+        elif agg.idx is None:
+            update, _ = self._updates.take((tuple(names), dtype, acc.device), numel, dtype, acc.device,
+                                           None)
+            torch.div(agg.vals, divisor, out=update) if divisor != 1 else update.copy_(agg.vals)
         else:
-            update = kernels.scatter_update(numel, agg.idx, agg.vals, divisor, dtype, kernels=cfg.kernels)
+            update, prev = self._updates.take((tuple(names), dtype, acc.device), numel, dtype,
+                                              acc.device, agg.idx)
+            # O(k): zero the previous result's entries, write this one's
+            # (the reference scatter_update's arithmetic: vals / divisor)
+            kernels.scatter_reset_(update, prev, agg.idx, agg.vals, divisor, kernels=cfg.kernels)
         # Residual: acc less what reached the global result, as it travelled.
-        sent_vals = wire_vals.to(dtype)
         if idx is not None and agg.reached is not None:
-            idx, sent_vals = idx[agg.reached], sent_vals[agg.reached]
+            idx, wire_reached = idx[agg.reached], wire_vals[agg.reached]
+        else:
+            wire_reached = wire_vals
         if self.memory.enabled:
-            if idx is None:
-                residual = acc - sent_vals
+            if idx is None and wire_vals.dtype == dtype and (
+                    agg.residual_add is None or not agg.residual_add[0].numel()):
+                # dense, sent exactly: acc - acc is zero everywhere
+                self.memory.commit_zero(flatres)
             else:
-                # acc is this call's own buffer and nothing else refers to it:
-                # turn it into the residual in place, O(k) instead of a copy of N
-                residual = self.memory.remainder_(acc, idx, sent_vals)
-            if agg.residual_add is not None and agg.residual_add[0].numel():
-                # wire rounding of merged sums that this rank owns (DESIGN.md §3)
-                residual.index_add_(0, agg.residual_add[0].long(), agg.residual_add[1].to(dtype))
-            for n, part in zip(names, torch.split(residual, sizes)):
-                self.memory.update(n, part)
+                if idx is None:
+                    acc.sub_(wire_vals)  # the wire value widened to dtype, one rounding
+                else:
+                    # O(k): the accumulator becomes the residual in place
+                    kernels.subtract_at_(acc, idx, wire_reached, kernels=cfg.kernels)
+                if agg.residual_add is not None and agg.residual_add[0].numel():
+                    # wire rounding of merged sums that this rank owns (DESIGN.md §3)
+                    acc.index_add_(0, agg.residual_add[0].long(), agg.residual_add[1].to(dtype))
+                self.memory.commit_accumulator(flatres)
         if self.momentum.enabled and idx is not None:
             # momentum factor masking: the velocity restarts where v was sent.
             # Not for dense methods: there u is the plain momentum buffer.
@@ -255,7 +395,8 @@ class GradientReducer:
         rounds = agg.rounds
         # nonzeros of the update: only the aggregated entries can be nonzero
         nnz = torch.count_nonzero(update if agg.idx is None else update[agg.idx.long()])
-        out = {n: u.view_as(t).to(t.dtype) for n, u, t in zip(names, torch.split(update, sizes), tensors)}
+        out = {n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
+               for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
         self.last_stats = self._stats(density, P, numel, int(k.sum()), selected, sent, int(nnz),
@@ -263,6 +404,28 @@ class GradientReducer:
         if advance_step:
             self.step += 1
         return out
+
+    @staticmethod
+    def _owned(vals: Tensor, dtype, numel: int, flatres) -> bool:
+        """Whether a dense aggregation result can be divided in place and
+        returned: right dtype and shape, contiguous, and not sharing storage
+        with this layout's residual or accumulator."""
+        if vals.dtype != dtype or vals.dim() != 1 or vals.numel() != numel or not vals.is_contiguous():
+            return False
+        ptr = vals.untyped_storage().data_ptr()
+        return all(b is None or b.untyped_storage().data_ptr() != ptr for b in flatres.bufs)
+
+    def _buffers(self, names, sizes, dtype, device):
+        """This layout's persistent residual and scratch accumulator, with
+        per-name views (residual views ``None`` where it is known zero or
+        error feedback is off: the compensation is then a copy)."""
+        f = self.memory.layout(names, sizes, dtype, device)
+        acc, parts = f.accumulator()
+        if self.memory.enabled and not f.zero:
+            res_parts = f.views[f.cur]
+        else:
+            res_parts = [None] * len(parts)
+        return f, acc, parts, res_parts
 
     def correct_momentum(self, optimizer, named_parameters) -> "GradientReducer":
         """Turn on DGC momentum correction with ``optimizer``'s own settings:
@@ -285,6 +448,7 @@ class GradientReducer:
         """Forget residuals and velocities (e.g. after the set of parameters changed)."""
         self.memory.reset()
         self.momentum.reset()
+        self._updates.clear()
 
     # ------------------------------------------------- clipping, loss scale
     def _follow_loss_scale(self, loss_scale: Optional[float]) -> None:
@@ -376,6 +540,16 @@ class GradientReducer:
         return layout, sizes
 
     def _segments(self, names, sizes, density, device):
+        # cached per layout and density: two small host tensors, every call
+        key = (tuple(names), tuple(sizes), density)
+        hit = self._segment_cache.get(key)
+        if hit is None:
+            if len(self._segment_cache) > 64:
+                self._segment_cache.clear()
+            hit = self._segment_cache[key] = self._make_segments(names, sizes, density)
+        return hit
+
+    def _make_segments(self, names, sizes, density):
         if self.config.granularity == "layer":
             offs = [0]
             for s in sizes:

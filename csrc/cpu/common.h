@@ -155,6 +155,46 @@ struct Scan<Mag<double>> {
 };
 #endif
 
+// ExpBits<T>: an entry is Inf or NaN iff its exponent field is all ones, i.e.
+// iff (bits & kExp) + kLsb carries into the sign bit (OR-able, vectorises).
+template <typename scalar_t>
+struct ExpBits;
+template <>
+struct ExpBits<float> {
+  using bits_t = uint32_t;
+  static constexpr bits_t kExp = 0x7F800000u, kLsb = 0x00800000u, kSign = 0x80000000u;
+};
+template <>
+struct ExpBits<double> {
+  using bits_t = uint64_t;
+  static constexpr bits_t kExp = 0x7FF0000000000000ull, kLsb = 0x0010000000000000ull,
+                          kSign = 0x8000000000000000ull;
+};
+
+// out[i] = g[i] (+ r[i]) for i in [b, e); true when g[b, e) is all finite.
+template <typename scalar_t>
+inline bool compensate_range(scalar_t* out, const scalar_t* g, const scalar_t* r, int64_t b, int64_t e) {
+  using E = ExpBits<scalar_t>;
+  using bits_t = typename E::bits_t;
+  bits_t bad = 0;
+  if (r != nullptr) {
+    for (int64_t i = b; i < e; ++i) {
+      bits_t w;
+      std::memcpy(&w, g + i, sizeof(w));
+      bad |= (w & E::kExp) + E::kLsb;
+      out[i] = g[i] + r[i];
+    }
+  } else {
+    for (int64_t i = b; i < e; ++i) {
+      bits_t w;
+      std::memcpy(&w, g + i, sizeof(w));
+      bad |= (w & E::kExp) + E::kLsb;
+      out[i] = g[i];
+    }
+  }
+  return (bad & E::kSign) == 0;
+}
+
 template <typename scalar_t>
 inline typename Mag<scalar_t>::key_t key_of(const scalar_t& v) {
   typename Mag<scalar_t>::bits_t b;

@@ -12,6 +12,9 @@ namespace cpu {
 // select.cpp
 std::tuple<at::Tensor, at::Tensor> select_topk(const at::Tensor& x, const at::Tensor& offsets,
                                                const at::Tensor& k);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compensate_select_topk(
+    const at::Tensor& acc, at::TensorList grads, const c10::optional<at::Tensor>& residual,
+    const at::Tensor& offsets, const at::Tensor& k);
 std::tuple<at::Tensor, at::Tensor> select_threshold(const at::Tensor& x, const at::Tensor& offsets,
                                                     const at::Tensor& k);
 
@@ -31,6 +34,13 @@ std::tuple<at::Tensor, at::Tensor> scatter_residual_update(const at::Tensor& acc
                                                            const at::Tensor& idx,
                                                            const at::Tensor& vals,
                                                            int64_t divisor);
+
+// compensate.cpp
+bool compensate(const at::Tensor& out, const at::Tensor& grad,
+                const c10::optional<at::Tensor>& residual);
+void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent);
+void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Tensor& idx,
+                    const at::Tensor& vals, int64_t divisor);
 
 }  // namespace cpu
 }  // namespace gtopk

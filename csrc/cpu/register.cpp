@@ -29,4 +29,12 @@ TORCH_LIBRARY(gtopk_cpu, m) {
   m.def("scatter_update", &gtopk::cpu::scatter_update);
   m.def("residual_update", &gtopk::cpu::residual_update);
   m.def("scatter_residual_update", &gtopk::cpu::scatter_residual_update);
+  // writes into `out` (the reducer's scratch accumulator): declared mutable
+  m.def("compensate(Tensor(a!) out, Tensor grad, Tensor? residual) -> bool",
+        &gtopk::cpu::compensate);
+  m.def("compensate_select_topk(Tensor(a!) acc, Tensor[] grads, Tensor? residual, Tensor offsets, "
+        "Tensor k) -> (Tensor, Tensor, Tensor)", &gtopk::cpu::compensate_select_topk);
+  m.def("subtract_at_(Tensor(a!) acc, Tensor idx, Tensor sent) -> ()", &gtopk::cpu::subtract_at_);
+  m.def("scatter_reset_(Tensor(a!) out, Tensor prev, Tensor idx, Tensor vals, int divisor) -> ()",
+        &gtopk::cpu::scatter_reset_);
 }

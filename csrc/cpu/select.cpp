@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <mutex>
 
 namespace gtopk {
@@ -57,9 +58,13 @@ struct Cands {
 // kTies, L is the exact k-th key and at most `eq_cap` entries equal to L are
 // kept per thread range (only the first eq_cap of them, in index order, can be
 // selected).  Gives up (returns false) once more than `cap` were collected.
+// Writes x[s, e) (segment-local) before it is read: the fused
+// compensation (acc = grad + residual) of compensate_select_topk.
+using Producer = std::function<void(int64_t, int64_t)>;
+
 template <typename M, bool kTies>
 bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_t eq_cap,
-             int64_t cap, Cands<M>& out) {
+             int64_t cap, Cands<M>& out, const Producer* produce = nullptr) {
   using K = typename M::key_t;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
   std::vector<Cands<M>> part(nblk);  // candidates of each block (or thread range)
@@ -98,12 +103,17 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
   };
   if (!kTies) {
     // blocks handed out dynamically, each into its own slot
+    // with a producer every block is written even after giving up (the
+    // fallback paths read the whole, compensated, buffer)
     parallel_dynamic(nblk, [&](int64_t, int64_t blk) {
+      const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
+      if (produce != nullptr) (*produce)(s0, e0);
       if (stop.load(std::memory_order_relaxed)) return;
       int64_t unused = 0;
-      scan(blk * kBlock, std::min(n, (blk + 1) * kBlock), part[blk], unused);
+      scan(s0, e0, part[blk], unused);
     });
   } else {
+    TORCH_INTERNAL_ASSERT(produce == nullptr, "gtopk collect: no producer on the ties path");
     // ties capped per contiguous thread range (bounded memory: at most
     // eq_cap equal keys per range, and ranges are in index order)
     at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
@@ -300,7 +310,7 @@ void topk_small(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I
 // entries reach it) is detected by the caller.
 template <typename M>
 bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
-                  int64_t& est) {
+                  int64_t& est, const Producer* produce = nullptr) {
   using K = typename M::key_t;
   const int64_t runs = std::min<int64_t>(8192, std::max<int64_t>(256, n / 32)) / kSampleRun;
   if (runs * kSampleRun * 4 > n) return false;  // small segment: the histogram is as cheap
@@ -316,6 +326,7 @@ bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M:
   for (int64_t r = 0; r < runs; ++r) {
     if (r + kAhead < runs) prefetch(p + (r + kAhead) * step);
     const typename M::bits_t* q0 = p + r * step;
+    if (produce != nullptr) (*produce)(r * step, r * step + kSampleRun);
     for (int64_t j = 0; j < kSampleRun; ++j) s[r * kSampleRun + j] = M::key(q0[j]);
   }
   L = kth_largest(s, R);
@@ -449,6 +460,38 @@ void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
       return;
     }
   }
+  topk_hist<M>(p, lo, n, k, out, vout);
+}
+
+// topk_segment on a buffer that `produce` writes: the sampled bound reads
+// only produced runs, the collect pass produces each block just before it
+// scans it (one pass over grad and residual, the block still in cache when
+// it is scanned); every other path produces the whole segment first.  The
+// result is topk_segment's on the produced buffer (it is uniquely defined).
+template <typename M, typename I>
+void topk_segment_fused(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I* out,
+                        typename M::bits_t* vout, const Producer& produce) {
+  using K = typename M::key_t;
+  auto produce_all = [&] { at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) { produce(b, e); }); };
+  if (k <= 0 || n == 0 || k >= n || n <= kSmall) {
+    produce_all();
+    topk_segment<M>(p, lo, n, k, out, vout);
+    return;
+  }
+  K L;
+  int64_t est = 0;
+  if (sample_bound<M>(p, n, k, L, est, &produce)) {
+    Cands<M> c;
+    const int64_t cap = std::max(4 * est, 4 * k) + 4096;
+    if (collect<M, false>(p, n, L, 0, cap, c, &produce) && c.size() >= k) {
+      const auto tr = resolve(c, std::numeric_limits<K>::max(), k, k);
+      emit(c, lo, tr.first, tr.second, out, vout);
+      return;
+    }
+    topk_hist<M>(p, lo, n, k, out, vout);  // every block was produced
+    return;
+  }
+  produce_all();
   topk_hist<M>(p, lo, n, k, out, vout);
 }
 
@@ -642,6 +685,88 @@ std::tuple<at::Tensor, at::Tensor> select_threshold(const at::Tensor& x_,
     });
   });
   return {idx, vals};
+}
+
+// Fused error-feedback compensation, finiteness check and exact top-k
+// (issue #15): acc = grads (concatenated) + residual, written segment by
+// segment while the selection's collect pass scans it, so the gradient and
+// the residual are read once and the accumulator is read back from cache.
+// Returns select_topk(acc, offsets, k) and, per gradient tensor, whether all
+// its entries are finite.  float32/float64; grads, residual and acc of one
+// dtype (the Python side passes anything else to the reference twin).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compensate_select_topk(
+    const at::Tensor& acc, at::TensorList grads, const c10::optional<at::Tensor>& residual,
+    const at::Tensor& offsets, const at::Tensor& k) {
+  check_segments(acc, offsets, k, "compensate_select_topk");
+  TORCH_CHECK(acc.is_contiguous(), "compensate_select_topk: acc must be contiguous");
+  TORCH_CHECK(acc.scalar_type() == at::kFloat || acc.scalar_type() == at::kDouble,
+              "compensate_select_topk: float32 or float64 only");
+  const int64_t T = static_cast<int64_t>(grads.size());
+  std::vector<int64_t> tstart(T + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const at::Tensor& g = grads[t];
+    TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == acc.scalar_type(),
+                "compensate_select_topk: gradients must be contiguous CPU tensors of acc's dtype");
+    tstart[t + 1] = tstart[t] + g.numel();
+  }
+  TORCH_CHECK(tstart[T] == acc.numel(), "compensate_select_topk: the gradients hold ", tstart[T],
+              " entries, acc ", acc.numel());
+  const bool has_r = residual.has_value() && residual->defined();
+  if (has_r) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->is_contiguous() && residual->dim() == 1 &&
+                    residual->numel() == acc.numel() && residual->scalar_type() == acc.scalar_type(),
+                "compensate_select_topk: residual must be a contiguous 1-D tensor like acc");
+  }
+  const int64_t S = k.numel();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* ks = k.data_ptr<int64_t>();
+  TORCH_CHECK(S == 0 || (o[0] == 0 && o[S] == acc.numel()),
+              "compensate_select_topk: the segments must cover acc");
+  std::vector<int64_t> out_off(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = o[s + 1] - o[s];
+    out_off[s + 1] = out_off[s] + std::max<int64_t>(0, std::min(ks[s], n));
+  }
+  at::Tensor idx = at::empty({out_off[S]}, acc.options().dtype(index_type_for(acc.numel())));
+  at::Tensor vals = at::empty({out_off[S]}, acc.options());
+  std::unique_ptr<std::atomic<bool>[]> bad(new std::atomic<bool>[std::max<int64_t>(T, 1)]);
+  for (int64_t t = 0; t < T; ++t) bad[t].store(false);
+  AT_DISPATCH_FLOATING_TYPES(acc.scalar_type(), "compensate_select_topk", [&] {
+    using M = Mag<scalar_t>;
+    scalar_t* a = acc.data_ptr<scalar_t>();
+    const scalar_t* r = has_r ? residual->data_ptr<scalar_t>() : nullptr;
+    std::vector<const scalar_t*> gp(T);
+    for (int64_t t = 0; t < T; ++t) gp[t] = grads[t].data_ptr<scalar_t>();
+    // acc[b, e) (global) = grads + residual, tensor by tensor
+    auto produce_global = [&](int64_t b, int64_t e) {
+      int64_t t = std::upper_bound(tstart.begin(), tstart.end(), b) - tstart.begin() - 1;
+      while (b < e && t < T) {
+        const int64_t stop = std::min(e, tstart[t + 1]);
+        const int64_t base = tstart[t];
+        // pointers shifted so that index i (global) addresses grads[t][i - base]
+        if (!compensate_range<scalar_t>(a + base, gp[t], r == nullptr ? nullptr : r + base, b - base,
+                                        stop - base))
+          bad[t].store(true, std::memory_order_relaxed);
+        b = stop;
+        ++t;
+      }
+    };
+    const auto* p = reinterpret_cast<const typename M::bits_t*>(a);
+    auto* v = reinterpret_cast<typename M::bits_t*>(vals.data_ptr<scalar_t>());
+    GTOPK_DISPATCH_INDEX(idx.scalar_type(), "compensate_select_topk", [&] {
+      index_t* out = idx.data_ptr<index_t>();
+      for_segments(o, S, [&](int64_t s) {
+        const int64_t lo = o[s];
+        const Producer produce = [&, lo](int64_t b, int64_t e) { produce_global(lo + b, lo + e); };
+        topk_segment_fused<M>(p + lo, lo, o[s + 1] - lo, ks[s], out + out_off[s], v + out_off[s],
+                              produce);
+      });
+    });
+  });
+  at::Tensor finite = at::empty({T}, acc.options().dtype(at::kBool));
+  bool* f = finite.data_ptr<bool>();
+  for (int64_t t = 0; t < T; ++t) f[t] = !bad[t].load();
+  return {idx, vals, finite};
 }
 
 }  // namespace cpu

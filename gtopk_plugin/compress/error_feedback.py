@@ -1,13 +1,61 @@
 """Error feedback (residual memory), the decorator around any selector in
 BytePS's compressor core.  DESIGN.md §3: ``acc = grad + residual``; after the
 exchange ``residual = acc`` with the entries whose value reached the global
-result set to zero (or to their wire-rounding error)."""
+result set to zero (or to their wire-rounding error).
+
+Memory layout (issue #15: no N-sized allocation per step).  The residuals of
+the tensors of one reducer call (a *layout*: the sorted names, dtype and
+device) live in one persistent flat buffer, and ``residuals[name]`` are views
+into it.  A second persistent buffer of the same size is the step's scratch
+accumulator: ``acc = grad + residual`` is written there (together with the
+finiteness check), so a non-finite step -- detected only after the
+accumulator was written -- leaves the residual untouched.  When the step
+commits, the residual becomes ``acc`` less what was sent (O(k) writes into
+the accumulator) and the two buffers swap roles.  After a dense step with
+values sent exactly the residual is all zeros: the old residual buffer is
+zeroed instead (or kept, when it already was), and the next step's
+compensation is a copy.  ``residuals[name]`` therefore alternates between two
+fixed storages; read it afresh after every step rather than holding on to it.
+"""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+Tensor = torch.Tensor
+
+
+class FlatResidual:
+    """The two persistent buffers of one layout (see the module docstring)."""
+
+    __slots__ = ("names", "sizes", "bufs", "views", "cur", "zero")
+
+    def __init__(self, names: Sequence[str], sizes: Sequence[int], dtype, device):
+        self.names = tuple(names)
+        self.sizes = tuple(int(s) for s in sizes)
+        n = sum(self.sizes)
+        # bufs[cur] holds the residual, bufs[1 - cur] is the scratch accumulator
+        self.bufs: List[Optional[Tensor]] = [torch.zeros(n, dtype=dtype, device=device), None]
+        self.views: List[Optional[List[Tensor]]] = [list(torch.split(self.bufs[0], list(self.sizes))), None]
+        self.cur = 0
+        self.zero = True  # bufs[cur] is known to be all zeros
+
+    def _ensure(self, j: int) -> None:
+        if self.bufs[j] is None:
+            ref = self.bufs[1 - j]
+            self.bufs[j] = torch.empty_like(ref)
+            self.views[j] = list(torch.split(self.bufs[j], list(self.sizes)))
+
+    @property
+    def residual(self) -> Tensor:
+        return self.bufs[self.cur]
+
+    def accumulator(self) -> Tuple[Tensor, List[Tensor]]:
+        """The scratch buffer (and its per-name views) the step writes acc into."""
+        j = 1 - self.cur
+        self._ensure(j)
+        return self.bufs[j], self.views[j]
 
 
 class ErrorFeedback:
@@ -17,7 +65,73 @@ class ErrorFeedback:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.residuals: Dict[str, torch.Tensor] = {}
+        self._flat: Dict[tuple, FlatResidual] = {}
 
+    # -------------------------------------------------- persistent buffers
+    def layout(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> FlatResidual:
+        """The persistent buffers of this layout, created on first use.  The
+        residuals of its names are imported whenever ``residuals`` no longer
+        holds this layout's views (first use, ``load_state_dict``, ``reset``,
+        a name that moved in from another layout -- DDP rebuilds its buckets
+        after the first step); a layout that shares a name with the new one
+        is dropped."""
+        key = (tuple(names), dtype, torch.device(device))
+        f = self._flat.get(key)
+        if f is None or f.sizes != tuple(int(s) for s in sizes):
+            f = FlatResidual(names, sizes, dtype, device)
+            moved = set(names)
+            for other in [k for k in self._flat if k != key and moved.intersection(k[0])]:
+                del self._flat[other]
+            self._flat[key] = f
+            self._import(f, fresh=True)
+        elif self.enabled and any(self.residuals.get(n) is not v
+                                  for n, v in zip(f.names, f.views[f.cur])):
+            self._import(f, fresh=False)
+        return f
+
+    def _import(self, f: FlatResidual, fresh: bool) -> None:
+        """Copy the residuals held in ``residuals`` into ``f``'s residual
+        buffer (zeros for names without one) and make ``residuals`` point at
+        its views."""
+        if not self.enabled:
+            return
+        zero = True
+        for n, part in zip(f.names, f.views[f.cur]):
+            old = self.residuals.get(n)
+            if old is None:
+                if not fresh:
+                    part.zero_()
+                continue
+            if old.numel() != part.numel() or old.dtype != part.dtype:
+                raise RuntimeError(
+                    f"residual of {n!r} has shape {tuple(old.shape)}/{old.dtype} but the gradient "
+                    f"has {(part.numel(),)}/{part.dtype}; the layout changed, call reset()")
+            part.copy_(old.reshape(-1))
+            zero = False
+        f.zero = zero
+        self._point(f)
+
+    def _point(self, f: FlatResidual) -> None:
+        if self.enabled:
+            for n, v in zip(f.names, f.views[f.cur]):
+                self.residuals[n] = v
+
+    def commit_accumulator(self, f: FlatResidual) -> None:
+        """The step's new residual was made in place in the accumulator: the
+        buffers swap roles."""
+        f.cur = 1 - f.cur
+        f.zero = False
+        self._point(f)
+
+    def commit_zero(self, f: FlatResidual) -> None:
+        """The step's new residual is all zeros (a dense step, values sent
+        exactly): zero the residual buffer unless it already is."""
+        if not f.zero:
+            f.residual.zero_()
+            f.zero = True
+        self._point(f)
+
+    # ------------------------------------------------------ per-name API
     def compensate_into(self, name: str, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
         """``out = grad + residual`` (or a copy of ``grad``) written into a
         slice of the caller's flat buffer: one pass, no temporary."""
@@ -52,9 +166,11 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residuals.clear()
+        self._flat.clear()
 
     def state_dict(self):
         return {n: r.detach().cpu().clone() for n, r in self.residuals.items()}
 
     def load_state_dict(self, sd, device=None):
+        # the persistent buffers re-import these on the next call (identity check)
         self.residuals = {n: (r.to(device) if device is not None else r.clone()) for n, r in sd.items()}

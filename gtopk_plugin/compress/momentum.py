@@ -101,13 +101,15 @@ class MomentumCorrection:
         return buf
 
     def accumulate(self, names: Sequence[str], sizes: Sequence[int], flat_grads: Sequence[Tensor],
-                   dtype, device) -> List[Tensor]:
+                   dtype, device, scratch: Optional[Sequence[Tensor]] = None) -> List[Tensor]:
         """Advance every velocity by its gradient and return the increments
         that enter the residual (``u`` itself, or ``u + g`` with Nesterov;
-        the gradient as it is for a name without correction)."""
+        the gradient as it is for a name without correction).  ``scratch``:
+        per-name buffers the Nesterov increments are written into (the
+        reducer's persistent accumulator) instead of fresh tensors."""
         self._flat_velocity(names, sizes, dtype, device)
         out = []
-        for n, g in zip(names, flat_grads):
+        for i, (n, g) in enumerate(zip(names, flat_grads)):
             spec = self.spec_for(n)
             if spec is None:
                 out.append(g)
@@ -116,7 +118,10 @@ class MomentumCorrection:
             m, d = float(spec.momentum), float(spec.dampening)
             if spec.nesterov:
                 u.add_(g).mul_(m)          # u <- m (u + g)
-                out.append(u + g)          # increment u + g (torch's g + m·buf)
+                if scratch is None:
+                    out.append(u + g)      # increment u + g (torch's g + m·buf)
+                else:
+                    out.append(torch.add(u, g, out=scratch[i]))
             else:
                 u.mul_(m).add_(g, alpha=1.0 - d)
                 out.append(u)

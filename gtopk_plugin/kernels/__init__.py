@@ -9,7 +9,9 @@ they call the functions below, which dispatch on the tensor's device and the
 Fixed public names: ``select_topk(x, offsets, k)``,
 ``select_threshold(x, offsets, k)``, ``merge_select(...)``,
 ``scatter_update(...)``, ``residual_update(...)``,
-``scatter_residual_update(...)``, ``backend(device)``.
+``scatter_residual_update(...)``, ``compensate(out, grad, residual)``,
+``compensate_select_topk(acc, grads, residual, offsets, k)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
+``backend(device)``.
 
 On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
 docs/kernels.md) is used automatically once it loads; it is compiled at
@@ -115,6 +117,32 @@ def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor, *,
     return _module(acc.device, kernels).scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
 
 
+def compensate(out, grad, residual, *, kernels: Optional[str] = None) -> bool:
+    """``out = grad + residual`` (or ``grad``; in ``out``'s dtype) and whether
+    every entry of ``grad`` is finite, in one pass where the back end can.
+    ``out``: a 1-D buffer of ``grad.numel()`` entries (the caller's scratch
+    accumulator); ``residual``: ``None`` or 1-D like ``out``."""
+    return _module(out.device, kernels).compensate(out, grad, residual)
+
+
+def compensate_select_topk(acc, grads, residual, offsets, k, *, kernels: Optional[str] = None):
+    """:func:`compensate` of ``grads`` (concatenated: ``acc``'s length) into
+    ``acc`` and :func:`select_topk` of it, fused into one pass over the
+    gradients and the residual where the back end can.  Returns ``(idx,
+    vals, finite)`` with ``finite[t]``: gradient t is all finite."""
+    return _module(acc.device, kernels).compensate_select_topk(acc, grads, residual, offsets, k)
+
+
+def subtract_at_(acc, idx, sent, *, kernels: Optional[str] = None):
+    """In place ``acc[idx] -= sent`` (unique ``idx``); returns ``acc``."""
+    return _module(acc.device, kernels).subtract_at_(acc, idx, sent)
+
+
+def scatter_reset_(out, prev, idx, vals, divisor, *, kernels: Optional[str] = None):
+    """In place ``out[prev] = 0; out[idx] = vals / divisor``; returns ``out``."""
+    return _module(out.device, kernels).scatter_reset_(out, prev, idx, vals, divisor)
+
+
 # The CPU back end compiles (or loads) csrc/cpu on first use; see kernels/cpu.py.
 from . import cpu as _cpu  # noqa: E402
 
@@ -129,5 +157,5 @@ register_backend("cuda", loader=_cuda.load)
 
 
 __all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
-           "residual_update", "scatter_residual_update", "backend", "register_backend",
+           "residual_update", "scatter_residual_update", "compensate", "compensate_select_topk", "subtract_at_", "scatter_reset_", "backend", "register_backend",
            "reference", "index_dtype"]

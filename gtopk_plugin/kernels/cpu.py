@@ -36,6 +36,9 @@ log = logging.getLogger("gtopk_plugin.kernels")
 #: Value dtypes the compiled kernels handle (everything else: reference).
 SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
+#: compensate: one IEEE addition in the value type; fp16/bf16 go to the
+#: reference (torch adds them in float32 and rounds once).
+_COMPENSATE = (torch.float32, torch.float64)
 
 _ext = None               # the compiled module once loaded
 _origin: Optional[str] = None   # "installed" | "jit" (where _ext came from)
@@ -185,3 +188,38 @@ def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor):
         return reference.scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
     return _ext.scatter_residual_update(acc, sent_idx, sent.to(acc.dtype), idx, vals.to(acc.dtype),
                                         int(divisor))
+
+
+def compensate(out, grad, residual):
+    if (not _cpu_float(out, grad) or out.dtype != grad.dtype or grad.dtype not in _COMPENSATE
+            or out.dim() != 1 or not out.is_contiguous()
+            or (residual is not None and (residual.dtype != out.dtype or residual.device != out.device
+                                          or residual.dim() != 1 or not residual.is_contiguous()))):
+        return reference.compensate(out, grad, residual)
+    return bool(_ext.compensate(out, grad.reshape(-1).contiguous(), residual))
+
+
+def subtract_at_(acc, idx, sent):
+    if not _cpu_float(acc) or acc.dim() != 1 or not acc.is_contiguous() or idx.dtype not in _INDEX:
+        return reference.subtract_at_(acc, idx, sent)
+    _ext.subtract_at_(acc, idx, sent.to(acc.dtype))
+    return acc
+
+
+def scatter_reset_(out, prev, idx, vals, divisor):
+    if (not _cpu_float(out) or out.dim() != 1 or not out.is_contiguous() or idx.dtype not in _INDEX
+            or prev.dtype not in _INDEX or not isinstance(divisor, int) or divisor < 1):
+        return reference.scatter_reset_(out, prev, idx, vals, divisor)
+    _ext.scatter_reset_(out, prev, idx, vals.to(out.dtype), int(divisor))
+    return out
+
+
+def compensate_select_topk(acc, grads, residual, offsets, k):
+    dt = acc.dtype
+    if (dt not in _COMPENSATE or acc.device.type != "cpu" or acc.dim() != 1 or not acc.is_contiguous()
+            or any(g.dtype != dt or g.device.type != "cpu" for g in grads)
+            or (residual is not None and (residual.dtype != dt or residual.device.type != "cpu"
+                                          or residual.dim() != 1 or not residual.is_contiguous()))):
+        return reference.compensate_select_topk(acc, grads, residual, offsets, k)
+    return _ext.compensate_select_topk(acc, [g.reshape(-1).contiguous() for g in grads], residual,
+                                       *_seg(offsets, k))

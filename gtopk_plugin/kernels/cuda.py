@@ -578,3 +578,28 @@ def kernel_names() -> Dict[str, List[str]]:
                        + [f"gtopk_{op}_{v}_{i}" for op in ("scatter", "residual", "patch2")
                           for v in vals for i in idxs]),
     }
+
+
+def compensate(out, grad, residual):
+    # torch's own CUDA elementwise kernels (two launches: the sum and the
+    # finiteness reduction); a fused csrc/cuda kernel is future work.
+    return reference.compensate(out, grad, residual)
+
+
+def subtract_at_(acc, idx, sent):
+    return reference.subtract_at_(acc, idx, sent)
+
+
+def scatter_reset_(out, prev, idx, vals, divisor):
+    return reference.scatter_reset_(out, prev, idx, vals, divisor)
+
+
+def compensate_select_topk(acc, grads, residual, offsets, k):
+    # unfused on CUDA for now: compensate, then the radix select
+    finite, o = [], 0
+    for g in grads:
+        n = g.numel()
+        finite.append(compensate(acc[o:o + n], g, None if residual is None else residual[o:o + n]))
+        o += n
+    idx, vals = select_topk(acc, offsets, k)
+    return idx, vals, torch.tensor(finite, dtype=torch.bool)

@@ -209,6 +209,70 @@ def residual_update(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
     return res
 
 
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, in one read: a finite sum
+    (accumulated in at least float32, so float16 sums cannot overflow) has
+    only finite terms; a non-finite sum -- a NaN/Inf or a float32 overflow --
+    falls back to the exact elementwise test."""
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(t.sum(dtype=acc))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def compensate(out: Tensor, grad: Tensor, residual) -> bool:
+    """Error-feedback compensation (DESIGN.md §3): ``out = grad + residual``
+    (``out = grad`` when ``residual`` is None), ``grad`` first converted to
+    ``out``'s dtype; returns whether every entry of ``grad`` is finite.
+    ``out`` is the caller's scratch accumulator, so a non-finite step changes
+    no state.  Fast back ends do the check and the sum in one pass."""
+    finite = all_finite(grad)
+    g = grad.reshape(-1).to(out.dtype)
+    if residual is None:
+        out.copy_(g)
+    else:
+        torch.add(g, residual.to(out.device), out=out)
+    return finite
+
+
+def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Tensor):
+    """:func:`compensate` of every gradient into its slice of ``acc`` (the
+    gradients concatenated cover ``acc``; ``residual``: None or 1-D like
+    ``acc``), then :func:`select_topk` of ``acc``.  Returns ``(idx, vals,
+    finite)``, ``finite`` a bool tensor: per gradient, all entries finite.
+    Fast back ends fuse the three into one pass over grad and residual."""
+    finite, o = [], 0
+    for g in grads:
+        n = g.numel()
+        finite.append(compensate(acc[o:o + n], g, None if residual is None else residual[o:o + n]))
+        o += n
+    if o != acc.numel():
+        raise ValueError(f"compensate_select_topk: the gradients hold {o} entries, acc {acc.numel()}")
+    idx, vals = select_topk(acc, offsets, k)
+    return idx, vals, torch.tensor(finite, dtype=torch.bool)
+
+
+def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
+    """In place ``acc[idx] -= sent`` (unique ``idx``; one subtraction in
+    ``acc``'s dtype): the accumulator turned into the new residual, O(k)."""
+    if idx.numel():
+        i = idx.long()
+        acc[i] = acc[i] - sent.to(acc.dtype)
+    return acc
+
+
+def scatter_reset_(out: Tensor, prev: Tensor, idx: Tensor, vals: Tensor, divisor: int) -> Tensor:
+    """In place: ``out[prev] = 0``, then ``out[idx] = vals / divisor`` (the
+    arithmetic of :func:`scatter_update`): a persistent update buffer reused
+    by touching only the previous and the new result's entries."""
+    if prev.numel():
+        out[prev.long()] = 0
+    if idx.numel():
+        v = vals.to(out.dtype)
+        out[idx.long()] = v / divisor if divisor != 1 else v
+    return out
+
+
 def scatter_residual_update(acc: Tensor, sent_idx: Tensor, sent: Tensor, idx: Tensor, vals: Tensor,
                             divisor: int) -> Tuple[Tensor, Tensor]:
     """``(scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),

@@ -1,0 +1,246 @@
+"""``gtopk-bench step``: where one ``GradientReducer.reduce()`` spends its
+time, beside what the passes it must make cost (issue #15).
+
+    python -m benchmarks.step                          # the full grid
+    python -m benchmarks.step --sizes 1000000 --threads 1 --workers 1 --reps 3
+
+For every layout (N fp32 elements in 4 equal tensors, N in --sizes, and the
+161 tensors of ResNet-50), thread count (--threads) and world size
+(--workers: P = 1 on the in-process transport, P = 2 on loopback gloo, one
+process per rank), in one process per P and interleaved (each repetition
+times every entry once, in turn, on the same data):
+
+- ``floor``:  ``x.sum()`` over a flat buffer of N: one streaming read, the
+  cost of the cheapest pass any method must make;
+- ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
+  (what selection costs without compensation, check or update);
+- ``reduce()`` per method (gtopk 0.1 %, gtopk 1 %, topk 0.1 %, dense): the
+  phases of ``last_stats.seconds`` (check / select incl. compensation /
+  communicate / update / total) and the *local compute* = total minus
+  communicate (the time not spent in the transport).
+
+Prints medians and the ratios local / floor and kernel / floor; writes JSON
+(benchmarks/results/step.json, via benchmarks.record) and a PNG.  The goals of
+issue #15 at 25M fp32, one thread: local / floor <= 6 for gtopk/topk at 0.1 %
+and 1 %, <= 3 for dense.  Timings depend on the machine and its load (the
+load average is recorded beside them); compare ratios, not milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SIZES = [1_000_000, 25_000_000, 100_000_000]
+THREADS = [1, 2]
+WORKERS = [1, 2]
+#: (label, method, density)
+METHODS = [("gtopk 0.1%", "gtopk", 0.001), ("gtopk 1%", "gtopk", 0.01),
+           ("topk 0.1%", "topk", 0.001), ("dense", "dense", 0.01)]
+PHASES = ["check", "select", "communicate", "update", "total"]
+
+
+def layouts(sizes) -> List[dict]:
+    """name -> shape lists: N in 4 equal tensors per size, and ResNet-50."""
+    from benchmarks.selection import resnet50_shapes
+
+    out = []
+    for n in sizes:
+        q = n // 4
+        shapes = [(f"w{i}", (q if i < 3 else n - 3 * q,)) for i in range(4)]
+        out.append({"layout": f"{n / 1e6:g}M x4", "shapes": shapes})
+    out.append({"layout": "resnet50", "shapes": resnet50_shapes()})
+    return out
+
+
+def _median(v):
+    return statistics.median(v) if v else float("nan")
+
+
+def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[dict]:
+    """All methods on one layout and thread count; every rank runs this in
+    lockstep (reduce() is collective)."""
+    import torch
+
+    import gtopk_plugin as gp
+    from gtopk_plugin import kernels
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(seed + 1000 * transport.rank)
+    grads = {n: torch.randn(s, generator=gen) for n, s in shapes}
+    numel = sum(t.numel() for t in grads.values())
+    flat = torch.randn(numel, generator=gen)
+    sizes = [t.numel() for t in grads.values()]
+    offs = torch.tensor([0] + [sum(sizes[:i + 1]) for i in range(len(sizes))], dtype=torch.int64)
+    reducers = {label: gp.GradientReducer(method=m, density=d, transport=transport)
+                for label, m, d in METHODS}
+    ks = {d: torch.tensor([gp.k_for(d, s) for s in sizes], dtype=torch.int64) for _, _, d in METHODS}
+
+    def floor():
+        return flat.sum()
+
+    def kern(d):
+        return lambda: kernels.select_topk(flat, offs, ks[d])
+
+    entries = {"floor": floor}
+    for d in sorted({d for _, m, d in METHODS if m != "dense"}):
+        entries[f"kernel {d:g}"] = kern(d)
+    for label in reducers:
+        entries[label] = (lambda r: lambda: r.reduce(grads))(reducers[label])
+    for _ in range(2):  # warm-up: first-use compile, buffers, page faults
+        for f in entries.values():
+            f()
+    times: Dict[str, List[float]] = {e: [] for e in entries}
+    phases: Dict[str, Dict[str, List[float]]] = {label: {p: [] for p in PHASES} for label in reducers}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for e, f in entries.items():
+                t0 = time.perf_counter()
+                f()
+                times[e].append(time.perf_counter() - t0)
+                if e in reducers:
+                    sec = reducers[e].last_stats.seconds
+                    for p in PHASES:
+                        phases[e][p].append(sec.get(p, 0.0))
+    finally:
+        gc.enable()
+    floor_ms = _median(times["floor"]) * 1e3
+    rows = []
+    for label, m, d in METHODS:
+        ph = {p: _median(v) * 1e3 for p, v in phases[label].items()}
+        local = _median([t - c for t, c in zip(phases[label]["total"], phases[label]["communicate"])]) * 1e3
+        kernel_ms = None if m == "dense" else _median(times[f"kernel {d:g}"]) * 1e3
+        rows.append({"method": label, "density": d, "numel": numel, "tensors": len(sizes),
+                     "threads": threads, "floor_ms": floor_ms, "kernel_ms": kernel_ms,
+                     "phases_ms": ph, "local_ms": local, "local_over_floor": local / floor_ms,
+                     "kernel_over_floor": None if kernel_ms is None else kernel_ms / floor_ms,
+                     "total_over_floor": ph["total"] / floor_ms})
+    del reducers, grads, flat
+    gc.collect()
+    return rows
+
+
+def worker(ctx, payload) -> List[dict]:
+    """benchmarks.launch target (P = 2), also called directly for P = 1."""
+    transport = ctx.transport if ctx is not None else _single()
+    rows = []
+    for lay in payload["layouts"]:
+        shapes = [(n, tuple(s)) for n, s in lay["shapes"]]
+        for th in payload["threads"]:
+            for r in bench_case(transport, shapes, th, payload["reps"], payload["seed"]):
+                r.update(layout=lay["layout"], workers=transport.size)
+                rows.append(r)
+                if transport.rank == 0 and payload.get("echo"):
+                    print(_fmt(r), flush=True)
+    return rows
+
+
+def _single():
+    from gtopk_plugin.collectives.transport import SingleProcessTransport
+
+    return SingleProcessTransport()
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _fmt(r: dict) -> str:
+    ph = r["phases_ms"]
+    k = "" if r["kernel_ms"] is None else f"{r['kernel_ms']:8.1f}"
+    return (f"P={r['workers']} t={r['threads']} {r['layout']:>9} {r['method']:>10} | floor "
+            f"{r['floor_ms']:7.1f} kernel {k:>8} | check {ph['check']:7.1f} select {ph['select']:7.1f} "
+            f"comm {ph['communicate']:7.1f} update {ph['update']:7.1f} total {ph['total']:7.1f} | "
+            f"local {r['local_ms']:7.1f} = {r['local_over_floor']:5.1f}x floor")
+
+
+def plot(rows: List[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = sorted({(r["workers"], r["threads"]) for r in rows})
+    lays = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    for ax, (P, th) in zip(axes[0], cases):
+        width = 0.8 / len(METHODS)
+        for j, (label, _, _) in enumerate(METHODS):
+            ys = [next((r["local_over_floor"] for r in rows if r["workers"] == P and r["threads"] == th
+                        and r["layout"] == L and r["method"] == label), 0) for L in lays]
+            ax.bar([i + j * width for i in range(len(lays))], ys, width, label=label)
+        ax.axhline(6, color="k", ls="--", lw=0.8)
+        ax.axhline(3, color="k", ls=":", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lays))])
+        ax.set_xticklabels(lays, fontsize=8)
+        ax.set_title(f"P={P}, {th} thread(s)")
+        ax.set_ylabel("reduce() local compute / one read")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    from benchmarks import launch
+    from benchmarks.record import write_json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    ap.add_argument("--threads", type=int, nargs="+", default=THREADS)
+    ap.add_argument("--workers", type=int, nargs="+", default=WORKERS, choices=[1, 2])
+    ap.add_argument("--no-resnet", action="store_true", help="leave out the ResNet-50 layout")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--json", default=os.path.join(RESULTS, "step.json"))
+    args = ap.parse_args(argv)
+    rows: List[dict] = []
+    skipped = []
+    for P in args.workers:
+        # grads, flat, residual, accumulator, update, a dense sum and wire copies:
+        # about 8 N-sized fp32 buffers per rank at peak
+        sizes = [n for n in args.sizes if 8 * 4 * n * P < 0.8 * _mem_available()]
+        skipped += [(P, n) for n in args.sizes if n not in sizes]
+        lays = layouts(sizes)
+        if args.no_resnet:
+            lays = [L for L in lays if L["layout"] != "resnet50"]
+        payload = {"layouts": lays, "threads": args.threads, "reps": args.reps, "seed": args.seed,
+                   "echo": True}
+        if P == 1:
+            rows += worker(None, payload)
+        else:
+            per_rank = launch.run_workers(P, "benchmarks.step:worker", payload, engine="torch", ifname="lo",
+                                          timeout=args.timeout, echo=True)
+            rows += per_rank[0]
+    for P, n in skipped:
+        print(f"skipped N={n} at P={P}: not enough memory available", file=sys.stderr)
+    print()
+    for r in rows:
+        print(_fmt(r))
+    settings = {"sizes": args.sizes, "threads": args.threads, "workers": args.workers, "reps": args.reps,
+                "methods": METHODS, "skipped": skipped, "nice": os.nice(0)}
+    write_json(args.json, "step", settings, rows, packages=("torch", "gtopk_plugin"))
+    png = os.path.splitext(args.json)[0] + ".png"
+    print(f"wrote {args.json}" + (f" and {png}" if plot(rows, png) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+// Error-feedback compensation fused with the finiteness check (DESIGN.md §3;
+// gTop-k paper, Algorithm 2, line "acc = grad + residual"):
+//
+//   out = grad + residual   (out = grad when there is no residual)
+//   returns whether every entry of grad is finite
+//
+// in one streaming pass: the check costs no extra read of the gradient (the
+// reducer used to read it once for the check and once more to compensate).
+// `out` is a buffer of the caller's (the reducer's scratch accumulator), so a
+// non-finite step leaves every piece of state untouched.  One IEEE addition
+// per element in the value type, as torch.add(grad, residual): bit for bit
+// the reference (gtopk_plugin/kernels/reference.py: compensate).
+//
+// The finiteness test works on the raw bits: an entry is Inf or NaN iff its
+// exponent field is all ones, i.e. iff (bits & EXP) + EXP_LSB carries into the
+// sign bit; OR-ing those words over a range vectorises on baseline x86-64.
+#include "common.h"
+#include "ops.h"
+
+#include <ATen/OpMathType.h>
+
+namespace gtopk {
+namespace cpu {
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;
+
+}  // namespace
+
+bool compensate(const at::Tensor& out, const at::Tensor& grad,
+                const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(out.device().is_cpu() && grad.device().is_cpu(), "compensate: CPU tensors only");
+  TORCH_CHECK(out.dim() == 1 && grad.dim() == 1 && out.numel() == grad.numel(),
+              "compensate: out and grad must be 1-D of the same length");
+  TORCH_CHECK(out.is_contiguous() && grad.is_contiguous(), "compensate: contiguous tensors only");
+  TORCH_CHECK(out.scalar_type() == grad.scalar_type(), "compensate: out and grad dtypes differ");
+  const bool has_r = residual.has_value() && residual->defined();
+  if (has_r) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->dim() == 1 &&
+                    residual->numel() == grad.numel() && residual->is_contiguous() &&
+                    residual->scalar_type() == grad.scalar_type(),
+                "compensate: residual must be a contiguous 1-D CPU tensor like grad");
+  }
+  const int64_t n = grad.numel();
+  std::atomic<bool> finite{true};
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "compensate", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* r = has_r ? residual->data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      if (!compensate_range<scalar_t>(o, g, r, b, e)) finite.store(false, std::memory_order_relaxed);
+    });
+  });
+  return finite.load();
+}
+
+// acc[idx[j]] -= sent[j]: the error-feedback remainder made in place in the
+// accumulator, O(k) (reference: ErrorFeedback.remainder_ / subtract_at_).
+// Indices are unique (a selected set).  One subtraction in the value type.
+void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 1 && acc.is_contiguous(),
+              "subtract_at_: acc must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(idx.dim() == 1 && sent.dim() == 1 && idx.numel() == sent.numel() &&
+                  sent.scalar_type() == acc.scalar_type(),
+              "subtract_at_: idx and sent must be 1-D of one length, sent in acc's dtype");
+  const at::Tensor i = idx.contiguous(), v = sent.contiguous();
+  const int64_t n = i.numel(), numel = acc.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, acc.scalar_type(), "subtract_at_", [&] {
+    scalar_t* a = acc.data_ptr<scalar_t>();
+    const scalar_t* s = v.data_ptr<scalar_t>();
+    GTOPK_DISPATCH_INDEX(i.scalar_type(), "subtract_at_", [&] {
+      const index_t* p = i.data_ptr<index_t>();
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t q = static_cast<int64_t>(p[j]);
+        TORCH_CHECK(q >= 0 && q < numel, "subtract_at_: index ", q, " out of range");
+        a[q] = static_cast<scalar_t>(a[q] - s[j]);
+      }
+    });
+  });
+}
+
+// The persistent update buffer of a sparse step: zero the entries the
+// previous sparse result wrote (prev), then out[idx[j]] = vals[j] / divisor
+// (a true division in the value type's opmath, as reference.scatter_update);
+// O(k) instead of a fresh N-sized buffer of zeros.
+void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Tensor& idx,
+                    const at::Tensor& vals, int64_t divisor) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 1 && out.is_contiguous(),
+              "scatter_reset_: out must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(idx.dim() == 1 && vals.dim() == 1 && idx.numel() == vals.numel() &&
+                  vals.scalar_type() == out.scalar_type() && prev.dim() == 1,
+              "scatter_reset_: idx/vals 1-D of one length, vals in out's dtype; prev 1-D");
+  TORCH_CHECK(divisor >= 1, "scatter_reset_: divisor must be >= 1");
+  const at::Tensor pv = prev.contiguous(), i = idx.contiguous(), v = vals.contiguous();
+  const int64_t numel = out.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scatter_reset_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* x = v.data_ptr<scalar_t>();
+    GTOPK_DISPATCH_INDEX(pv.scalar_type(), "scatter_reset_", [&] {
+      const index_t* p = pv.data_ptr<index_t>();
+      for (int64_t j = 0, n = pv.numel(); j < n; ++j) {
+        const int64_t q = static_cast<int64_t>(p[j]);
+        TORCH_CHECK(q >= 0 && q < numel, "scatter_reset_: index ", q, " out of range");
+        o[q] = scalar_t(0.0f);
+      }
+    });
+    GTOPK_DISPATCH_INDEX(i.scalar_type(), "scatter_reset_", [&] {
+      const index_t* p = i.data_ptr<index_t>();
+      for (int64_t j = 0, n = i.numel(); j < n; ++j) {
+        const int64_t q = static_cast<int64_t>(p[j]);
+        TORCH_CHECK(q >= 0 && q < numel, "scatter_reset_: index ", q, " out of range");
+        o[q] = divisor == 1 ? x[j]
+                            : static_cast<scalar_t>(static_cast<opmath_t>(x[j]) /
+                                                    static_cast<opmath_t>(divisor));
+      }
+    });
+  });
+}
+
+}  // namespace cpu
+}  // namespace gtopk
