@@ -6,8 +6,8 @@ gtopk_plugin's drop-in Keras DistributedOptimizer (sparse or dense exchange).
 Compared with a stock Horovod-Keras script, only two lines differ: the import
 of ``DistributedOptimizer``/``Compression`` and the ``compression=``
 argument (plus ``momentum_correction=True``: DGC momentum correction with
-momentum factor masking, the recipe that keeps SGD momentum 0.9 working
-with sparse updates; ``--no-momentum-correction`` turns it off).  Rank 0
+momentum factor masking, DGC's recipe for SGD momentum with sparse updates;
+``--no-momentum-correction`` turns it off).  Rank 0
 prints the loss per epoch (averaged over the ranks by Horovod's
 MetricAverageCallback) and the test accuracy.  ``--tape`` trains with a
 custom loop and ``DistributedGradientTape`` inside ``tf.function`` instead

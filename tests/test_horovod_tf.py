@@ -10,9 +10,13 @@ checks batched in tests/horovod_tf_jobs.py): identical gradients go to the
 TensorFlow layer and to the single-process oracle of the PyTorch side
 (gtopk_plugin.testing.Oracle); every sparse method must give the oracle's
 bits on every rank, conserve mass (DESIGN.md §3) and leave the oracle's
-residuals, eagerly and inside tf.function; Compression.none/fp16 must equal
-stock Horovod-TF; Keras fit and checkpoint round trips of the residuals
-(Keras optimizer and tape); non-finite gradients.
+residuals, eagerly and inside tf.function; DGC momentum correction (plain,
+Nesterov, no masking) and local clipping give the oracle's updates,
+residuals and velocities, and Keras SGD with momentum_correction=True the
+oracle's weights; fp16/bf16 wires stay finite on overflow inputs, conserve
+mass to 1e-5 and give the oracle's bits; Compression.none/fp16 must equal
+stock Horovod-TF; Keras fit and checkpoint round trips of the residuals and
+velocities (Keras optimizer and tape); non-finite gradients.
 
 Skipped, loudly, only when TensorFlow or Horovod-TF cannot be imported
 (``GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh`` installs both;

@@ -30,11 +30,19 @@ from the same (seed, step, tensor name[, rank]) key.  The tests feed
 identical gradients to this layer and to the single-process oracle of the
 PyTorch side and compare bits.
 
+With ``momentum_correction=True`` (or ``momentum=``) the compression runs
+DGC's momentum correction with momentum factor masking and, with
+``clip_norm=``, DGC's local clipping, as compress/momentum.py and the
+reducer do (see ``_bind_momentum`` for how a Keras SGD is kept from
+applying momentum twice).  With an fp16/bf16 wire, merged sums are added in
+float32 and every later rounding is charged to one rank's residual, as
+collectives/gtopk.py and collectives/dense.py do (DESIGN.md §3).
+
 Dense compression (``Compression.none``/``fp16`` or any Horovod
 ``Compressor``) returns Horovod's own tape/optimizer unchanged.
 
-Residuals and the step counter are non-trainable ``tf.Variable`` objects
-held by the compression object (a ``tf.Module``): create it once, not per
+Residuals, velocities and the step counter are non-trainable ``tf.Variable``
+objects held by the compression object (a ``tf.Module``): create it once, not per
 step.  The Keras optimizer tracks it, so ``tf.train.Checkpoint(model=...,
 optimizer=opt)`` and ``model.save_weights`` (TF format) save and restore the
 residuals with the model; with the tape, add it to the checkpoint yourself
