@@ -433,7 +433,8 @@ def _count_calls(monkeypatch, module, name):
 def test_reducer_uses_cpu_kernels_by_default(monkeypatch, method):
     monkeypatch.delenv("GTOPK_KERNELS", raising=False)
     assert kernels.backend("cpu") == "cpu"
-    name = "select_threshold" if method == "threshold" else "select_topk"
+    # exact top-k runs fused with the compensation (issue #15)
+    name = "select_threshold" if method == "threshold" else "compensate_select_topk"
     fast = _count_calls(monkeypatch, cpu, name)
     ref = _count_calls(monkeypatch, reference, name)
     red = gp.GradientReducer(method=method, density=0.01, transport=gp.SingleProcessTransport())
@@ -450,8 +451,9 @@ def test_reducer_uses_cpu_kernels_by_default(monkeypatch, method):
 def test_gtopk_kernels_env_forces_a_backend(monkeypatch):
     monkeypatch.setenv("GTOPK_KERNELS", "reference")
     assert kernels.backend("cpu") == "reference"
-    fast = _count_calls(monkeypatch, cpu, "select_topk")
-    ref = _count_calls(monkeypatch, reference, "select_topk")
+    # the reducer runs exact top-k fused with the compensation (issue #15)
+    fast = _count_calls(monkeypatch, cpu, "compensate_select_topk")
+    ref = _count_calls(monkeypatch, reference, "compensate_select_topk")
     gp.GradientReducer(method="topk", density=0.1,
                        transport=gp.SingleProcessTransport()).reduce({"w": torch.randn(100)})
     assert ref and not fast
@@ -539,8 +541,8 @@ def test_first_use_compiles_once_with_one_log_line(fresh_loader, monkeypatch, ca
     kw = seen[0]
     assert kw["build_directory"].startswith(str(fresh_loader / "cache" / "gtopk_plugin" / "cpu_kernels"))
     assert kw["is_python_module"] is False
-    assert sorted(Path(s).name for s in kw["sources"]) == ["merge.cpp", "register.cpp", "scatter.cpp",
-                                                            "select.cpp"]
+    assert sorted(Path(s).name for s in kw["sources"]) == ["compensate.cpp", "merge.cpp", "register.cpp",
+                                                            "scatter.cpp", "select.cpp"]
     lines = [r for r in caplog.records if "compiling the CPU kernels" in r.getMessage()]
     assert len(lines) == 1
 
