@@ -411,8 +411,9 @@ def test_keras_sgd_momentum_correction_weights_equal_the_oracle(P):
     """SGD(0.1, momentum=0.9[, nesterov, weight_decay]) with momentum
     correction, through the Keras DistributedOptimizer (the compression's
     momentum_correction=True, in tf.function, weight decay 0.01) and the
-    tape (its momentum_correction=True, optimizer=, eager, Nesterov): the final weights are the initial ones updated with the
-    PyTorch oracle's momentum-corrected updates and no second momentum,
+    tape (its momentum_correction=True, optimizer=, eager, Nesterov): the
+    final weights are the initial ones updated with the PyTorch oracle's
+    momentum-corrected updates and no second momentum,
     w <- w - lr·wd·w (Keras' decoupled weight decay, kept by the optimizer)
     - lr·update, bit for bit; the optimizer still shows the user's momentum."""
     results = job(P)

@@ -90,8 +90,8 @@ from ..reducer import global_segment_name, k_for  # noqa: E402
 from .compression_names import SPARSE_METHODS, CompressionNames  # noqa: E402
 from .horovod_tf_collectives import TRAFFIC_KEYS, _allgather_sum, _butterfly, _Ops, _sharded_sum  # noqa: E402
 from .horovod_tf_kernels import (  # noqa: E402,F401
-    _randomk_positions, _rtopk_picks, accumulation_dtype, clip_factor, magnitude, merge_select, momentum_step, select_threshold,
-    select_topk, to_wire)
+    _randomk_positions, _rtopk_picks, accumulation_dtype, clip_factor, magnitude, merge_select, momentum_step,
+    select_threshold, select_topk, to_wire)
 
 __all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "DistributedOptimizer",
            "magnitude", "select_topk", "select_threshold", "merge_select"]
@@ -475,8 +475,9 @@ class SparseCompression(tf.Module):
 
     def _sparse(self, ops, acc, offsets, ks, ks_at, seg_names, step, dtype, wire, N, average):
         """One sparse step on the flat accumulator: (dense update, residual,
-        traffic, indices of this rank's entries that reached the result).  ``ks``: per-segment counts, Python ints or (with
-        ``ks_at``, step -> counts, for the torch draws) a run-time tensor."""
+        traffic, indices of this rank's entries that reached the result).
+        ``ks``: per-segment counts, Python ints or (with ``ks_at``, step ->
+        counts, for the torch draws) a run-time tensor."""
         cfg = self.config
         P = ops.P
         method, agg = cfg.method, cfg.aggregation

@@ -176,9 +176,12 @@ class _Charges:
         self.parts.append((tf.boolean_mask(idx, nz), tf.boolean_mask(err, nz)))
 
     def survive(self, cur_i):
-        self.parts = [(i, v) for i, v in
-                      ((tf.boolean_mask(i, m), tf.boolean_mask(v, m))
-                       for i, v, m in ((i, v, _member_of(i, cur_i)) for i, v in self.parts))]
+        """Keep the charges whose index is still in the group's set ``cur_i``."""
+        kept = []
+        for i, v in self.parts:
+            m = _member_of(i, cur_i)
+            kept.append((tf.boolean_mask(i, m), tf.boolean_mask(v, m)))
+        self.parts = kept
 
     def apply(self, residual):
         for i, v in self.parts:
