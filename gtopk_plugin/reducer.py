@@ -367,7 +367,7 @@ class GradientReducer:
             # (the reference scatter_update's arithmetic: vals / divisor)
             kernels.scatter_reset_(update, prev, agg.idx, agg.vals, divisor, kernels=cfg.kernels)
         # Residual: acc less what reached the global result, as it travelled.
-        if idx is not None and agg.reached is not None:
+        if idx is not None and agg.reached is not None and not bool(agg.reached.all()):
             idx, wire_reached = idx[agg.reached], wire_vals[agg.reached]
         else:
             wire_reached = wire_vals
@@ -393,8 +393,14 @@ class GradientReducer:
         selected = int(vals.numel())
         sent = numel if idx is None else int(idx.numel())
         rounds = agg.rounds
-        # nonzeros of the update: only the aggregated entries can be nonzero
-        nnz = torch.count_nonzero(update if agg.idx is None else update[agg.idx.long()])
+        # nonzeros of the update: only the aggregated entries can be nonzero,
+        # and those hold vals / divisor (computed on the k values, not
+        # gathered back from the N-sized buffer)
+        if agg.idx is None:
+            nnz = torch.count_nonzero(update)
+        else:
+            v = agg.vals.to(dtype)
+            nnz = torch.count_nonzero(v / divisor if divisor != 1 else v)
         out = {n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
                for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         seconds["update"] = time.perf_counter() - t3

@@ -24,6 +24,21 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kGrain = 1 << 16;
+constexpr int64_t kAhead = 32;  // prefetch distance of the O(k) scatters
+
+inline void prefetch_rw(const void* q) {
+#if defined(__GNUC__)
+  __builtin_prefetch(q, 1, 0);
+#endif
+}
+
+// an index clamped into [0, numel) (prefetching a bad one must not fault;
+// the loop itself rejects it)
+template <typename I>
+inline int64_t clamp_index(I v, int64_t numel) {
+  const int64_t q = static_cast<int64_t>(v);
+  return q < 0 ? 0 : (q >= numel ? numel - 1 : q);
+}
 
 }  // namespace
 
@@ -71,6 +86,9 @@ void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor
     GTOPK_DISPATCH_INDEX(i.scalar_type(), "subtract_at_", [&] {
       const index_t* p = i.data_ptr<index_t>();
       for (int64_t j = 0; j < n; ++j) {
+        // k scattered entries of an N-sized buffer: latency-bound, so the
+        // lines kAhead entries on are requested early (misses overlap)
+        if (j + kAhead < n) prefetch_rw(a + clamp_index(p[j + kAhead], numel));
         const int64_t q = static_cast<int64_t>(p[j]);
         TORCH_CHECK(q >= 0 && q < numel, "subtract_at_: index ", q, " out of range");
         a[q] = static_cast<scalar_t>(a[q] - s[j]);
@@ -100,6 +118,7 @@ void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Ten
     GTOPK_DISPATCH_INDEX(pv.scalar_type(), "scatter_reset_", [&] {
       const index_t* p = pv.data_ptr<index_t>();
       for (int64_t j = 0, n = pv.numel(); j < n; ++j) {
+        if (j + kAhead < n) prefetch_rw(o + clamp_index(p[j + kAhead], numel));
         const int64_t q = static_cast<int64_t>(p[j]);
         TORCH_CHECK(q >= 0 && q < numel, "scatter_reset_: index ", q, " out of range");
         o[q] = scalar_t(0.0f);
@@ -108,6 +127,7 @@ void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Ten
     GTOPK_DISPATCH_INDEX(i.scalar_type(), "scatter_reset_", [&] {
       const index_t* p = i.data_ptr<index_t>();
       for (int64_t j = 0, n = i.numel(); j < n; ++j) {
+        if (j + kAhead < n) prefetch_rw(o + clamp_index(p[j + kAhead], numel));
         const int64_t q = static_cast<int64_t>(p[j]);
         TORCH_CHECK(q >= 0 && q < numel, "scatter_reset_: index ", q, " out of range");
         o[q] = divisor == 1 ? x[j]
