@@ -274,6 +274,38 @@ def goals(rows: List[dict]) -> List[dict]:
     return out
 
 
+GLOO_STEPS = 40
+
+
+def gloo_specs() -> List[RunSpec]:
+    """Short runs repeated on real gloo workers with ``GradientReducer``:
+    the recipe's gTop-k with Nesterov (correction + masking + warm-up +
+    cosine lr), and top-k with correction without masking plus clipping."""
+    return [spec("digits", "gtopk", 4, 0.01, 0, "nesterov", GLOO_STEPS),
+            replace(spec("digits", "topk", 4, 0.01, 0, "clip", GLOO_STEPS), momentum_mode="corr")]
+
+
+def gloo_check() -> List[dict]:
+    """Simulation (``Oracle`` + ``MomentumCorrection``) vs real workers
+    (``GradientReducer`` with the same keywords): final weights bit for bit,
+    and the byte formula against the reducer's counters."""
+    from . import gloo, sim, study
+
+    out = []
+    for s_ in gloo_specs():
+        simulated = sim.run(study._task(s_.task), s_, keep_params=True)
+        c = gloo.compare(simulated, gloo.run(s_))
+        out.append({"config": f"{s_.task} {s_.label} P={s_.workers} d={s_.density:g} {s_.momentum_mode}"
+                              f"{' nesterov' if s_.nesterov else ''}"
+                              f"{f' warm-up {s_.warmup_epochs:g} ep' if s_.warmup_epochs else ''}"
+                              f"{f' clip {s_.clip_norm:g}' if s_.clip_norm else ''}, {s_.lr_schedule} lr, {s_.steps} steps",
+                    "params_bitwise_equal": c["params_bitwise_equal"],
+                    "params_max_abs_diff": c["params_max_abs_diff"],
+                    "bytes_formula_max_abs_diff": c["bytes_formula_max_abs_diff"],
+                    "kernels": c.get("kernels")})
+    return out
+
+
 # ---------------------------------------------------------------- format
 def fmt(metric: str, agg: Optional[dict]) -> str:
     if not agg:
@@ -350,6 +382,12 @@ def markdown(rows: List[dict], goal: List[dict], meta: dict, plot: Optional[str]
         parts.append(_table(["task", "method"] + [VARIANT_TEXT[v] for v in vs], body))
     if plot:
         parts.append(f"![momentum group]({plot})")
+    if meta.get("gloo_check"):
+        parts.append("### Simulation vs real gloo workers (library's momentum correction)")
+        parts.append(_table(["configuration", "final weights bit-identical", "max abs (formula − counted) bytes/step",
+                             "kernels"],
+                            [[c["config"], "yes" if c["params_bitwise_equal"] else f"no ({c['params_max_abs_diff']:.3g})",
+                              f"{c['bytes_formula_max_abs_diff']:.3g}", str(c["kernels"])] for c in meta["gloo_check"]]))
     return "\n\n".join(parts) + "\n"
 
 
@@ -444,6 +482,9 @@ def main(args) -> int:
             "adamw_weight_decay": ADAMW_WEIGHT_DECAY, "clip": CLIP, "wall_s": wall,
             "cpu_s": sum(r.get("cpu_s", 0.0) for r in results.values()), "reused_from_journal": reused, "failed": [s.as_dict() for s in failed],
             "not_run": [s.as_dict() for s in specs if s not in results and s not in failed]}
+    if not args.quick and not args.no_gloo:
+        print("gloo check: short runs of the simulation repeated on real gloo workers ...", flush=True)
+        meta["gloo_check"] = gloo_check()
     png = plot(rows, os.path.join(outdir, prefix + ".png"))
     rel = os.path.relpath(png, os.path.join(root, "docs")) if png else None
     md = markdown(rows, goal, meta, rel)
