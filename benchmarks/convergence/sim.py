@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import List, Optional
 
 import torch
 
