@@ -66,6 +66,10 @@ class ErrorFeedback:
         self.enabled = enabled
         self.residuals: Dict[str, torch.Tensor] = {}
         self._flat: Dict[tuple, FlatResidual] = {}
+        # names whose residual a committed step (or a loaded state) produced:
+        # a layout's buffers exist from its first call on, but a call that was
+        # skipped (non-finite) or raised has made no residual to checkpoint
+        self._live: set = set()
 
     # -------------------------------------------------- persistent buffers
     def layout(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> FlatResidual:
@@ -122,6 +126,7 @@ class ErrorFeedback:
         f.cur = 1 - f.cur
         f.zero = False
         self._point(f)
+        self._live.update(f.names)
 
     def commit_zero(self, f: FlatResidual) -> None:
         """The step's new residual is all zeros (a dense step, values sent
@@ -130,6 +135,7 @@ class ErrorFeedback:
             f.residual.zero_()
             f.zero = True
         self._point(f)
+        self._live.update(f.names)
 
     # ------------------------------------------------------ per-name API
     def compensate_into(self, name: str, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
@@ -148,6 +154,7 @@ class ErrorFeedback:
     def update(self, name: str, new_residual: torch.Tensor) -> None:
         if self.enabled:
             self.residuals[name] = new_residual
+            self._live.add(name)
 
     @staticmethod
     def remainder_(acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor) -> torch.Tensor:
@@ -167,10 +174,12 @@ class ErrorFeedback:
     def reset(self) -> None:
         self.residuals.clear()
         self._flat.clear()
+        self._live.clear()
 
     def state_dict(self):
-        return {n: r.detach().cpu().clone() for n, r in self.residuals.items()}
+        return {n: r.detach().cpu().clone() for n, r in self.residuals.items() if n in self._live}
 
     def load_state_dict(self, sd, device=None):
         # the persistent buffers re-import these on the next call (identity check)
         self.residuals = {n: (r.to(device) if device is not None else r.clone()) for n, r in sd.items()}
+        self._live = set(self.residuals)
