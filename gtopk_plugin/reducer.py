@@ -354,8 +354,7 @@ class GradientReducer:
             # allgather-and-add): divided in place and handed out as is, no
             # further N-sized buffer touched
             update = agg.vals
-            if divisor != 1:
-                update.div_(divisor)
+            nnz = kernels.div_count_(update, divisor, kernels=cfg.kernels)
         elif agg.idx is None:
             update, _ = self._updates.take((tuple(names), dtype, acc.device), numel, dtype, acc.device,
                                            None)
@@ -397,7 +396,8 @@ class GradientReducer:
         # and those hold vals / divisor (computed on the k values, not
         # gathered back from the N-sized buffer)
         if agg.idx is None:
-            nnz = torch.count_nonzero(update)
+            if update is not agg.vals:
+                nnz = torch.count_nonzero(update)
         else:
             v = agg.vals.to(dtype)
             nnz = torch.count_nonzero(v / divisor if divisor != 1 else v)

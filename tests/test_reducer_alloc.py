@@ -329,3 +329,18 @@ def test_subtract_at_and_scatter_reset_match_numpy(kern, dtype):
         w = np.zeros(10_000, dtype=np.float64)
         w[nidx.long().numpy()] = (vals / divisor).double().numpy() if divisor != 1 else vals.double().numpy()
         np.testing.assert_array_equal(o1.double().numpy(), w)
+
+
+@pytest.mark.parametrize("kern", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_div_count_matches_numpy(kern, dtype):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(100_003, generator=g).to(dtype)
+    x[::5] = 0
+    x[7] = 1e-45 if dtype == torch.float32 else 0  # a denormal that divides to zero
+    for divisor in (1, 3):
+        y = x.clone()
+        n = kernels.div_count_(y, divisor, kernels=kern)
+        want = (x / divisor) if divisor != 1 else x
+        assert torch.equal(y, want)
+        assert n == int(np.count_nonzero(want.double().numpy()))

@@ -138,5 +138,36 @@ void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Ten
   });
 }
 
+// A dense result divided in place by the number of workers (a true division
+// in the value type's opmath, as torch's x.div_(divisor) and
+// reference.div_count_) and its number of nonzero entries, in one pass (the
+// reducer's stats count them; torch.count_nonzero materialises a bool
+// tensor and costs three reads).
+int64_t div_count_(const at::Tensor& x, int64_t divisor) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(),
+              "div_count_: x must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(divisor >= 1, "div_count_: divisor must be >= 1");
+  std::atomic<int64_t> total{0};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "div_count_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    scalar_t* p = x.data_ptr<scalar_t>();
+    const opmath_t d = static_cast<opmath_t>(divisor);
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
+      int64_t c = 0;
+      if (divisor == 1) {
+        for (int64_t i = b; i < e; ++i) c += static_cast<opmath_t>(p[i]) != opmath_t(0);
+      } else {
+        for (int64_t i = b; i < e; ++i) {
+          const scalar_t v = static_cast<scalar_t>(static_cast<opmath_t>(p[i]) / d);
+          p[i] = v;
+          c += static_cast<opmath_t>(v) != opmath_t(0);
+        }
+      }
+      total.fetch_add(c, std::memory_order_relaxed);
+    });
+  });
+  return total.load();
+}
+
 }  // namespace cpu
 }  // namespace gtopk

@@ -38,6 +38,7 @@ std::tuple<at::Tensor, at::Tensor> scatter_residual_update(const at::Tensor& acc
 // compensate.cpp
 bool compensate(const at::Tensor& out, const at::Tensor& grad,
                 const c10::optional<at::Tensor>& residual);
+int64_t div_count_(const at::Tensor& x, int64_t divisor);
 void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent);
 void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Tensor& idx,
                     const at::Tensor& vals, int64_t divisor);

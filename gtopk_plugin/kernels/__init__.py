@@ -10,7 +10,7 @@ Fixed public names: ``select_topk(x, offsets, k)``,
 ``select_threshold(x, offsets, k)``, ``merge_select(...)``,
 ``scatter_update(...)``, ``residual_update(...)``,
 ``scatter_residual_update(...)``, ``compensate(out, grad, residual)``,
-``compensate_select_topk(acc, grads, residual, offsets, k)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
+``compensate_select_topk(acc, grads, residual, offsets, k)``, ``div_count_(x, divisor)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
 ``backend(device)``.
 
 On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
@@ -133,6 +133,12 @@ def compensate_select_topk(acc, grads, residual, offsets, k, *, kernels: Optiona
     return _module(acc.device, kernels).compensate_select_topk(acc, grads, residual, offsets, k)
 
 
+def div_count_(x, divisor, *, kernels: Optional[str] = None) -> int:
+    """In place ``x /= divisor`` (nothing when 1); returns the number of
+    nonzero entries of the result, in one pass where the back end can."""
+    return _module(x.device, kernels).div_count_(x, divisor)
+
+
 def subtract_at_(acc, idx, sent, *, kernels: Optional[str] = None):
     """In place ``acc[idx] -= sent`` (unique ``idx``); returns ``acc``."""
     return _module(acc.device, kernels).subtract_at_(acc, idx, sent)
@@ -157,5 +163,5 @@ register_backend("cuda", loader=_cuda.load)
 
 
 __all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
-           "residual_update", "scatter_residual_update", "compensate", "compensate_select_topk", "subtract_at_", "scatter_reset_", "backend", "register_backend",
+           "residual_update", "scatter_residual_update", "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "backend", "register_backend",
            "reference", "index_dtype"]

@@ -223,3 +223,9 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
         return reference.compensate_select_topk(acc, grads, residual, offsets, k)
     return _ext.compensate_select_topk(acc, [g.reshape(-1).contiguous() for g in grads], residual,
                                        *_seg(offsets, k))
+
+
+def div_count_(x, divisor):
+    if not _cpu_float(x) or x.dim() != 1 or not x.is_contiguous() or not isinstance(divisor, int) or divisor < 1:
+        return reference.div_count_(x, divisor)
+    return int(_ext.div_count_(x, int(divisor)))

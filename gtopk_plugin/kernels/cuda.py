@@ -603,3 +603,7 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
         o += n
     idx, vals = select_topk(acc, offsets, k)
     return idx, vals, torch.tensor(finite, dtype=torch.bool)
+
+
+def div_count_(x, divisor):
+    return reference.div_count_(x, divisor)

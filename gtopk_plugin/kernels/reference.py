@@ -252,6 +252,15 @@ def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Ten
     return idx, vals, torch.tensor(finite, dtype=torch.bool)
 
 
+def div_count_(x: Tensor, divisor: int) -> int:
+    """In place ``x /= divisor`` (a true division, nothing when 1) and the
+    number of nonzero entries afterwards: a dense result turned into the
+    update, and its count for the stats."""
+    if divisor != 1:
+        x.div_(divisor)
+    return int(torch.count_nonzero(x))
+
+
 def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
     """In place ``acc[idx] -= sent`` (unique ``idx``; one subtraction in
     ``acc``'s dtype): the accumulator turned into the new residual, O(k)."""
