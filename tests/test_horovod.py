@@ -22,16 +22,9 @@ import time
 import pytest
 import torch
 
-try:
-    import horovod.torch  # noqa: F401
-    HAVE_HOROVOD, WHY = True, ""
-except Exception as e:  # noqa: BLE001 - any import failure means: no Horovod here
-    HAVE_HOROVOD, WHY = False, f"{type(e).__name__}: {e}"
+from hvd_launch import require_horovod  # noqa: E402
 
-if not HAVE_HOROVOD:
-    # conftest.py prints a loud line in the terminal summary as well.
-    pytest.skip(f"HOROVOD TESTS SKIPPED: horovod cannot be imported ({WHY}); "
-                "run `bash scripts/install_horovod.sh`", allow_module_level=True)
+require_horovod()
 
 from gtopk_plugin.testing import Oracle  # noqa: E402
 from hvd_launch import elastic_hosts, horovodrun  # noqa: E402

@@ -8,15 +8,9 @@ import tempfile
 import pytest
 import torch
 
-try:
-    import horovod.torch  # noqa: F401
-    HAVE_HOROVOD, WHY = True, ""
-except Exception as e:  # noqa: BLE001
-    HAVE_HOROVOD, WHY = False, f"{type(e).__name__}: {e}"
+from hvd_launch import require_horovod  # noqa: E402
 
-if not HAVE_HOROVOD:
-    pytest.skip(f"HOROVOD TESTS SKIPPED: horovod cannot be imported ({WHY}); "
-                "run `bash scripts/install_horovod.sh`", allow_module_level=True)
+require_horovod()
 
 from hvd_launch import horovodrun  # noqa: E402
 from momentum_oracle import NumpyMomentumOracle  # noqa: E402
