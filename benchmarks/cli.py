@@ -21,6 +21,8 @@ BENCHMARKS = {
     "elastic": ("benchmarks.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
     "soak": ("benchmarks.soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
     "step": ("benchmarks.step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
+    "wire_precision": ("benchmarks.wire_precision", "main",
+                       "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
 }
 
 
