@@ -1,0 +1,118 @@
+"""One record of what a worker moved in one training step.
+
+Every framework layer reports its last step's bytes the same way (the
+``last_step_traffic`` dict of the Horovod optimizers and of the DDP hook's
+state): a :class:`StepTraffic` summed over the buckets of the step, handed
+out as a plain dict by :meth:`StepTraffic.as_dict`.
+
+Where the numbers come from (DESIGN.md §3, "Every collective counts the
+bytes it sends and receives"):
+
+* the transport fields (``payload_``/``header_`` bytes, ``control_bytes``,
+  ``messages_sent``) are the counters of
+  :class:`~gtopk_plugin.collectives.transport.TrafficCounters`, or the same
+  fields of each bucket's :class:`~gtopk_plugin.stats.ReduceStats`;
+* ``bytes_sent`` / ``bytes_received`` are always payload + headers (the data
+  path); the consistency check stays apart in ``control_bytes`` so payload
+  figures match the formulas of DESIGN.md §3 exactly;
+* the selection fields (``numel``, ``k``, ``sent_entries``, ``rounds``,
+  ``dense_bytes``, ``skipped``) come from the buckets' ``ReduceStats``;
+* a dense allreduce whose engine is not observable (Horovod's, DDP's) is
+  counted with the ring model, 2·(P−1)/P·bytes per worker
+  (:meth:`StepTraffic.ring_allreduce`).
+
+Framework-neutral: imports no framework and no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Union
+
+__all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS"]
+
+# Fields a transport counts (as TrafficCounters names them).
+TRANSPORT_FIELDS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sent",
+                    "header_bytes_received", "control_bytes", "messages_sent")
+# Fields only a reduction's statistics know.
+STATS_FIELDS = ("dense_bytes", "numel", "k", "sent_entries", "rounds")
+
+
+@dataclass
+class StepTraffic:
+    """Bytes, messages and selection sizes of one step on this worker,
+    summed over the buckets (reductions) of the step.
+
+    ``bytes_sent``/``bytes_received`` are derived (payload + headers), so a
+    record can never disagree with its parts.
+    """
+
+    payload_bytes_sent: int = 0
+    payload_bytes_received: int = 0
+    header_bytes_sent: int = 0
+    header_bytes_received: int = 0
+    control_bytes: int = 0
+    messages_sent: int = 0
+    dense_bytes: int = 0     # what a ring allreduce of the same gradients would send
+    numel: int = 0           # gradient entries reduced
+    k: int = 0               # entries selected per worker (sum over tensors)
+    sent_entries: int = 0
+    rounds: int = 0
+    buckets: int = 0         # reductions summed into this record
+    skipped: bool = False    # some bucket applied nothing (non-finite policy "skip")
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.payload_bytes_sent + self.header_bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.payload_bytes_received + self.header_bytes_received
+
+    # -- building --------------------------------------------------------
+    def add(self, other: Union["StepTraffic", object]) -> "StepTraffic":
+        """Add another record, or one reduction's ``ReduceStats`` (counted as
+        one bucket), in place; returns ``self``."""
+        if isinstance(other, StepTraffic):
+            for f in fields(self):
+                if f.name == "skipped":
+                    self.skipped = self.skipped or other.skipped
+                else:
+                    setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            return self
+        for name in TRANSPORT_FIELDS + STATS_FIELDS:
+            setattr(self, name, getattr(self, name) + int(getattr(other, name)))
+        self.buckets += 1
+        self.skipped = self.skipped or bool(getattr(other, "skipped", False))
+        return self
+
+    @classmethod
+    def from_stats(cls, stats: Iterable, counters=None) -> "StepTraffic":
+        """Sum of the ``ReduceStats`` of a step's buckets.  ``counters``: a
+        ``TrafficCounters`` delta of the transport over the whole step; when
+        given, the transport fields are taken from it (it also sees traffic
+        between reductions, e.g. a step-counter agreement)."""
+        out = cls()
+        for st in stats:
+            out.add(st)
+        if counters is not None:
+            for name in TRANSPORT_FIELDS:
+                setattr(out, name, int(getattr(counters, name)))
+        return out
+
+    @classmethod
+    def ring_allreduce(cls, world_size: int, wire_bytes: int, grad_bytes: int) -> "StepTraffic":
+        """A dense allreduce under the ring model: ``wire_bytes`` on the wire
+        (after any cast), ``grad_bytes`` of gradients (for ``dense_bytes``)."""
+        P = int(world_size)
+        ring = 2 * (P - 1) * int(wire_bytes) // P
+        return cls(payload_bytes_sent=ring, payload_bytes_received=ring,
+                   dense_bytes=2 * (P - 1) * int(grad_bytes) // P)
+
+    # -- reading ---------------------------------------------------------
+    def as_dict(self) -> dict:
+        """Plain dict with every field plus ``bytes_sent``/``bytes_received``
+        (the ``last_step_traffic`` format)."""
+        d = asdict(self)
+        d["bytes_sent"] = self.bytes_sent
+        d["bytes_received"] = self.bytes_received
+        return d
