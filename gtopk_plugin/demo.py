@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument("--timeout", type=_positive(float), default=d["timeout"],
                    help=f"seconds before the whole run is abandoned (default {d['timeout']:g})")
-    # Test-only hook (tests/test_demo.py): rank N raises at training step 1 of
+    # Test-only hook (tests/distributed/test_demo.py): rank N raises at training step 1 of
     # the first run, to check that a failing worker ends the demo non-zero
     # without hanging.  Hidden from --help.
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -47,7 +47,7 @@ class Oracle:
         self.residuals: List[Dict[str, Tensor]] = [dict() for _ in range(world_size)]
         # DGC momentum correction per simulated worker: the library's own
         # MomentumCorrection (the convergence study runs the library's code;
-        # tests/oracles.py has an independent numpy twin)
+        # tests/support/oracles.py has an independent numpy twin)
         spec = None if self.cfg.momentum is None else \
             MomentumSpec(self.cfg.momentum, self.cfg.nesterov, self.cfg.dampening)
         self.velocity = [MomentumCorrection(spec, self.cfg.momentum_masking) for _ in range(world_size)]

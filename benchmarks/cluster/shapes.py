@@ -3,7 +3,7 @@
 
 Every list is (name, shape) in the order the framework registers the
 parameters (gradients only: BatchNorm running statistics are buffers, not
-parameters).  Totals, checked by tests/test_cluster.py:
+parameters).  Totals, checked by tests/distributed/test_cluster.py:
 
 =============  ============  ================================================
 model          parameters    what it is

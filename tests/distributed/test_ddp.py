@@ -17,7 +17,7 @@ import gtopk_plugin as gp
 from dist_utils import run_workers
 from gtopk_plugin.testing import Oracle
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSITY = 0.1
 STEPS = 4
 

@@ -14,7 +14,7 @@ pytest.importorskip("tqdm")
 
 from gtopk_plugin import demo  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_demo(*args, timeout=150):

@@ -1,7 +1,7 @@
 """Smoke test of the elastic-scheduler benchmark (``benchmarks/elastic.py``,
 issue #7): ``--quick`` runs, writes its JSON, table and plot, and has a row
 for every policy and reducer.  Shaped network namespaces when they work,
-else plain loopback labelled 'unshaped' (as tests/test_cluster.py does).  No
+else plain loopback labelled 'unshaped' (as tests/distributed/test_cluster.py does).  No
 test asserts on a timing."""
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

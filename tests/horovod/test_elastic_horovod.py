@@ -1,5 +1,5 @@
 """Elastic scheduler under real ``horovodrun -np N --gloo`` jobs, N = 2, 3
-(one job per N runs every check of tests/elastic_horovod_job.py):
+(one job per N runs every check of tests/jobs/hvd_elastic_scheduler_job.py):
 - policy "barrier" and β = 1 on Horovod's allreduce_async_/poll/synchronize
   reproduce synchronous Horovod training bit for bit (SGD with momentum, Adam);
 - norm and variance policies end with identical parameters on all ranks;
@@ -19,7 +19,7 @@ from hvd_launch import require_horovod  # noqa: E402
 
 require_horovod()
 
-from test_horovod import horovodrun  # noqa: E402
+from hvd_launch import JOBS, horovodrun  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _JOBS = {}
@@ -28,7 +28,7 @@ _JOBS = {}
 def job(P):
     if P not in _JOBS:
         with tempfile.TemporaryDirectory(prefix="gtopk-hvd-elastic-") as d:
-            rc, out = horovodrun(P, [os.path.join(HERE, "elastic_horovod_job.py"), d], timeout=240)
+            rc, out = horovodrun(P, [os.path.join(JOBS, "hvd_elastic_scheduler_job.py"), d], timeout=240)
             assert rc == 0, f"horovodrun -np {P} failed (rc {rc}):\n{out[-6000:]}"
             _JOBS[P] = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(P)]
     return _JOBS[P]

@@ -1,6 +1,6 @@
 """Horovod integration under real ``horovodrun -np N --gloo`` jobs, N = 2, 3, 4.
 
-One job per N runs every check of tests/horovod_jobs.py ("main"); the tests
+One job per N runs every check of tests/jobs/hvd_torch_jobs.py ("main"); the tests
 below read the per-rank results and check:
 - Compression.none / fp16 (also with backward_passes_per_step=2 and groups)
   give the same parameters as stock ``hvd.DistributedOptimizer``;
@@ -27,10 +27,10 @@ from hvd_launch import require_horovod  # noqa: E402
 require_horovod()
 
 from gtopk_plugin.testing import Oracle  # noqa: E402
-from hvd_launch import elastic_hosts, horovodrun  # noqa: E402
+from hvd_launch import JOBS, elastic_hosts, horovodrun  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 WORLD_SIZES = [2, 3, 4]
 
 
@@ -42,7 +42,7 @@ def job(np_):
     if np_ not in _JOBS:
         with tempfile.TemporaryDirectory(prefix="gtopk-hvd-") as d:
             t0 = time.time()
-            rc, out = horovodrun(np_, [os.path.join(HERE, "horovod_jobs.py"), "main", d])
+            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_torch_jobs.py"), "main", d])
             assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
             res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(np_)]
             print(f"horovodrun -np {np_} main job: {time.time() - t0:.1f} s")
@@ -323,7 +323,7 @@ def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path):
     step counter must come back to the committed values on every rank, and
     training must finish with identical parameters everywhere."""
     hosts = elastic_hosts(tmp_path, 2)
-    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_elastic_job.py"), str(tmp_path)], timeout=240,
+    rc, out = horovodrun(2, [os.path.join(JOBS, "hvd_torch_elastic_job.py"), str(tmp_path)], timeout=240,
                          hosts=hosts)
     assert rc == 0, out[-6000:]
     logs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -1,6 +1,6 @@
 """Momentum correction, local clipping and GradScaler in the Horovod PyTorch
 layer (issue #14) under real ``horovodrun -np N --gloo`` jobs, checked
-against the independent numpy momentum oracle (tests/momentum_oracle.py)."""
+against the independent numpy momentum oracle (tests/support/momentum_oracle.py)."""
 import math
 import os
 import tempfile
@@ -12,7 +12,7 @@ from hvd_launch import require_horovod  # noqa: E402
 
 require_horovod()
 
-from hvd_launch import horovodrun  # noqa: E402
+from hvd_launch import JOBS, horovodrun  # noqa: E402
 from momentum_oracle import NumpyMomentumOracle  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +23,7 @@ LR = 0.05
 def job(np_):
     if np_ not in _JOBS:
         with tempfile.TemporaryDirectory(prefix="gtopk-hvd-mc-") as d:
-            rc, out = horovodrun(np_, [os.path.join(HERE, "horovod_jobs.py"), "momentum", d])
+            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_torch_jobs.py"), "momentum", d])
             assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
             _JOBS[np_] = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(np_)]
     return _JOBS[np_]

@@ -6,7 +6,7 @@ for bit, on data with ties, NaN and Inf -- the cross-framework check of the
 selection and merge semantics.
 
 Under real ``horovodrun -np N --gloo`` jobs, N = 2 and 3 (one job each, all
-checks batched in tests/horovod_tf_jobs.py): identical gradients go to the
+checks batched in tests/jobs/hvd_tf_jobs.py): identical gradients go to the
 TensorFlow layer and to the single-process oracle of the PyTorch side
 (gtopk_plugin.testing.Oracle); every sparse method must give the oracle's
 bits on every rank, conserve mass (DESIGN.md §3) and leave the oracle's
@@ -50,14 +50,14 @@ from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
-from hvd_launch import elastic_hosts, horovodrun as _horovodrun  # noqa: E402
+from hvd_launch import JOBS, elastic_hosts, horovodrun as _horovodrun  # noqa: E402
 
 needs_hvd = pytest.mark.skipif(
     not HAVE_HVD_TF, reason=f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
                             f"({WHY}); {_HINT}")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 TF_DTYPES = {torch.float32: tf.float32, torch.float64: tf.float64, torch.float16: tf.float16,
              torch.bfloat16: tf.bfloat16}
 
@@ -242,7 +242,7 @@ def job(np_):
     if np_ not in _JOBS:
         with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-") as d:
             t0 = time.time()
-            rc, out = horovodrun(np_, [os.path.join(HERE, "horovod_tf_jobs.py"), d])
+            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_tf_jobs.py"), d])
             assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
             res = []
             for r in range(np_):
@@ -558,7 +558,7 @@ def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P
 def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
     """Bytes of the last step per rank: what one rank sends another receives
     (sums over ranks agree), and the busiest rank's payload equals the byte
-    model that tests/test_cluster.py checks against the PyTorch transport's
+    model that tests/distributed/test_cluster.py checks against the PyTorch transport's
     counters (benchmarks.cluster.model.traffic): (P-1)·k·b for the Top-k
     allgather, log2(P')·k·b (+ k·b + ⌈k/8⌉ with folded ranks) for gTop-k."""
     from benchmarks.cluster import model as abm
@@ -692,7 +692,7 @@ def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path, mod
     every rank (each rank its own residuals, not rank 0's), and training must
     finish with identical weights everywhere."""
     hosts = elastic_hosts(tmp_path, 2)
-    rc, out = horovodrun(2, [os.path.join(HERE, "horovod_tf_elastic_job.py"), str(tmp_path), mode],
+    rc, out = horovodrun(2, [os.path.join(JOBS, "hvd_tf_elastic_job.py"), str(tmp_path), mode],
                          timeout=300, hosts=hosts)
     assert rc == 0, out[-6000:]
     logs = []

@@ -1,7 +1,7 @@
-"""Worker script of tests/test_elastic_horovod.py, run under
+"""Worker script of tests/horovod/test_elastic_horovod.py, run under
 ``horovodrun -np N -H localhost:N --gloo``:
 
-    python tests/elastic_horovod_job.py OUTDIR
+    python tests/jobs/hvd_elastic_scheduler_job.py OUTDIR
 
 Every rank runs every check and saves ``OUTDIR/rank{r}.pt``; one job per N
 because each horovodrun start costs seconds.  A check that raises is
@@ -29,7 +29,7 @@ import gtopk_plugin as gp  # noqa: E402
 from gtopk_plugin.elastic import ElasticScheduler, ThreadedReduction  # noqa: E402
 from gtopk_plugin.horovod import HorovodTransport  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from elastic_helpers import OPTIMIZERS, Recorder, make_model, train_elastic, train_sync  # noqa: E402
 
 R, P = hvd.rank(), hvd.size()

@@ -1,7 +1,7 @@
-"""Elastic worker run by tests/test_horovod_tf.py under
+"""Elastic worker run by tests/horovod/test_horovod_tf.py under
 ``horovodrun --gloo -np 2 --min-np 2 --host-discovery-script ...``.
 
-    python tests/horovod_tf_elastic_job.py OUTDIR {tape|keras}
+    python tests/jobs/hvd_tf_elastic_job.py OUTDIR {tape|keras}
 
 Trains with gtopk_plugin's DistributedGradientTape (``tape``: the
 compression corrects momentum 0.9 itself, SGD has none) or Keras

@@ -1,6 +1,6 @@
-"""Worker script run under ``horovodrun`` by tests/test_horovod_tf.py.
+"""Worker script run under ``horovodrun`` by tests/horovod/test_horovod_tf.py.
 
-    horovodrun -np N -H localhost:N --gloo python tests/horovod_tf_jobs.py OUTDIR
+    horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_jobs.py OUTDIR
 
 Every rank runs every check and pickles ``OUTDIR/rank{r}.pkl`` (a dict of
 results: numpy arrays); the parent test compares ranks with each other and

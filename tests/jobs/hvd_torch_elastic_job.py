@@ -1,7 +1,7 @@
-"""Elastic worker run by tests/test_horovod.py under
+"""Elastic worker run by tests/horovod/test_horovod.py under
 ``horovodrun --gloo -np 2 --min-np 2 --host-discovery-script ...``.
 
-    python tests/horovod_elastic_job.py OUTDIR
+    python tests/jobs/hvd_torch_elastic_job.py OUTDIR
 
 Trains with a sparse DistributedOptimizer inside ``hvd.elastic.run`` and, once,
 raises ``HorovodInternalError`` on every worker right after a few uncommitted

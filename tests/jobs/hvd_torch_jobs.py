@@ -1,6 +1,6 @@
-"""Worker script run under ``horovodrun`` by tests/test_horovod.py.
+"""Worker script run under ``horovodrun`` by tests/horovod/test_horovod.py.
 
-    horovodrun -np N -H localhost:N --gloo python tests/horovod_jobs.py JOB OUTDIR
+    horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_torch_jobs.py JOB OUTDIR
 
 Every rank runs every check of JOB and saves ``OUTDIR/rank{r}.pt`` (a dict of
 results); the parent test compares ranks with each other and with the

@@ -1,4 +1,4 @@
-"""Worker functions of tests/test_elastic_distributed.py, run in real
+"""Worker functions of tests/distributed/test_elastic_distributed.py, run in real
 torch.distributed gloo process groups (tests/dist_utils.run_workers)."""
 import os
 import sys

@@ -1,4 +1,4 @@
-"""Worker functions of tests/test_hardening_distributed.py, run in real
+"""Worker functions of tests/distributed/test_hardening_distributed.py, run in real
 torch.distributed gloo process groups (tests/dist_utils.run_workers).
 
 They only drive the public API and record what a user can observe — each

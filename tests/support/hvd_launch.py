@@ -13,7 +13,9 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the scripts horovodrun runs (tests/jobs/)
+JOBS = os.path.join(ROOT, "tests", "jobs")
 
 
 def require_horovod() -> None:

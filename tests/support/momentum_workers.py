@@ -1,4 +1,4 @@
-"""Workers for tests/test_momentum.py, run inside real gloo process groups."""
+"""Workers for tests/distributed/test_momentum.py, run inside real gloo process groups."""
 import torch
 
 import gtopk_plugin as gp

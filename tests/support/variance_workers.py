@@ -1,4 +1,4 @@
-"""Worker of the gated variance-policy tests in tests/test_elastic_distributed.py
+"""Worker of the gated variance-policy tests in tests/distributed/test_elastic_distributed.py
 (real gloo process groups, tests/dist_utils.run_workers): the scheduler on a
 REAL reduction behind ``elastic_helpers.Gate`` (deterministic arrival order),
 with the variance policy bound to its back end as

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_wire_precision.py (run inside real gloo
+"""Worker functions for tests/distributed/test_wire_precision.py (run inside real gloo
 process groups by tests/dist_utils.run_workers)."""
 import torch
 

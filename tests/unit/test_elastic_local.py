@@ -1,8 +1,8 @@
 """Elastic scheduler, single process (no process group): settings
 validation, the optimizer-equivalence contract, checkpoints, the
 BYTEPS_ELASTIC_* readers, the BytePS module without BytePS, and the
-policies' formulas.  Distributed behaviour: tests/test_elastic_distributed.py
-(gloo) and tests/test_elastic_horovod.py (horovodrun)."""
+policies' formulas.  Distributed behaviour: tests/distributed/test_elastic_distributed.py
+(gloo) and tests/horovod/test_elastic_horovod.py (horovodrun)."""
 import importlib.util
 import math
 import subprocess

@@ -1,5 +1,5 @@
 """Statistical tests of the random selectors (issue #20), fixed seeds, against
-numpy oracles that share no code with the implementation (tests/oracles.py:
+numpy oracles that share no code with the implementation (tests/support/oracles.py:
 numpy only).  Each test states the deviation it detects and with what
 probability (power of the chi-square test at level α = 10⁻³, computed from
 the non-central χ² with the stated non-centrality λ; the false-alarm
