@@ -28,8 +28,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..buckets import named_pairs
 from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
+from ..traffic import StepTraffic
 from .torch_distributed import TorchDistributedTransport
 
 __all__ = ["SparseState", "sparse_hook"]
@@ -42,9 +44,6 @@ logger = logging.getLogger(__name__)
 _REDUCER_KWARGS = tuple(n for n in inspect.signature(GradientReducer.__init__).parameters
                         if n not in ("self", "transport"))
 _STATE_VERSION = 1
-_TRAFFIC_FIELDS = ("bytes_sent", "bytes_received", "payload_bytes_sent", "payload_bytes_received",
-                   "header_bytes_sent", "header_bytes_received", "control_bytes", "dense_bytes",
-                   "messages_sent", "numel", "k", "sent_entries")
 
 
 class SparseState:
@@ -101,7 +100,8 @@ class SparseState:
     running stream).  Granularity "global" selects per DDP bucket.
 
     ``last_step_traffic`` sums the reducer's byte counts over the buckets of
-    the last completed step (``bytes_sent``, ``dense_bytes``, ...).
+    the last completed step (``bytes_sent``, ``dense_bytes``, ...): a
+    :class:`gtopk_plugin.traffic.StepTraffic` as a dict.
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
@@ -170,8 +170,8 @@ class SparseState:
         # way even though ids do not survive a process.
         self._order: List[Tuple[str, Tuple[int, ...]]] = []
         # -- per-step traffic (sum over the buckets of one training step) --
-        self._traffic_acc: Dict[str, int] = {}
-        self.last_step_traffic: Optional[Dict[str, int]] = None
+        self._traffic_acc = StepTraffic()
+        self.last_step_traffic: Optional[dict] = None
 
     # ------------------------------------------------------------------ API
     @property
@@ -236,21 +236,7 @@ class SparseState:
         """(Re)bind names to parameters, e.g. after unpickling a state into a
         process whose model is not fresh."""
         given: Dict[int, Tuple[torch.Tensor, str]] = {}
-        names = set()
-        try:
-            items = list(named_parameters)
-        except TypeError:
-            raise ValueError("named_parameters must be an iterable of (name, parameter) pairs, "
-                             f"e.g. model.named_parameters(); got {type(named_parameters).__name__}") from None
-        for item in items:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise ValueError("named_parameters must yield (str, torch.Tensor) pairs, e.g. "
-                                 f"model.named_parameters(); got {item!r:.80}")
-            name, p = item
-            if name in names:
-                raise ValueError(f"named_parameters names {name!r} twice; names must be unique")
-            names.add(name)
+        for name, p in named_pairs(named_parameters):  # ValueError on bad or repeated names
             # A tied parameter listed under several names keeps its first name,
             # as nn.Module.named_parameters() does.
             given.setdefault(id(p), (p, name))
@@ -325,7 +311,7 @@ class SparseState:
                                        **self._reducer_kwargs)
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
-        self._traffic_acc = {}
+        self._traffic_acc = StepTraffic()
         self._pending = []
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
@@ -338,11 +324,9 @@ class SparseState:
     def _record_traffic(self, last: bool) -> None:
         st = self.reducer.last_stats
         if st is not None:
-            for f in _TRAFFIC_FIELDS:
-                self._traffic_acc[f] = self._traffic_acc.get(f, 0) + int(getattr(st, f))
-            self._traffic_acc["buckets"] = self._traffic_acc.get("buckets", 0) + 1
+            self._traffic_acc.add(st)  # one bucket
         if last:
-            self.last_step_traffic, self._traffic_acc = self._traffic_acc, {}
+            self.last_step_traffic, self._traffic_acc = self._traffic_acc.as_dict(), StepTraffic()
 
     def __repr__(self):
         kw = ", ".join(f"{k}={v!r}" for k, v in sorted(self._reducer_kwargs.items()))

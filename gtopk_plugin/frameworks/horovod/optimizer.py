@@ -1,0 +1,317 @@
+"""The drop-in ``DistributedOptimizer`` of the PyTorch Horovod layer::
+
+    import horovod.torch as hvd
+    from gtopk_plugin.horovod import DistributedOptimizer, Compression
+
+    hvd.init()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               compression=Compression.gtopk(0.01))
+
+Which optimizer you get:
+
+* a sparse ``Compression.topk/gtopk/rtopk/randomk/threshold(density)``: ours,
+  whose step is :class:`~.sparse._SparsePath` (the core's
+  ``GradientReducer`` per bucket, overlapping backward);
+* ``Compression.none`` / ``fp16`` / any Horovod ``Compressor``: Horovod's own
+  ``horovod.torch.DistributedOptimizer`` (it is exactly what our dense path
+  did), with ``last_step_traffic`` added; ours with
+  :class:`~.dense._DensePath` only where Horovod cannot run the job
+  (bfloat16 parameters: Horovod 0.28.1 has no bfloat16 allreduce);
+* ``op=hvd.Adasum`` with dense compression: Horovod's Adasum optimizer.
+
+As in Horovod, our optimizer is a new class whose base is the user's
+optimizer class (``isinstance(opt, torch.optim.SGD)`` holds) and whose
+methods are copied from a body class: :class:`_OptimizerBody` (Horovod's
+public API, gradient hooks, state) plus one path class.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import List, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch import mpi_ops as _ops
+
+from ...buckets import bucket_names, name_parameters, resolve_groups
+from ...reducer import GradientReducer
+from ...stats import ReduceStats
+from ..compression_names import SPARSE_METHODS
+from .compression import Compression, SparseCompression, is_dense_compressor
+from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
+from .sparse import _SparsePath
+
+__all__ = ["DistributedOptimizer"]
+
+_STATE_KEY = "gtopk_plugin"  # our entry in optimizer.state_dict()
+# Horovod's broadcast_optimizer_state initialises an empty optimizer state
+# with a plain local step() when the optimizer's module is Horovod's
+# optimizer module, and with a collective step() otherwise.  Our optimizer
+# must get the local one, as Horovod's own does.
+_HVD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+
+
+class _GtopkHorovodOptimizer:
+    """Marker base of every optimizer class made here (the elastic state
+    handler in :mod:`.elastic` finds them by it)."""
+
+
+class _OptimizerBody(torch.optim.Optimizer):
+    """Methods shared by both paths.  A path class provides ``_init_path``,
+    ``_param_ready``, ``_synchronize_path``, ``_step_started`` and
+    ``_abandon_path``.  ``super(self.__class__, self)`` is the user's
+    optimizer class (the built class derives from it directly)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler=None):
+        super(self.__class__, self).__init__(params)
+        self.__module__ = _HVD_OPTIMIZER_MODULE
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self._parameter_names = name_parameters(named_parameters, self.param_groups)
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = []
+        self.last_step_traffic: Optional[dict] = None
+        self._groups = resolve_groups(groups, self._requires_update)
+        self._reducer: Optional[GradientReducer] = None
+        self._init_path(grad_scaler)
+        if self.process_set.included():
+            for p in self._requires_update:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    # -- public API (Horovod's) -------------------------------------------
+    def synchronize(self):
+        """Wait for every gradient's reduction and write the results into
+        ``p.grad``.  Parameters that got no gradient this step take part
+        with zeros (another rank may have one)."""
+        if self.process_set.included():
+            self._synchronize_path()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (call
+        ``synchronize()`` yourself first, e.g. to clip or unscale)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        try:
+            if self._should_synchronize:
+                if self._synchronized:
+                    warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                                  "after optimizer.synchronize(). This can cause training slowdown. You may "
+                                  "want to consider using optimizer.skip_synchronize() context if you use "
+                                  "optimizer.synchronize() in your code.")
+                self.synchronize()
+            self._synchronized = False
+            return super(self.__class__, self).step(closure)
+        except BaseException:
+            # the step hooks' post half never runs after an exception: give
+            # momentum and weight decay back to the optimizer's groups
+            binding = None if self._reducer is None else self._reducer.binding
+            if binding is not None:
+                binding.abort_step()
+            raise
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._step_started():
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
+                                 "can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int):
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped optimizer's state, plus (sparse compression) this
+        rank's error-feedback residuals and the step counter under
+        ``"gtopk_plugin"``, so checkpoints and ``hvd.elastic.TorchState``
+        commits keep them."""
+        sd = super(self.__class__, self).state_dict(*args, **kwargs)
+        if self._reducer is not None:
+            sd[_STATE_KEY] = self._reducer.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        sd = dict(state_dict)  # never modify the caller's (e.g. TorchState's saved) copy
+        ours = sd.pop(_STATE_KEY, None)
+        self._abandon_step()
+        super(self.__class__, self).load_state_dict(sd)
+        if ours is not None and self._reducer is not None:
+            self._reducer.load_state_dict(ours)
+
+    @property
+    def reducer(self) -> Optional[GradientReducer]:
+        """The core reducer (sparse compression), else None."""
+        return self._reducer
+
+    @property
+    def last_stats(self) -> Optional[ReduceStats]:
+        """Statistics of the last bucket reduced (sparse compression)."""
+        return None if self._reducer is None else self._reducer.last_stats
+
+    @property
+    def buckets(self) -> List[List[str]]:
+        """Parameter names per bucket, in reduction order (sparse), or per
+        Horovod group (dense)."""
+        return bucket_names(self._buckets, self._parameter_names)
+
+    # -- hooks ---------------------------------------------------------------
+    def _make_hook(self, p):
+        def hook(_param):
+            self._grad_ready(p)
+        return hook
+
+    def _grad_ready(self, p):
+        if self._delay[p] <= 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step times "
+                                 "before call to step(). Increase backward_passes_per_step to "
+                                 "accumulate gradients locally.")
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._param_ready(p)
+
+    # -- elastic -------------------------------------------------------------
+    def _abandon_step(self):
+        """Forget a half-done step (load_state_dict, elastic restore): wait
+        for reductions already running, drop their results."""
+        self._abandon_path()
+        self._synchronized = False
+        self._should_synchronize = True
+
+    def _elastic_sync(self):
+        """Called by the elastic state handler on every rank after Horovod
+        broadcast the optimizer state: every rank takes rank 0's step counter
+        (residuals stay per rank: they are this worker's unsent mass)."""
+        if self._reducer is None:
+            return
+        v = torch.tensor([self._reducer.step], dtype=torch.int64)
+        if self.process_set.size() > 1:
+            v = _ops.broadcast_(v, root_rank=0, name="gtopk.elastic.step", process_set=self.process_set)
+        self._reducer.step = int(v[0])
+        self._agree_step = False
+
+
+def _class_body(path) -> dict:
+    """The methods of ``path`` and :class:`_OptimizerBody` as one class
+    dict (the body wins), as Horovod copies ``_DistributedOptimizer``."""
+    skip = ("__dict__", "__weakref__", "__doc__")
+    body = {k: v for k, v in vars(path).items() if k not in skip}
+    body.update((k, v) for k, v in vars(_OptimizerBody).items() if k not in skip)
+    return body
+
+
+_SPARSE_BODY = _class_body(_SparsePath)
+_DENSE_BODY = _class_body(_DensePath)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=hvd.global_process_set, grad_scaler=None):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across
+    the Horovod workers — ``horovod.torch.DistributedOptimizer`` with the
+    same signature and behaviour, plus sparse ``compression=`` choices.
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names identify each
+            gradient's reduction (and residual) on every rank.  Every
+            parameter of the optimizer must be named (``ValueError``).
+        compression: ``Compression.none`` / ``Compression.fp16`` (Horovod's
+            dense allreduce) or a sparse ``Compression.topk/gtopk/rtopk/
+            randomk/threshold(density, ...)``.
+        backward_passes_per_step: backward passes accumulated locally before
+            the reduction (gradients are summed, as in Horovod).
+        op: ``hvd.Average`` or ``hvd.Sum`` (``hvd.Adasum`` for dense compression:
+            Horovod's own Adasum optimizer is returned).
+        gradient_predivide_factor: with op=Average, scale by 1/f before and
+            f/size after the sum.
+        num_groups: deprecated alias of ``groups``.
+        groups: int n or a list of lists of parameters: parameters reduced
+            together (dense: Horovod grouped allreduce; sparse: one bucket each).
+        sparse_as_dense: reduce ``torch.sparse`` gradients as dense tensors
+            (sparse compression always does).
+        process_set: reduce over this Horovod process set.
+        grad_scaler: (sparse compression) the ``torch.amp.GradScaler`` of an
+            AMP loop: residuals and velocities follow its loss scale
+            (rescaled exactly when it changes) and the clipping threshold
+            is scaled with it; use ``nonfinite="propagate"`` so that every
+            rank's scaler sees an overflow on any rank.
+
+    Dense compression returns Horovod's own optimizer (it does exactly what
+    a dense path of ours would) with ``last_step_traffic`` (ring model)
+    added; our dense path runs only for bfloat16 parameters, which Horovod
+    0.28.1 cannot allreduce (they travel as fp32).  Either way parameter
+    names are checked first, with errors that name the missing parameter.
+
+    With a sparse compression the returned optimizer also has ``reducer``,
+    ``last_stats`` (last bucket), ``last_step_traffic`` (bytes of the last
+    step, summed over buckets: :class:`gtopk_plugin.traffic.StepTraffic`
+    as a dict) and ``buckets``; its ``state_dict()`` holds the residuals and
+    step counter under ``"gtopk_plugin"``.
+    """
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in "
+                      "v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    sparse = isinstance(compression, SparseCompression)
+    if sparse:
+        if op == hvd.Adasum:
+            raise ValueError("op=hvd.Adasum works with dense compression only; sparse compression "
+                             "supports hvd.Average and hvd.Sum")
+    elif not is_dense_compressor(compression):
+        # TODO(#16, registry): take the method names from gtopk_plugin.compress.available()
+        # once the registry drives Compression (see /work/notes/compressor_api.md).
+        hint = (f" (did you mean Compression.{compression}(density)?)"
+                if isinstance(compression, str) and compression in SPARSE_METHODS else "")
+        raise ValueError(
+            f"unknown compression {compression!r}{hint}: pass Compression.none, Compression.fp16, "
+            "Compression.topk/gtopk/rtopk/randomk/threshold(density), or a Horovod Compressor")
+    else:
+        if grad_scaler is not None:
+            raise ValueError("grad_scaler= is for sparse compressions (error-feedback state follows the "
+                             "loss scale); Horovod's dense allreduce needs none")
+        if op == hvd.Adasum and hvd.size() > 1:
+            # Adasum's delta-model optimizer is Horovod's own; nothing sparse to add.
+            return hvd.DistributedOptimizer(optimizer, named_parameters, compression,
+                                            backward_passes_per_step, op, gradient_predivide_factor,
+                                            0, groups, sparse_as_dense, process_set)
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        name_parameters(named_parameters, optimizer.param_groups)  # clear errors before Horovod's
+        if not needs_own_dense_path(optimizer.param_groups):
+            opt = hvd.DistributedOptimizer(optimizer, named_parameters, compression,
+                                           backward_passes_per_step, op, gradient_predivide_factor,
+                                           0, groups, sparse_as_dense, process_set)
+            attach_ring_traffic(opt, compression)
+            return opt
+    body = _SPARSE_BODY if sparse else _DENSE_BODY
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, _GtopkHorovodOptimizer), body)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler)

@@ -1,0 +1,199 @@
+"""The sparse step of the PyTorch Horovod optimizer: fixed buckets, each
+reduced by the core's :class:`~gtopk_plugin.GradientReducer` on a worker
+thread as soon as all its gradients are ready (overlapping backward).
+
+Why it is shaped this way:
+
+* buckets are reduced in a fixed order on every rank (bucket i+1 never
+  starts before bucket i) and every Horovod op of bucket i is named in
+  scope ``b{i}`` (:func:`gtopk_plugin.buckets.bucket_scope`), so Horovod's
+  coordinator pairs the same op on every rank whatever the hook order;
+* only the last bucket advances the reducer's step counter, so density
+  warm-up and random draws are per step, not per bucket;
+* ``op=hvd.Average`` with a ``gradient_predivide_factor`` f scales by 1/f
+  before the reduction and by f after it, as Horovod does;
+* DGC local clipping (Lin et al. 2018) needs this worker's gradient norm
+  over the whole step, so with ``clip_norm`` the buckets are held until
+  ``synchronize()``.
+
+Methods of :class:`_SparsePath` are copied into the optimizer class that
+:func:`~.optimizer.DistributedOptimizer` builds (see :mod:`.optimizer`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+from typing import Dict, List, Optional
+
+import horovod.torch as hvd
+import torch
+
+from ...buckets import bucket_scope, make_buckets
+from ...reducer import GradientReducer, local_grad_norm
+from ...traffic import StepTraffic
+from .transport import HorovodTransport
+
+Tensor = torch.Tensor
+
+
+def op_name(op) -> str:
+    """``hvd.Average`` etc. by name, for error messages."""
+    for n in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
+        if getattr(hvd, n, object()) == op:
+            return f"hvd.{n}"
+    return repr(op)
+
+
+class _SparsePath:
+    """Sparse compression: the core's GradientReducer per bucket."""
+
+    def _init_path(self, grad_scaler):
+        self._spec = self._compression
+        op = self.op
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("sparse compression supports op=hvd.Average or hvd.Sum; got "
+                             f"{op_name(op)}")
+        self._transport = HorovodTransport(self.process_set)
+        self._reducer = GradientReducer(transport=self._transport,
+                                        op="average" if op == hvd.Average else "sum",
+                                        **self._spec.reducer_kwargs())
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError("grad_scaler must be a torch.amp.GradScaler (an object with get_scale())")
+        self._grad_scaler = grad_scaler
+        self._step_loss_scale: Optional[float] = None
+        # local clipping needs the whole step's norm: buckets wait for synchronize()
+        self._hold_buckets = self._spec.config.clip_norm is not None
+        self._step_grad_norm: Optional[float] = None
+        if self._spec.momentum_correction:
+            self._reducer.correct_momentum(
+                self, [(n, p) for p, n in self._parameter_names.items()])
+        elif self._spec.config.momentum is None and any(
+                float(g.get("momentum", 0.0) or 0.0) > 0.0 for g in self.param_groups):
+            warnings.warn(
+                f"{self._spec!r} with an optimizer that has momentum: the optimizer applies its "
+                "momentum to the sparse update, which usually trains worse than dense; pass "
+                "momentum_correction=True to the compression (DGC momentum correction, "
+                "docs/momentum.md)", UserWarning, stacklevel=4)
+        self._buckets = make_buckets(self._requires_update, self._groups, self._spec.fusion_threshold)
+        self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
+        self._executor = None
+        # The step counter (density warm-up, random draws, layout check)
+        # must agree on all ranks; a fresh optimizer takes the largest one
+        # at its first step (e.g. rank 0 loaded a checkpoint).  Elastic
+        # sync clears this flag after broadcasting rank 0's counter.
+        self._agree_step = True
+        self._reset_sparse_step()
+
+    def _step_started(self) -> bool:
+        return bool(self._ready)
+
+    def _abandon_path(self):
+        for fut in self._futures:
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the step is being discarded
+                    pass
+        self._reset_sparse_step()
+
+    def _reset_sparse_step(self):
+        self._step_grad_norm = None
+        self._step_loss_scale = None
+        self._ready = set()
+        self._bucket_left = [len(b) for b in self._buckets]
+        self._futures: List[Optional[concurrent.futures.Future]] = [None] * len(self._buckets)
+        self._next_bucket = 0
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+    def _param_ready(self, p):
+        if p in self._ready:
+            return
+        self._ready.add(p)
+        self._bucket_left[self._bucket_of[p]] -= 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self):
+        # Fixed order on every rank: bucket i+1 never starts before bucket i,
+        # so the single worker thread walks the same op sequence everywhere.
+        if self._hold_buckets and self._step_grad_norm is None:
+            return
+        if self._next_bucket == 0 and self._step_loss_scale is None:
+            pre = 1.0 / self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+            scale = 1.0 if self._grad_scaler is None else float(self._grad_scaler.get_scale())
+            self._step_loss_scale = scale * pre
+        while self._next_bucket < len(self._buckets) and self._bucket_left[self._next_bucket] == 0:
+            i = self._next_bucket
+            grads = {self._parameter_names[p]: p.grad for p in self._buckets[i]}
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="gtopk-horovod")
+            self._futures[i] = self._executor.submit(self._reduce_bucket, i, grads)
+            self._next_bucket += 1
+
+    def _reduce_bucket(self, i: int, grads: Dict[str, Tensor]):
+        """Runs on the worker thread: one GradientReducer call per bucket."""
+        t = self._transport
+        t.set_scope(bucket_scope(i))
+        if i == 0:
+            self._step_start = t.counters.copy()
+            if self._agree_step:
+                v = torch.tensor([self._reducer.step], dtype=torch.int64)
+                if t.size > 1:
+                    v = t.control_allreduce_max(v)
+                self._reducer.step = int(v[0])
+                self._agree_step = False
+        pre = 1.0 / self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+        prepared = {}
+        for n, g in grads.items():
+            g = g.detach()
+            if g.is_sparse:
+                g = g.to_dense()
+            prepared[n] = g * pre if pre != 1.0 else g
+        scaled = self._grad_scaler is not None or pre != 1.0
+        out = self._reducer.reduce(prepared, advance_step=(i == len(self._buckets) - 1),
+                                   grad_norm=self._step_grad_norm,
+                                   loss_scale=self._step_loss_scale if scaled else None)
+        return out, self._reducer.last_stats
+
+    def _synchronize_path(self):
+        for p in self._requires_update:
+            if p not in self._ready:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._param_ready(p)
+        if self._hold_buckets:
+            # this worker's gradient norm over the whole step (DGC local clipping)
+            pre = 1.0 / self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+            self._step_grad_norm = pre * local_grad_norm(
+                p.grad.to_dense() if p.grad.is_sparse else p.grad for p in self._requires_update)
+            self._launch_ready_buckets()
+        first_error, stats = None, []
+        post = self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+        try:
+            for i, fut in enumerate(self._futures):
+                try:
+                    out, st = fut.result()
+                except BaseException as e:  # noqa: BLE001 - wait for every bucket, then raise
+                    first_error = first_error or e
+                    continue
+                stats.append(st)
+                poison = st.skipped and self._spec.nonfinite == "propagate"
+                for p in self._buckets[i]:
+                    u = out[self._parameter_names[p]]
+                    if post != 1.0:
+                        u = u * post
+                    if poison:
+                        u = torch.full_like(u, float("nan"))
+                    if p.grad.is_sparse:
+                        p.grad = u.to_sparse()
+                    else:
+                        p.grad.copy_(u)
+        finally:
+            self._reset_sparse_step()
+        if first_error is not None:
+            raise first_error
+        d = self._transport.counters.copy().minus(self._step_start)
+        # transport fields from the counters over the whole step (they also
+        # see the step-counter agreement), selection fields from the stats
+        self.last_step_traffic = StepTraffic.from_stats(stats, counters=d).as_dict()
