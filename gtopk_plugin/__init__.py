@@ -10,7 +10,7 @@ from . import compress, kernels  # noqa: F401
 from .collectives.transport import SingleProcessTransport, TrafficCounters, Transport
 from .config import DensityWarmup, ReducerConfig
 from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
-from .frameworks.torch_distributed import TorchDistributedTransport
+from .collectives.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
 from .stats import ReduceStats
 from . import elastic  # noqa: E402

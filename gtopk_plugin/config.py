@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
-MERGES = ("allgather", "gtopk")
+from . import registry
+
 OPS = ("average", "sum")
 GRANULARITIES = ("layer", "global")
 NONFINITE = ("raise", "skip", "propagate")
@@ -102,25 +103,43 @@ class ReducerConfig:
     # clip_norm * P^-1/2 (global L2 norm over the step's tensors) before it
     # enters the velocity / accumulator; None = off
     clip_norm: Optional[float] = None
+    # the method's own hyper-parameters (declared by its compressor class in
+    # the registry), as sorted (name, value) pairs; a dict is accepted
+    hyper: Any = ()
 
     def __post_init__(self):
-        from .compress import registry  # late: compress imports kernels imports config
-
-        registry.get(self.method)  # ValueError naming the known methods
+        # Method, hyper-parameters and merge are validated against the
+        # registry (gtopk_plugin.registry, a leaf module below this one): no
+        # method names here, so a user-registered compressor is as valid as
+        # a built-in one.
+        cls = registry.get(self.method)  # ValueError naming the known methods
         object.__setattr__(self, "density", _check_density("density", self.density))
+        # r_factor predates per-method hyper-parameters: always accepted and
+        # validated (by the declaration of the method that owns it), routed
+        # into the method only where it declares it
+        spec = registry.find_hyperparam("r_factor")
+        if spec is not None:
+            object.__setattr__(self, "r_factor", spec.validate(self.r_factor))
+        hyper = self.hyper
+        if isinstance(hyper, Mapping):
+            hyper = tuple(sorted(hyper.items()))
         try:
-            r = float(self.r_factor)
+            hyper = tuple((str(k), v) for k, v in hyper)
         except (TypeError, ValueError):
-            raise ValueError(f"r_factor must be a number >= 1, e.g. 4.0; got {self.r_factor!r}") from None
-        if not (r >= 1.0) or math.isinf(r):
-            raise ValueError(f"r_factor must be a finite number >= 1 (rTop-k keeps k of the top r*k); got {self.r_factor!r}")
-        object.__setattr__(self, "r_factor", r)
-        if self.merge is not None and self.merge not in MERGES:
-            raise ValueError(f"unknown merge {self.merge!r}; pass None, 'allgather' or 'gtopk'")
-        if self.merge is not None and self.method in ("dense", "randomk"):
-            raise ValueError(
-                f"merge={self.merge!r} does not apply to method {self.method!r} "
-                "(it is reduced by a dense allreduce); pass merge=None")
+            raise ValueError(f"hyper must be a dict of the method's hyper-parameters; got {self.hyper!r}") \
+                from None
+        resolved = registry.resolve(self.method, dict(hyper), {"r_factor": self.r_factor})
+        object.__setattr__(self, "hyper", tuple(sorted((k, resolved[k]) for k, _ in hyper)))
+        if self.merge is not None and self.merge not in cls.merges:
+            if not cls.merges:
+                raise ValueError(
+                    f"merge={self.merge!r} does not apply to method {self.method!r} (it is aggregated "
+                    f"by {cls.aggregation!r}); pass merge=None")
+            raise ValueError(f"unknown merge {self.merge!r} for method {self.method!r}; pass None, "
+                             + " or ".join(repr(m) for m in cls.merges))
+        if self.value_dtype is not None and cls.kind == "codec":
+            raise ValueError(f"value_dtype does not apply to method {self.method!r} (a codec: it sets "
+                             "its own wire format); pass value_dtype=None")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; pass 'layer' or 'global'")
         if self.value_dtype is not None and self.value_dtype not in WIRE_DTYPES:
@@ -165,11 +184,16 @@ class ReducerConfig:
 
     @property
     def aggregation(self) -> str:
-        """How results combine: the selector's default, or ``merge`` when set
+        """How results combine: the compressor's default, or ``merge`` when set
         (``merge="gtopk"`` puts any sparse selector on the butterfly)."""
-        from .compress import registry
-
         return self.merge or registry.get(self.method).aggregation
+
+    @property
+    def method_hyper(self) -> Dict[str, Any]:
+        """Every hyper-parameter the method declares, validated: the given
+        value, else ``r_factor`` where the method declares it, else the
+        default -- the keywords its compressor class is built with."""
+        return registry.resolve(self.method, dict(self.hyper), {"r_factor": self.r_factor})
 
     def density_at(self, step: int) -> float:
         """Density in force at ``step`` (0-based), after the warm-up schedule."""

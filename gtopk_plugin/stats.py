@@ -38,5 +38,22 @@ class ReduceStats:
     skipped: bool = False
     seconds: Dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def from_counters(cls, d, *, dtype, **fields) -> "ReduceStats":
+        """Stats of a call whose traffic is ``d`` (a ``TrafficCounters``
+        difference over the call) on gradients of ``dtype``; ``fields``:
+        the rest (method, numel, k, ...)."""
+        import torch
+
+        P, numel = fields["world_size"], fields["numel"]
+        esz = torch.empty(0, dtype=dtype).element_size()
+        return cls(
+            bytes_sent=d.payload_bytes_sent + d.header_bytes_sent,
+            bytes_received=d.payload_bytes_received + d.header_bytes_received,
+            payload_bytes_sent=d.payload_bytes_sent, payload_bytes_received=d.payload_bytes_received,
+            header_bytes_sent=d.header_bytes_sent, header_bytes_received=d.header_bytes_received,
+            control_bytes=d.control_bytes, messages_sent=d.messages_sent,
+            dense_bytes=(2 * (P - 1) * numel * esz) // P, **fields)
+
     def as_dict(self) -> dict:
         return asdict(self)

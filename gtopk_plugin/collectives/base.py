@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Type
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -30,6 +30,17 @@ class Selection:
     sum_dtype: torch.dtype
     static_count: bool    # every set in flight has exactly sum(k) entries
     kernels: Optional[str] = None
+    # a codec's contribution (``vals`` is then its own payload decoded)
+    payload: Optional["Encoded"] = None
+
+
+@dataclass
+class Encoded:
+    """A codec's payload: the tensors that travel and how any rank's payload
+    (same shapes and dtypes) decodes to a dense vector of ``numel``."""
+
+    tensors: Sequence[Tensor]
+    decode: Callable[[List[Tensor]], Tensor]
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..collectives.transport import Transport
+from .transport import Transport
 
 
 class TorchDistributedTransport(Transport):

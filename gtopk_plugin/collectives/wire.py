@@ -99,3 +99,26 @@ def unpack_bits(bits: Tensor, n: int) -> Tensor:
 
 def bitmask_bytes(n: int) -> int:
     return (n + 7) // 8
+
+
+def pack_tensors(tensors) -> Tensor:
+    """A codec's payload tensors as one uint8 blob (their bytes, in order;
+    receivers know the shapes and dtypes: they depend only on the layout)."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    dev = parts[0].device
+    return torch.cat([p.to(dev) for p in parts])
+
+
+def unpack_tensors(blob: Tensor, like) -> list:
+    """Inverse of :func:`pack_tensors`: tensors shaped and typed as ``like``
+    (this rank's own payload, which has every rank's layout)."""
+    out, pos = [], 0
+    for t in like:
+        nbytes = t.numel() * t.element_size()
+        out.append(_view(blob, pos, pos + nbytes, t.dtype).view(t.shape))
+        pos += nbytes
+    if pos != blob.numel():
+        raise RuntimeError(f"corrupt payload: {blob.numel()} bytes, the layout says {pos}")
+    return out

@@ -1,26 +1,66 @@
-"""Selector interface: how a method picks the entries a worker sends.
+"""The compressor interface: selectors and codecs (issue #16).
 
-Selectors are pure torch and never communicate (DESIGN.md §2 rule 2).  They
-see one flat accumulator (gradient + residual) per call, cut into segments
-(one per tensor with granularity "layer", one for the bucket with "global"),
-and return global indices (ascending) and the selected values.
+A compressor turns one worker's accumulator ``acc = grad + residual`` (one
+flat tensor per reducer call, cut into segments: one per tensor with
+granularity "layer", one for the bucket with "global") into what that
+worker contributes, and declares how contributions combine across workers.
+Compressors are pure torch and never communicate (DESIGN.md §2 rule 2).
+
+Two kinds:
+
+* a **selector** picks entries: ``select(acc, offsets, k, ctx) -> (idx,
+  vals)`` (global indices ascending, or ``None`` for "all of acc"); the
+  values travel as they are (or rounded to the wire dtype) and combine by a
+  dense allreduce, a sparse allgather or the gTop-k butterfly merge.
+* a **codec** encodes the whole accumulator: ``encode(acc, offsets, ctx) ->
+  [payload tensors]`` (their shapes and dtypes depend only on the layout,
+  so receivers know every size); ``decode(payload, offsets, numel, dtype) ->
+  dense tensor``.  How a layer consumes a codec::
+
+      payload = codec.encode(acc, offsets, ctx)          # this worker
+      mine = codec.decode(payload, offsets, N, dtype)     # what it contributes
+      blobs = allgather(pack(payload))                    # "allgather_payloads"
+      result = Σ_ranks (in rank order) decode(unpack(blob_r))
+      residual = acc − mine                               # error feedback
+
+  Every rank decodes the same bytes with the same code, so every rank gets
+  the same bits, and mass is conserved: Σ_r acc_r = result + Σ_r residual_r.
+
+Error feedback is not part of a compressor: it is the same wrapper around
+either kind (``compress/error_feedback.py``): residual = acc − what this
+worker's contribution was, as it travelled (selected values as rounded to
+the wire, a codec's payload as decoded), and only where it reached the
+result.
+
+Declared metadata, read by the registry (``gtopk_plugin.registry``) and so
+by every layer: ``kind``, ``aggregation`` (default aggregation, a name in
+``gtopk_plugin.collectives``), ``merges`` (aggregations ``merge=`` may pick
+instead), ``hyperparams`` (:class:`HyperParam` declarations, validated;
+their values become attributes of the instance), ``uses_density``,
+``exact_count`` and ``shared_indices``.  Adding a compressor is one file in
+this folder with a class decorated by ``@register("name")`` (see
+docs/compressors.md).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..registry import HyperParam
+
 Tensor = torch.Tensor
+
+__all__ = ["Compressor", "Selector", "Codec", "HyperParam", "SelectionContext", "seeded_generator"]
 
 
 @dataclass
 class SelectionContext:
-    """What a selector may know besides the data: the step and segment names
-    (for counter-based randomness), the user's seed, this worker's rank and
-    the kernels back end in force."""
+    """What a compressor may know besides the data: the step and segment
+    names (for counter-based randomness), the user's seed, this worker's rank
+    and the kernels back end in force."""
 
     step: int
     segment_names: Sequence[str]
@@ -43,24 +83,91 @@ def seeded_generator(seed: int, step: int, name: str, rank: Optional[int] = None
     return torch.Generator().manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
 
 
-class Selector:
-    """Base class.  Class attributes describe the selector to the reducer:
+class Compressor:
+    """Base of selectors and codecs (see the module docstring).
 
-    ``exact_count``: returns exactly ``k_s`` entries per segment, so peers know
-    every message size in advance and no size header travels.
-    ``shared_indices``: every rank selects the same indices (random-k), so only
-    values travel, summed by a dense allreduce.
-    ``aggregation``: the default way results are combined across workers.
+    Class attributes (the metadata every layer reads through the registry):
+
+    ``kind``: "selector" or "codec".
+    ``aggregation``: how contributions combine by default: "dense" (allreduce
+    of the whole accumulator), "allreduce_values" (values at indices every
+    rank shares), "allgather" (sparse allgather), "gtopk" (butterfly merge),
+    "allgather_payloads" (codecs: allgather of payloads, decode and sum).
+    ``merges``: the aggregations a user may choose with ``merge=``.
+    ``hyperparams``: :class:`HyperParam` declarations; the constructor
+    validates the values (``ValueError`` naming the valid range) and sets
+    them as attributes.
+    ``uses_density``: whether ``density`` (k per segment) means anything.
     """
 
     name: str = "?"
+    kind: str = "selector"
+    aggregation: str = "allgather"
+    merges: Tuple[str, ...] = ()
+    hyperparams: Tuple[HyperParam, ...] = ()
+    uses_density: bool = True
+    # keywords accepted and ignored when not declared (compatibility)
+    legacy_keywords: Tuple[str, ...] = ()
+
+    def __init__(self, **hyper):
+        declared = {p.name: p for p in self.hyperparams}
+        for key in hyper:
+            if key not in declared and key not in self.legacy_keywords:
+                have = ", ".join(declared) or "none"
+                raise ValueError(f"method {self.name!r} has no hyper-parameter {key!r} "
+                                 f"(its hyper-parameters: {have})")
+        for p in self.hyperparams:
+            setattr(self, p.name, p.validate(hyper.get(p.name, p.default)))
+
+    @property
+    def hyper(self) -> dict:
+        """This instance's hyper-parameter values."""
+        return {p.name: getattr(self, p.name) for p in self.hyperparams}
+
+
+class Selector(Compressor):
+    """A compressor that picks entries.
+
+    ``exact_count``: returns exactly ``k_s`` entries per segment, so peers
+    know every message size in advance and no size header travels.
+    ``shared_indices``: every rank selects the same indices (random-k), so
+    only values travel, summed by a dense allreduce.
+    """
+
+    kind = "selector"
     exact_count: bool = True
     shared_indices: bool = False
-    aggregation: str = "allgather"
-
-    def __init__(self, r_factor: float = 4.0):
-        self.r_factor = r_factor
+    # every selector took r_factor before hyper-parameters were declared per
+    # method (gtopk_plugin.testing still passes it): ignored unless declared
+    legacy_keywords = ("r_factor",)
 
     def select(self, acc: Tensor, offsets: Tensor, k: Tensor,
-               ctx: SelectionContext) -> Tuple[Tensor, Tensor]:
+               ctx: SelectionContext) -> Tuple[Optional[Tensor], Tensor]:
+        """``(idx, vals)``: global indices (ascending within each segment,
+        segments in order; ``None``: every entry) and ``acc`` at them."""
+        raise NotImplementedError
+
+
+class Codec(Compressor):
+    """A compressor that encodes the whole accumulator into payload tensors
+    that decode to a dense approximation (quantizers, sketches, low rank).
+
+    ``encode`` must be deterministic given (acc, ctx) and the payload's
+    shapes/dtypes must depend only on (offsets, acc.dtype); ``decode`` must
+    be deterministic (every rank decodes every payload and must get the same
+    bits).  The default aggregation allgathers the payloads and sums the
+    decodes in rank order.
+    """
+
+    kind = "codec"
+    aggregation = "allgather_payloads"
+    uses_density = False
+    exact_count = True
+    shared_indices = False
+
+    def encode(self, acc: Tensor, offsets: Tensor, ctx: SelectionContext) -> List[Tensor]:
+        raise NotImplementedError
+
+    def decode(self, payload: Sequence[Tensor], offsets: Tensor, numel: int,
+               dtype: torch.dtype) -> Tensor:
         raise NotImplementedError

@@ -6,7 +6,11 @@ from .registry import register
 
 @register("dense")
 class DenseSelector(Selector):
+    """Every entry, summed by a dense allreduce (S-SGD)."""
+
     aggregation = "dense"
+    merges = ()
+    uses_density = False
 
     def select(self, acc, offsets, k, ctx):
         # ``None`` indices: "everything", so no N-element index vector is built.

@@ -1,5 +1,5 @@
-"""Error feedback (residual memory), the decorator around any selector in
-BytePS's compressor core.  DESIGN.md §3: ``acc = grad + residual``; after the
+"""Error feedback (residual memory), the decorator around any compressor --
+selector or codec -- as in BytePS's compressor core.  DESIGN.md §3: ``acc = grad + residual``; after the
 exchange ``residual = acc`` with the entries whose value reached the global
 result set to zero (or to their wire-rounding error).
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .. import kernels as _kernels
 
 Tensor = torch.Tensor
 
@@ -119,6 +121,32 @@ class ErrorFeedback:
         if self.enabled:
             for n, v in zip(f.names, f.views[f.cur]):
                 self.residuals[n] = v
+
+    def commit_step(self, f: FlatResidual, acc: Tensor, idx: Optional[Tensor], sent: Tensor,
+                    exact: bool, residual_add=None, kernels: Optional[str] = None) -> None:
+        """The wrapper's one rule, for selectors and codecs alike (DESIGN.md
+        §3): residual = ``acc`` less what this worker's contribution was as
+        it travelled and reached the result.  ``idx``/``sent``: the reached
+        entries and their wire values (``idx is None``: ``sent`` is a dense
+        vector -- the accumulator as sent, or a codec's payload decoded);
+        ``exact``: a dense ``sent`` equal to ``acc`` bit for bit (the
+        residual is then zero); ``residual_add``: (int64 indices, values) of
+        later wire roundings this rank owns.  Writes into ``acc`` (O(k) for a
+        selection) and commits it as the residual."""
+        if not self.enabled:
+            return
+        extra = residual_add is not None and residual_add[0].numel() > 0
+        if idx is None and exact and not extra:
+            self.commit_zero(f)  # dense, sent exactly: acc - acc is zero everywhere
+            return
+        if idx is None:
+            acc.sub_(sent)  # the wire value (or decode) widened to acc's dtype, one rounding
+        else:
+            # O(k): the accumulator becomes the residual in place
+            _kernels.subtract_at_(acc, idx, sent, kernels=kernels)
+        if extra:
+            acc.index_add_(0, residual_add[0].long(), residual_add[1].to(acc.dtype))
+        self.commit_accumulator(f)
 
     def commit_accumulator(self, f: FlatResidual) -> None:
         """The step's new residual was made in place in the accumulator: the

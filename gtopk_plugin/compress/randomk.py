@@ -10,8 +10,11 @@ from .registry import register
 
 @register("randomk")
 class RandomKSelector(Selector):
+    """k random indices per segment shared by all ranks; values allreduced."""
+
     shared_indices = True
     aggregation = "allreduce_values"
+    merges = ()
 
     def select(self, acc, offsets, k, ctx):
         offs = offsets.tolist()

@@ -9,13 +9,18 @@ import math
 import torch
 
 from .. import kernels
-from .base import Selector, seeded_generator
+from .base import HyperParam, Selector, seeded_generator
 from .registry import register
 
 
 @register("rtopk")
 class RTopKSelector(Selector):
+    """k random entries of each rank's top r·k, sparse allgather (Barnes et al. 2020)."""
+
     aggregation = "allgather"
+    merges = ("allgather", "gtopk")
+    hyperparams = (HyperParam("r_factor", 4.0, "rTop-k keeps k random entries of the top r*k",
+                              float, low=1.0),)
 
     def select(self, acc, offsets, k, ctx):
         if self.r_factor == 1.0:

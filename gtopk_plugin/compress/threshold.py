@@ -10,8 +10,11 @@ from .registry import register
 
 @register("threshold")
 class ThresholdSelector(Selector):
+    """DGC-style sampled threshold (count within ±10% of k), sparse allgather."""
+
     exact_count = False
     aggregation = "allgather"
+    merges = ("allgather", "gtopk")
 
     def select(self, acc, offsets, k, ctx):
         return kernels.select_threshold(acc, offsets, k, kernels=ctx.kernels)

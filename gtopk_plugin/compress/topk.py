@@ -7,10 +7,13 @@ from .registry import register
 
 @register("topk")
 class TopKSelector(Selector):
-    """Exactly ``k_s`` largest-magnitude entries per segment, ties to the
+    """Exact top-k per segment, sparse allgather (Top-k S-SGD).
+
+    Exactly ``k_s`` largest-magnitude entries per segment, ties to the
     smaller index (DESIGN.md §3)."""
 
     aggregation = "allgather"
+    merges = ("allgather", "gtopk")
 
     def select(self, acc, offsets, k, ctx):
         return kernels.select_topk(acc, offsets, k, kernels=ctx.kernels)
@@ -18,6 +21,6 @@ class TopKSelector(Selector):
 
 @register("gtopk")
 class GTopKSelector(TopKSelector):
-    """Local exact top-k, merged by the gTopKAllReduce butterfly."""
+    """Local exact top-k, merged by the gTop-k butterfly in log2 P rounds (Shi et al. 2019)."""
 
     aggregation = "gtopk"

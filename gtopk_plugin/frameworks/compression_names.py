@@ -3,36 +3,111 @@ PyTorch (:mod:`gtopk_plugin.horovod`) and TensorFlow
 (:mod:`gtopk_plugin.tensorflow`), so a job switches framework without
 renaming anything.
 
-Horovod's own ``Compression`` has ``none`` and ``fp16``; ours adds the sparse
-methods of the core (DESIGN.md §3): ``topk`` (Top-k S-SGD, sparse
-allgather), ``gtopk`` (the gTop-k butterfly, Shi et al. 2019), ``rtopk``
-(k random of the top r·k, Barnes et al. 2020), ``randomk`` and
-``threshold``.  Each framework subclasses :class:`CompressionNames` and sets
-``none``/``fp16`` (Horovod's compressors), ``_sparse`` (its sparse
-compression class, called as ``_sparse(method, density, **kwargs)``) and
-``_public_name``.
-Framework-neutral: imports nothing.
+Horovod's own ``Compression`` has ``none`` and ``fp16``; ours adds every
+compressor of the registry (:mod:`gtopk_plugin.registry`, issue #16): the
+built-in sparse methods (``topk``, ``gtopk``, ``rtopk``, ``randomk``,
+``threshold``), the codecs (``onebit``), the core's ``dense`` reducer, and
+any compressor a user registers from their own code -- generated on
+attribute access, so nothing here lists a method:
+
+    Compression.<name>(density, **kwargs)   # a method that selects k entries
+    Compression.<name>(**kwargs)            # one that ignores the density (codecs, dense)
+
+``kwargs`` are the method's own hyper-parameters (``describe(name)``) and the
+keywords of the framework's sparse compression (``seed``, ``warmup``, ...).
+Each framework subclasses :class:`CompressionNames` and sets ``none``/``fp16``
+(Horovod's compressors), ``_sparse`` (its sparse compression class, called
+as ``_sparse(method, density, **kwargs)``; :func:`split_hyper` separates the
+method's hyper-parameters from the rest) and ``_public_name``.
+Framework-neutral: imports only the registry.
 """
 from typing import Optional
 
-SPARSE_METHODS = ("topk", "gtopk", "rtopk", "randomk", "threshold")
+from .. import registry
+
+# Density handed to ``_sparse`` for methods that ignore it (a valid value).
+_NO_DENSITY = 1.0
+
+
+class _LiveMethods:
+    """The registered method names, read at every use (a user may register
+    one after this module was imported): ``name in SPARSE_METHODS``, iteration."""
+
+    def __contains__(self, name) -> bool:
+        return isinstance(name, str) and name in registry.available()
+
+    def __iter__(self):
+        return iter(registry.available())
+
+    def __len__(self) -> int:
+        return len(registry.available())
+
+    def __repr__(self) -> str:
+        return repr(registry.available())
+
+
+SPARSE_METHODS = _LiveMethods()
+
+
+def split_hyper(method: str, kwargs: dict):
+    """``(hyper, rest)``: the keywords ``method`` declares as its own
+    hyper-parameters, and everything else (the reducer's keywords)."""
+    declared = {p.name for p in registry.get(method).hyperparams}
+    hyper = {k: v for k, v in kwargs.items() if k in declared}
+    rest = {k: v for k, v in kwargs.items() if k not in declared}
+    return hyper, rest
+
+
+def signature(name: str) -> str:
+    """``"rtopk(density, r_factor=4.0)"``: how to call ``Compression.<name>``."""
+    d = registry.describe(name)
+    args = (["density"] if d["uses_density"] else []) + \
+        [f"{p['name']}={p['default']!r}" for p in d["hyperparams"]]
+    return f"{name}({', '.join(args)})"
+
+
+def _factory(cls, name: str):
+    c = registry.get(name)
+
+    def make(*args, **kwargs):
+        if c.uses_density:
+            if len(args) > 1 or (not args and "density" not in kwargs):
+                raise TypeError(f"{cls._public_name}.{signature(name)} takes the density, e.g. "
+                                f"{cls._public_name}.{name}(0.01)")
+            density = args[0] if args else kwargs.pop("density")
+        else:
+            if args:
+                raise TypeError(f"{cls._public_name}.{signature(name)} takes no density (it does not "
+                                "select entries); pass keywords only")
+            density = kwargs.pop("density", _NO_DENSITY)
+        hyper, _ = split_hyper(name, kwargs)
+        registry.resolve(name, hyper)  # ValueError naming the valid range, before any framework call
+        return cls._sparse(name, density, **kwargs)
+
+    make.__name__ = name
+    make.__qualname__ = f"{cls._public_name}.{name}"
+    make.__doc__ = f"{signature(name)}: {registry.doc_line(c)}"
+    return make
 
 
 class _CompressionMeta(type):
-    # A typo (Compression.gtop) names every choice instead of a bare AttributeError.
+    # Every registered compressor is an attribute, made on access; a typo
+    # (Compression.gtop) names every choice instead of a bare AttributeError.
     def __getattr__(cls, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise AttributeError(
-            f"unknown compression {name!r}: {cls._public_name} has none, fp16, "
-            "topk(density), gtopk(density), rtopk(density, r_factor=4), randomk(density), "
-            "threshold(density)")
+        if name in registry.available():
+            return _factory(cls, name)
+        choices = ", ".join(["none", "fp16"] + [signature(n) for n in registry.available()])
+        raise AttributeError(f"unknown compression {name!r}: {cls._public_name} has {choices}")
+
+    def __dir__(cls):
+        return sorted(set(super().__dir__()) | set(registry.available()))
 
 
 class CompressionNames(metaclass=_CompressionMeta):
-    """``none``/``fp16`` (Horovod's dense compressors) and the sparse methods,
-    each taking the density (fraction of entries sent per tensor) and the
-    keywords of the framework's ``SparseCompression``."""
+    """``none``/``fp16`` (Horovod's dense compressors) and every registered
+    compressor (see the module docstring)."""
 
     none = None
     fp16 = None
@@ -40,39 +115,22 @@ class CompressionNames(metaclass=_CompressionMeta):
     _public_name = "Compression"  # as users import it, for error messages
 
     @classmethod
-    def topk(cls, density: float, **kwargs):
-        """Exact top-k per tensor, sparse allgather (Top-k S-SGD)."""
-        return cls._sparse("topk", density, **kwargs)
-
-    @classmethod
-    def gtopk(cls, density: float, **kwargs):
-        """Exact top-k, merged by the gTop-k butterfly in log2 P rounds."""
-        return cls._sparse("gtopk", density, **kwargs)
-
-    @classmethod
-    def rtopk(cls, density: float, r_factor: float = 4.0, **kwargs):
-        """k random entries of each rank's top r·k, sparse allgather."""
-        return cls._sparse("rtopk", density, r_factor=r_factor, **kwargs)
-
-    @classmethod
-    def randomk(cls, density: float, **kwargs):
-        """k random indices shared by all ranks; values allreduced."""
-        return cls._sparse("randomk", density, **kwargs)
-
-    @classmethod
-    def threshold(cls, density: float, **kwargs):
-        """DGC-style sampled threshold (count within ±10% of k), allgather."""
-        return cls._sparse("threshold", density, **kwargs)
-
-    @classmethod
     def from_name(cls, name: str, density: Optional[float] = None, **kwargs):
-        """``"none"``, ``"fp16"`` or a sparse method name (then ``density`` is
-        required); ``ValueError`` for anything else (command-line helpers)."""
+        """``"none"``, ``"fp16"`` or a registered method name (then ``density``
+        is required for methods that select entries); ``ValueError`` for
+        anything else (command-line helpers)."""
         if name in ("none", "fp16"):
             return getattr(cls, name)
-        if name not in SPARSE_METHODS:
+        if name not in registry.available():
             raise ValueError(f"unknown compression {name!r}; choose one of none, fp16, "
-                             f"{', '.join(SPARSE_METHODS)}")
-        if density is None:
-            raise ValueError(f"compression {name!r} needs a density, e.g. 0.01")
-        return getattr(cls, name)(density, **kwargs)
+                             f"{', '.join(registry.available())}")
+        if registry.get(name).uses_density:
+            if density is None:
+                raise ValueError(f"compression {name!r} needs a density, e.g. 0.01")
+            return getattr(cls, name)(density, **kwargs)
+        return getattr(cls, name)(**kwargs)
+
+    @classmethod
+    def names(cls):
+        """Every name ``from_name`` accepts (CLI ``choices=``)."""
+        return ("none", "fp16") + registry.available()

@@ -1,0 +1,128 @@
+"""Persistent dense update buffers of :class:`gtopk_plugin.GradientReducer`
+(issue #15: no N-sized allocation per step in steady state), a small ring
+per layout; see :class:`UpdateBuffers` for the lifetime contract of the
+tensors ``reduce()`` returns."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import kernels
+
+Tensor = torch.Tensor
+
+
+def _storage_refs(t: Tensor) -> Optional[int]:
+    """How many tensors share ``t``'s storage (``None`` where this torch
+    does not say)."""
+    f = getattr(torch._C, "_storage_Use_Count", None)
+    if f is None:
+        return None
+    try:
+        return int(f(t.untyped_storage()._cdata))
+    except Exception:  # pragma: no cover - a torch without it
+        return None
+
+
+def _owned(vals: Tensor, dtype, numel: int, layout_bufs) -> bool:
+    """Whether a dense aggregation result can be divided in place and
+    returned: right dtype and shape, contiguous, and not sharing storage
+    with the layout's residual or accumulator."""
+    if vals.dtype != dtype or vals.dim() != 1 or vals.numel() != numel or not vals.is_contiguous():
+        return False
+    ptr = vals.untyped_storage().data_ptr()
+    return all(b is None or b.untyped_storage().data_ptr() != ptr for b in layout_bufs)
+
+
+class UpdateBuffers:
+    """Persistent dense update buffers, a small ring per layout.
+
+    Lifetime contract of the tensors ``reduce()`` returns: they are views
+    into one of these buffers and stay valid while the caller holds any of
+    them (or any view of them); once every returned tensor of a call has
+    been dropped, the buffer is reused by a later ``reduce()`` on the same
+    layout (same names, dtype, device).  A buffer is reused only when no
+    tensor outside the reducer refers to its storage (torch's storage use
+    count), so a caller that keeps updates across steps -- the elastic
+    scheduler holds several steps of one layer in flight -- gets a second
+    buffer instead of a clobbered one (up to :attr:`RING` per layout, then
+    fresh allocations).  Callers that copy the update right away (DDP's
+    bucket, Horovod's ``p.grad``) cycle through one buffer.
+
+    Reset cost: a sparse update rewrites only the entries the buffer's
+    previous sparse result set (O(k)); after a dense result it is zeroed once.
+    Dense results (dense allreduce, the sparse allgather's summed vector) do
+    not use the ring: the aggregation's own fresh sum is divided in place and
+    returned, so those updates belong to the caller outright.
+    """
+
+    RING = 4
+
+    def __init__(self):
+        self._rings: Dict[tuple, list] = {}
+
+    def result(self, agg, key, numel: int, divisor: int, layout_bufs, kernels_backend=None):
+        """``(update, nnz)``: the aggregated result ``agg`` (an
+        ``Aggregated``) divided by ``divisor`` (P for op="average", else 1)
+        as the dense update of layout ``key`` = (names, dtype, device).
+
+        A dense result that is the aggregation's own fresh sum (allreduce,
+        allgather-and-add; not sharing storage with ``layout_bufs``, the
+        layout's residual/accumulator) is divided in place and handed out
+        as is, no further N-sized buffer touched; any other dense result is
+        copied into a ring buffer; a sparse one is written in O(k) (the
+        previous result's entries zeroed, this one's set)."""
+        dtype, device = key[1], key[2]
+        if agg.idx is None and _owned(agg.vals, dtype, numel, layout_bufs):
+            return agg.vals, kernels.div_count_(agg.vals, divisor, kernels=kernels_backend)
+        if agg.idx is None:
+            update, _ = self.take(key, numel, dtype, device, None)
+            torch.div(agg.vals, divisor, out=update) if divisor != 1 else update.copy_(agg.vals)
+            return update, torch.count_nonzero(update)
+        update, prev = self.take(key, numel, dtype, device, agg.idx)
+        # the reference scatter_update's arithmetic: vals / divisor
+        kernels.scatter_reset_(update, prev, agg.idx, agg.vals, divisor, kernels=kernels_backend)
+        # nonzeros of the update: only the aggregated entries can be nonzero,
+        # and those hold vals / divisor (computed on the k values, not
+        # gathered back from the N-sized buffer)
+        v = agg.vals.to(dtype)
+        return update, torch.count_nonzero(v / divisor if divisor != 1 else v)
+
+    def clear(self) -> None:
+        self._rings.clear()
+
+    def take(self, key, numel: int, dtype, device, idx: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """``(buf, prev)``: a buffer of ``numel`` for this step's result at
+        ``idx`` (``idx is None``: a dense result, which overwrites the whole
+        buffer) and the indices of its previous sparse result, which the
+        caller zeroes (everything else in ``buf`` is zero for a sparse
+        result).  The buffer remembers ``idx`` for its next reset."""
+        ring = self._rings.get(key)
+        if ring is None:
+            names = set(key[0])
+            for other in [k for k in self._rings if names.intersection(k[0])]:
+                del self._rings[other]  # a name moved to another layout (DDP rebuild)
+            ring = self._rings[key] = []
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        entry = None
+        for e in ring:
+            refs = _storage_refs(e["buf"])
+            if e["base"] is not None and refs is not None and refs <= e["base"]:
+                entry = e
+                break
+        if entry is None:
+            buf = torch.zeros(numel, dtype=dtype, device=device)
+            if len(ring) >= self.RING:
+                return buf, none  # untracked, fresh: every ring buffer is still held
+            entry = {"buf": buf, "prev": None, "base": _storage_refs(buf)}
+            ring.append(entry)
+        buf, prev = entry["buf"], entry["prev"]
+        if prev is None:
+            prev = none
+        elif isinstance(prev, str):  # "dense": every entry was written
+            if idx is not None:
+                buf.zero_()
+            prev = none
+        entry["prev"] = "dense" if idx is None else idx.clone()
+        return buf, prev
