@@ -27,13 +27,6 @@ bool strictly_increasing(const at::Tensor& idx);
 // scatter.cpp
 at::Tensor scatter_update(int64_t numel, const at::Tensor& idx, const at::Tensor& vals,
                           int64_t divisor);
-at::Tensor residual_update(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent);
-std::tuple<at::Tensor, at::Tensor> scatter_residual_update(const at::Tensor& acc,
-                                                           const at::Tensor& sent_idx,
-                                                           const at::Tensor& sent,
-                                                           const at::Tensor& idx,
-                                                           const at::Tensor& vals,
-                                                           int64_t divisor);
 
 // compensate.cpp
 bool compensate(const at::Tensor& out, const at::Tensor& grad,

@@ -27,8 +27,6 @@ TORCH_LIBRARY(gtopk_cpu, m) {
   m.def("merge_select", &gtopk::cpu::merge_select);
   m.def("strictly_increasing", &gtopk::cpu::strictly_increasing);
   m.def("scatter_update", &gtopk::cpu::scatter_update);
-  m.def("residual_update", &gtopk::cpu::residual_update);
-  m.def("scatter_residual_update", &gtopk::cpu::scatter_residual_update);
   // writes into `out` (the reducer's scratch accumulator): declared mutable
   m.def("compensate(Tensor(a!) out, Tensor grad, Tensor? residual) -> bool",
         &gtopk::cpu::compensate);

@@ -8,8 +8,7 @@ they call the functions below, which dispatch on the tensor's device and the
 
 Fixed public names: ``select_topk(x, offsets, k)``,
 ``select_threshold(x, offsets, k)``, ``merge_select(...)``,
-``scatter_update(...)``, ``residual_update(...)``,
-``scatter_residual_update(...)``, ``compensate(out, grad, residual)``,
+``scatter_update(...)``, ``compensate(out, grad, residual)``,
 ``compensate_select_topk(acc, grads, residual, offsets, k)``, ``div_count_(x, divisor)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
 ``backend(device)``.
 
@@ -106,17 +105,6 @@ def scatter_update(numel, idx, vals, divisor, dtype, *, kernels: Optional[str] =
     return _module(vals.device, kernels).scatter_update(numel, idx, vals, divisor, dtype)
 
 
-def residual_update(acc, idx, sent, *, kernels: Optional[str] = None):
-    return _module(acc.device, kernels).residual_update(acc, idx, sent)
-
-
-def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor, *,
-                            kernels: Optional[str] = None):
-    """``(scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
-    residual_update(acc, sent_idx, sent))`` in one pass where the back end can."""
-    return _module(acc.device, kernels).scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
-
-
 def compensate(out, grad, residual, *, kernels: Optional[str] = None) -> bool:
     """``out = grad + residual`` (or ``grad``; in ``out``'s dtype) and whether
     every entry of ``grad`` is finite, in one pass where the back end can.
@@ -163,5 +151,5 @@ register_backend("cuda", loader=_cuda.load)
 
 
 __all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
-           "residual_update", "scatter_residual_update", "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "backend", "register_backend",
+           "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "backend", "register_backend",
            "reference", "index_dtype"]

@@ -176,20 +176,6 @@ def scatter_update(numel, idx, vals, divisor, dtype):
     return _ext.scatter_update(int(numel), idx, vals.to(dtype), int(divisor))
 
 
-def residual_update(acc, idx, sent):
-    if not _cpu_float(acc) or acc.dim() != 1 or idx.dtype not in _INDEX:
-        return reference.residual_update(acc, idx, sent)
-    return _ext.residual_update(acc, idx, sent.to(acc.dtype))
-
-
-def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor):
-    if (not _cpu_float(acc) or acc.dim() != 1 or idx.dtype not in _INDEX
-            or sent_idx.dtype != idx.dtype or not isinstance(divisor, int)):
-        return reference.scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
-    return _ext.scatter_residual_update(acc, sent_idx, sent.to(acc.dtype), idx, vals.to(acc.dtype),
-                                        int(divisor))
-
-
 def compensate(out, grad, residual):
     if (not _cpu_float(out, grad) or out.dtype != grad.dtype or grad.dtype not in _COMPENSATE
             or out.dim() != 1 or not out.is_contiguous()

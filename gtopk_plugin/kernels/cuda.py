@@ -2,7 +2,7 @@
 
 Same signatures and results as :mod:`gtopk_plugin.kernels.reference` run on
 the same CUDA tensors (bit for bit; ``benchmarks/gpu_check.py`` and
-``tests/test_kernels_cuda.py`` compare the two on a GPU).
+``tests/unit/test_kernels_cuda.py`` compare the two on a GPU).
 
 Loading.  :func:`load` (called once, on the first kernel call on a CUDA
 tensor, by the dispatcher in ``kernels/__init__.py``) imports CuPy and
@@ -31,42 +31,28 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
-import re
 import sys
 import threading
 import warnings
 from types import ModuleType
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _build, reference
+from . import reference
+from ._cuda_layout import (  # noqa: F401  (re-exported: tests model the kernels with them)
+    _IMAX, _INDEX, _VALUES, BINS, CHUNK, DIGIT, KERNEL_RUN, KERNEL_SAMPLE, ST_N, SUPPORTED, THREADS,
+    _bound_rank, _cand_capacity, _Layout, _make_layout, _passes, _threshold_params, _work,
+    merge_layout)
+from ._cuda_source import FILES, kernel_names, sources  # noqa: F401
 
 log = logging.getLogger("gtopk_plugin.kernels")
 
-#: Value dtypes the kernels handle: name suffix and magnitude-key bits.
-_VALUES = {torch.float32: ("f32", 31), torch.float64: ("f64", 63),
-           torch.float16: ("f16", 15), torch.bfloat16: ("bf16", 15)}
-SUPPORTED = tuple(_VALUES)
-_INDEX = {torch.int32: "i32", torch.int64: "i64"}
-_IMAX = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
-
-# Must match csrc/cuda/radix.cuh and select.cu.
-THREADS = 256
-CHUNK = 256 * 64          # items per block (GTOPK_CHUNK)
-BINS = 2048               # histogram bins per segment (GTOPK_BINS)
-ST_N = 8                  # per-segment state words
-DIGIT = 11
-KERNEL_SAMPLE, KERNEL_RUN = 4096, 128  # GTOPK_SAMPLE, GTOPK_RUN
-
-FILES = ("select.cu", "merge.cu", "scatter.cu")
 INSTALL_HINT = "pip install gtopk-plugin[cuda]"
 
 _cupy = None
 _lock = threading.Lock()
 _failed = False
-_sources: Dict[str, str] = {}
 _modules: Dict[str, object] = {}          # file -> cupy.RawModule
 _kernels: Dict[Tuple[str, str], object] = {}  # (file, name) -> RawKernel
 _layouts: "collections.OrderedDict" = collections.OrderedDict()
@@ -75,35 +61,6 @@ _LAYOUT_CACHE = 32
 
 # --------------------------------------------------------------------------
 # Loading
-
-
-def _inline(path, seen) -> str:
-    """The source of ``path`` with its ``#include "..."`` lines replaced by
-    the included files (each at most once)."""
-    out: List[str] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        m = re.match(r'\s*#\s*include\s*"([^"]+)"', line)
-        if m:
-            inc = path.parent / m.group(1)
-            if inc.name not in seen:
-                seen.add(inc.name)
-                out.append(_inline(inc, seen))
-            continue
-        if re.match(r"\s*#\s*pragma\s+once", line):
-            continue
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
-def sources() -> Dict[str, str]:
-    """file name -> self-contained source text (what NVRTC compiles)."""
-    if not _sources:
-        d = _build.source_dir("cuda")
-        if d is None:
-            raise FileNotFoundError("the csrc/cuda sources are missing from this installation")
-        for f in FILES:
-            _sources[f] = _inline(d / f, {f})
-    return _sources
 
 
 def _compile(cupy) -> None:
@@ -207,87 +164,8 @@ def _blocks(n: int) -> int:
 
 
 # --------------------------------------------------------------------------
-# Segment layouts (host arithmetic once per (offsets, k) pattern, cached)
-
-
-class _Layout:
-    pass
-
-
-def _cum(sizes: List[int]) -> List[int]:
-    out = [0]
-    for v in sizes:
-        out.append(out[-1] + v)
-    return out
-
-
-def _threshold_params(n: int, k: int):
-    """(tpar, cmin, cmax, slots) of one segment, with the reference's
-    arithmetic (reference._threshold_segment): tpar = the sample rank ks, or
-    0 (take everything) / -1 (nothing)."""
-    if k >= n:
-        return 0, 0, n, n
-    if k <= 0:
-        return -1, 0, 0, 0
-    m = n if n <= reference.THRESHOLD_SAMPLE else (
-        reference.THRESHOLD_SAMPLE // reference.THRESHOLD_RUN) * reference.THRESHOLD_RUN
-    q = k * m / n
-    ks = max(1, min(m, math.ceil(q + reference.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
-    lo = (1 - reference.THRESHOLD_TOLERANCE) * k
-    hi = (1 + reference.THRESHOLD_TOLERANCE) * k
-    cmin, cmax = math.ceil(lo), math.floor(hi)
-    return ks, cmin, cmax, max(cmax, k)
-
-
-def _bound_rank(n: int, k: int, cap: int) -> int:
-    """Sample rank R of the exact top-k's sampled start (select.cu), or -1
-    for none: the R-th largest of the 4096 sampled keys lies, with high
-    probability, a little below the k-th largest key of the segment (R is 4
-    standard deviations plus 8 above k's expected rank in the sample, as
-    csrc/cpu/select.cpp's sample_bound)."""
-    if cap <= 0 or k <= 0 or k >= n or n <= KERNEL_SAMPLE:
-        return -1
-    q = k * KERNEL_SAMPLE / n
-    r = math.ceil(q + 4.0 * math.sqrt(q) + 8.0)
-    return r if r < KERNEL_SAMPLE else -1
-
-
-def _cand_capacity(n: int, k: int) -> int:
-    """Candidate slots of a segment: room for the bucket of a typical first
-    digit (about k entries); larger buckets keep reading x instead."""
-    if n <= CHUNK:
-        return 0  # one block reads the whole segment anyway
-    return min(n, max(4 * max(k, 0), n // 32, CHUNK))
-
-
-def _make_layout(device, offs: List[int], ks: List[int], kind: str) -> _Layout:
-    S = len(ks)
-    L = _Layout()
-    L.S = S
-    L.has_bound = False
-    sizes = [offs[s + 1] - offs[s] for s in range(S)]
-    L.blocks_per = [(n + CHUNK - 1) // CHUNK for n in sizes]
-    blk = _cum(L.blocks_per)
-    caps = [_cand_capacity(sizes[s], ks[s]) for s in range(S)]
-    cap = _cum(caps)
-    if kind == "topk":
-        slots = [max(0, min(ks[s], sizes[s])) for s in range(S)]
-        bpar = [_bound_rank(sizes[s], ks[s], caps[s]) for s in range(S)]
-        L.has_bound = any(r > 0 for r in bpar)
-        L.bpar = torch.tensor(bpar, dtype=torch.int64).to(device) if L.has_bound else None
-    else:  # "threshold"
-        par = [_threshold_params(sizes[s], ks[s]) for s in range(S)]
-        slots = [p[3] for p in par]
-        L.tpar = torch.tensor([p[0] for p in par], dtype=torch.int64).to(device)
-        L.cpar = torch.tensor([v for p in par for v in (p[1], p[2])], dtype=torch.int64).to(device)
-    outo = _cum(slots)
-    L.nblocks, L.ncand, L.nslots = blk[-1], cap[-1], outo[-1]
-    L.lay = torch.tensor(offs + blk + cap + outo, dtype=torch.int64).to(device)
-    L.seg = L.lay[: S + 1]
-    L.outo = L.lay[3 * (S + 1):]
-    L.k = torch.tensor(ks, dtype=torch.int64).to(device)
-    L.wbits = max(1, (max(sizes, default=1) - 1).bit_length())
-    return L
+# Segment layouts (host arithmetic in _cuda_layout.py, once per (offsets, k)
+# pattern: cached here)
 
 
 def _layout(device, offsets, k, kind: str, numel: int) -> _Layout:
@@ -309,19 +187,6 @@ def _layout(device, offsets, k, kind: str, numel: int) -> _Layout:
     else:
         _layouts.move_to_end(key)
     return L
-
-
-def _passes(kbits: int, wbits: int) -> int:
-    return -(-kbits // DIGIT) + -(-wbits // DIGIT)
-
-
-def _work(L: _Layout, device) -> Tuple[torch.Tensor, ...]:
-    S = L.S
-    st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=device)
-    zeros = torch.zeros(S * BINS + 3 * S + 1, dtype=torch.int64, device=device)  # one memset
-    hist, ctr = zeros[: S * BINS], zeros[S * BINS:]
-    cand = torch.empty(2 * max(1, L.ncand), dtype=torch.int64, device=device)
-    return st, hist, ctr, cand
 
 
 # --------------------------------------------------------------------------
@@ -444,16 +309,8 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k):
     ab, bb = host[: S + 1], host[S + 1: 2 * (S + 1)]
     if not (S > 0 and ab[0] == 0 and ab[S] == na and bb[0] == 0 and bb[S] == nb):
         raise RuntimeError("merge_select: indices must lie within [offsets[0], offsets[-1])")
-    useg = [ab[s] + bb[s] for s in range(S + 1)]
-    usize = [useg[s + 1] - useg[s] for s in range(S)]
-    dsize = [offs[s + 1] - offs[s] for s in range(S)]
-    blk = _cum([(n + CHUNK - 1) // CHUNK for n in usize])
-    cap = _cum([_cand_capacity(usize[s], ks[s]) for s in range(S)])
-    outo = _cum([max(0, min(ks[s], usize[s])) for s in range(S)])
-    nslots = outo[-1]
-    lay = torch.tensor(useg + blk + cap + outo, dtype=torch.int64).to(dev)
-    k_d = torch.tensor(ks, dtype=torch.int64).to(dev)
-    wbits = max(1, (max(dsize, default=1) - 1).bit_length())
+    L = merge_layout(dev, offs, ks, ab, bb)
+    nslots = L.nslots
     n = na + nb
     uidx = torch.empty(n, dtype=torch.int64, device=dev)
     uval = torch.empty(n, dtype=va.dtype, device=dev)
@@ -466,22 +323,19 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k):
     slots = torch.full((max(1, nslots),), _IMAX[torch.int64], dtype=torch.int64, device=dev)
     oidx = torch.empty(max(1, nslots), dtype=itype, device=dev)
     oval = torch.empty(max(1, nslots), dtype=va.dtype, device=dev)
-    st = torch.empty(max(1, S * ST_N), dtype=torch.int64, device=dev)
-    zeros = torch.zeros(S * BINS + 3 * S + 1, dtype=torch.int64, device=dev)  # one memset
-    hist, ctr = zeros[: S * BINS], zeros[S * BINS:]
-    half = max(1, cap[-1])
-    cand = torch.empty(2 * half, dtype=torch.int64, device=dev)
+    st, hist, ctr, cand = _work(L, dev)
+    half = max(1, L.ncand)
     with _On(dev):
         _launch("merge.cu", f"gtopk_merge_union_{vs}_{isuf}", _blocks(n),
                 (_p(ia), _p(va), _i64(na), _p(ib), _p(vb), _i64(nb), _p(bnd), _i32(S),
                  _p(uidx), _p(uval), _p(uvalid), _p(posa), _p(posb)))
         if nslots:
             _launch("merge.cu", "gtopk_radix_init", _blocks(S),
-                    (_p(lay[: S + 1]), _p(k_d), _i32(S), _p(st)))
-            for j in range(_passes(kbits, wbits) + 1):
-                _launch("merge.cu", f"gtopk_merge_pass_{vs}", blk[-1],
-                        (_p(uval), _p(uidx), _p(uvalid), _p(lay), _p(off_d), _i32(S), _i32(j),
-                         _i32(kbits), _i32(wbits), _p(st), _p(hist), _p(ctr), _p(cand[:half]),
+                    (_p(L.seg), _p(L.k), _i32(S), _p(st)))
+            for j in range(_passes(kbits, L.wbits) + 1):
+                _launch("merge.cu", f"gtopk_merge_pass_{vs}", L.nblocks,
+                        (_p(uval), _p(uidx), _p(uvalid), _p(L.lay), _p(off_d), _i32(S), _i32(j),
+                         _i32(kbits), _i32(L.wbits), _p(st), _p(hist), _p(ctr), _p(cand[:half]),
                          _p(cand[half:]), _p(slots)))
             _launch("merge.cu", f"gtopk_merge_finish_{vs}_{isuf}", _blocks(nslots),
                     (_p(slots), _i64(nslots), _p(uidx), _p(uval), _p(sel), _p(oidx), _p(oval)))
@@ -515,69 +369,6 @@ def scatter_update(numel, idx, vals, divisor, dtype):
             _launch("scatter.cu", f"gtopk_scatter_{vs}_{_INDEX[i.dtype]}", _blocks(n),
                     (_p(i), _p(v), _i64(n), _i64(divisor), _p(out), _i64(numel)))
     return out
-
-
-def residual_update(acc, idx, sent):
-    dev = acc.device
-    if not _ok(acc) or not _sparse_ok(idx, sent, dev):
-        return reference.residual_update(acc, idx, sent)
-    res = acc.clone(memory_format=torch.contiguous_format)
-    n = idx.numel()
-    if n:
-        a = acc.contiguous()
-        i = idx.contiguous()
-        sv = sent.to(acc.dtype).contiguous()
-        vs, _ = _VALUES[acc.dtype]
-        with _On(dev):
-            _launch("scatter.cu", f"gtopk_residual_{vs}_{_INDEX[i.dtype]}", _blocks(n),
-                    (_p(a), _p(i), _p(sv), _i64(n), _p(res), _i64(acc.numel())))
-    return res
-
-
-def scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor):
-    dev = acc.device
-    if (not _ok(acc) or not _sparse_ok(sent_idx, sent, dev) or not _sparse_ok(idx, vals, dev)
-            or sent_idx.dtype != idx.dtype or not isinstance(divisor, int) or divisor == 0):
-        return reference.scatter_residual_update(acc, sent_idx, sent, idx, vals, divisor)
-    a = acc.contiguous()
-    numel = a.numel()
-    upd = torch.empty_like(a)
-    res = torch.empty_like(a)
-    si, i = sent_idx.contiguous(), idx.contiguous()
-    sv, v = sent.to(a.dtype).contiguous(), vals.to(a.dtype).contiguous()
-    ns, n = si.numel(), i.numel()
-    vs, _ = _VALUES[a.dtype]
-    with _On(dev):
-        if numel:
-            _launch("scatter.cu", f"gtopk_fill2_{vs}", min(_blocks(numel), 65536),
-                    (_p(a), _p(upd), _p(res), _i64(numel)))
-        if max(n, ns):
-            _launch("scatter.cu", f"gtopk_patch2_{vs}_{_INDEX[i.dtype]}", _blocks(max(n, ns)),
-                    (_p(a), _p(si), _p(sv), _i64(ns), _p(i), _p(v), _i64(n), _i64(divisor),
-                     _p(upd), _p(res), _i64(numel)))
-    return upd, res
-
-
-def kernel_names() -> Dict[str, List[str]]:
-    """file -> every kernel name this module may launch from it (the compile
-    test checks each one exists in the compiled code)."""
-    vals = [v for v, _ in _VALUES.values()]
-    idxs = list(_INDEX.values())
-    return {
-        "select.cu": (["gtopk_radix_init", "gtopk_thr_decide", "gtopk_bound_decide"]
-                      + [f"gtopk_thr_clear_{i}" for i in idxs]
-                      + [f"gtopk_{op}_{v}" for op in ("thr_sample", "bound_collect") for v in vals]
-                      + [f"gtopk_{op}_{v}_{i}" for op in ("topk_pass", "thr_count")
-                         for v in vals for i in idxs]),
-        "merge.cu": (["gtopk_radix_init", "gtopk_merge_keep"]
-                     + [f"gtopk_merge_bounds_{i}" for i in idxs]
-                     + [f"gtopk_merge_pass_{v}" for v in vals]
-                     + [f"gtopk_merge_{op}_{v}_{i}" for op in ("union", "finish")
-                        for v in vals for i in idxs]),
-        "scatter.cu": ([f"gtopk_fill2_{v}" for v in vals]
-                       + [f"gtopk_{op}_{v}_{i}" for op in ("scatter", "residual", "patch2")
-                          for v in vals for i in idxs]),
-    }
 
 
 def compensate(out, grad, residual):

@@ -197,18 +197,6 @@ def scatter_update(numel: int, idx: Tensor, vals: Tensor, divisor: int, dtype: t
     return out
 
 
-def residual_update(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
-    """New residual: ``acc`` minus what reached the global result.  ``sent``
-    holds the values as they travelled (wire-rounded), in ``acc``'s dtype, so
-    any rounding error stays in the residual; where nothing was rounded the
-    entry becomes exactly zero."""
-    res = acc.clone()
-    if idx.numel():
-        i = idx.long()
-        res[i] = acc[i] - sent.to(acc.dtype)
-    return res
-
-
 def all_finite(t: Tensor) -> bool:
     """Whether every entry of ``t`` is finite, in one read: a finite sum
     (accumulated in at least float32, so float16 sums cannot overflow) has
@@ -280,12 +268,3 @@ def scatter_reset_(out: Tensor, prev: Tensor, idx: Tensor, vals: Tensor, divisor
         v = vals.to(out.dtype)
         out[idx.long()] = v / divisor if divisor != 1 else v
     return out
-
-
-def scatter_residual_update(acc: Tensor, sent_idx: Tensor, sent: Tensor, idx: Tensor, vals: Tensor,
-                            divisor: int) -> Tuple[Tensor, Tensor]:
-    """``(scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
-    residual_update(acc, sent_idx, sent))`` -- the dense update and the new
-    residual of one step; fast back ends write both in one pass."""
-    return (scatter_update(acc.numel(), idx, vals, divisor, acc.dtype),
-            residual_update(acc, sent_idx, sent))
