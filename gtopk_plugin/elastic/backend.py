@@ -9,7 +9,8 @@ BytePS's ``push_pull_async`` — sits behind :class:`AsyncReduction`, in the
 framework layers (DESIGN.md §2: this package never imports a framework).
 Those layers register their native dense reduction for their Transport class
 with :func:`register_transport`; any other Transport gets a dense allreduce
-run through the Transport on a worker thread.
+run through the Transport on a worker thread (:mod:`.resolution` picks one;
+this module imports no back end, so the back ends may import it).
 
 Contract of a back end (all ranks):
 - ``launch`` is called in the same order on every rank (the scheduler
@@ -186,7 +187,7 @@ def agree_by_sum(sum_: Callable[[Tensor], Tensor], size: int, layout, bad_input)
 
 
 # ---------------------------------------------------------------------------
-# Resolution of transport= / reducer=
+# Registration of framework back ends (looked up by .resolution.resolve)
 # ---------------------------------------------------------------------------
 _NATIVE: List[Tuple[type, Callable[[Transport], AsyncReduction]]] = []
 _ISOLATE: List[Tuple[type, Callable[[Transport], Transport]]] = []
@@ -211,42 +212,10 @@ def register_default(factory: Callable[[], AsyncReduction]) -> None:
     _DEFAULT[:] = [factory]
 
 
-def _lookup(table, obj):
+def lookup(table, obj):
+    """The entry of ``table`` registered for ``type(obj)`` or its nearest base."""
     for cls in type(obj).__mro__:
         for c, f in table:
             if c is cls:
                 return f
     return None
-
-
-def resolve(transport, reducer) -> AsyncReduction:
-    """The back end for ``ElasticScheduler(transport=..., reducer=...)``."""
-    from ..reducer import GradientReducer
-    from .threaded import ThreadedReduction, TransportDenseReduction
-
-    if reducer is not None:
-        if not isinstance(reducer, GradientReducer):
-            raise ValueError(f"reducer must be None (dense allreduce) or a gtopk_plugin.GradientReducer; "
-                             f"got {type(reducer).__name__}")
-        if transport is not None and transport is not reducer.transport:
-            raise ValueError("pass either transport= or a reducer built on its transport, not both: a "
-                             "GradientReducer communicates through its own transport "
-                             "(GradientReducer(..., transport=...))")
-        isolate = _lookup(_ISOLATE, reducer.transport)
-        if isolate is not None:
-            reducer.transport = isolate(reducer.transport)
-        return ThreadedReduction(reducer)
-    if transport is None:
-        if not _DEFAULT:
-            raise ValueError("no default back end registered; pass transport=")
-        return _DEFAULT[0]()
-    if isinstance(transport, AsyncReduction):
-        return transport
-    if isinstance(transport, Transport):
-        native = _lookup(_NATIVE, transport)
-        if native is not None:
-            return native(transport)
-        return TransportDenseReduction(transport)
-    raise ValueError(f"transport must be None, a gtopk_plugin Transport (TorchDistributedTransport, "
-                     f"HorovodTransport, ...) or an elastic AsyncReduction back end; got "
-                     f"{type(transport).__name__}")

@@ -32,9 +32,10 @@ import torch
 
 from ..consistency import LayoutMismatchError, PeerInputError
 from .apply import OptimizerApplier, check_optimizer
-from .backend import AsyncReduction, resolve
+from .backend import AsyncReduction
 from .core import ElasticCore
 from .policies import make_policy
+from .resolution import resolve
 from .settings import ElasticConfig
 from .stats import ElasticStats
 from .units import build_units

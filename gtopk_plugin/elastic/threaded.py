@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
