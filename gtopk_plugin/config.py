@@ -74,6 +74,19 @@ def _check_density(name: str, d) -> float:
     return d
 
 
+def check_momentum(m, nesterov: bool = False, dampening: float = 0.0) -> None:
+    """DGC momentum correction's settings (those of torch.optim.SGD);
+    ``ValueError`` saying what to pass.  (Here, at the bottom layer, so that
+    both this config and ``compress.momentum.MomentumSpec`` use it.)"""
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= float(m) < 1.0):
+        raise ValueError(f"momentum must be a number in [0, 1), e.g. 0.9; got {m!r}")
+    if not (0.0 <= float(dampening) <= 1.0):
+        raise ValueError(f"dampening must be in [0, 1]; got {dampening!r}")
+    if nesterov and (float(m) == 0.0 or float(dampening) != 0.0):
+        raise ValueError("Nesterov momentum requires momentum > 0 and dampening 0 "
+                         "(as torch.optim.SGD)")
+
+
 @dataclass(frozen=True)
 class ReducerConfig:
     """Validated settings of a :class:`gtopk_plugin.GradientReducer`.
@@ -153,9 +166,7 @@ class ReducerConfig:
             raise ValueError(f"unknown nonfinite policy {self.nonfinite!r}; pass 'raise', 'skip' or "
                              "'propagate'")
         if self.momentum is not None:
-            from .compress.momentum import MomentumSpec  # validates (ValueError)
-
-            MomentumSpec(float(self.momentum), bool(self.nesterov), float(self.dampening))
+            check_momentum(float(self.momentum), bool(self.nesterov), float(self.dampening))
             object.__setattr__(self, "momentum", float(self.momentum))
         elif self.nesterov:
             raise ValueError("nesterov=True needs momentum= (e.g. momentum=0.9, nesterov=True)")

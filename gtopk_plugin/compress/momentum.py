@@ -29,6 +29,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..config import check_momentum
+
 Tensor = torch.Tensor
 
 
@@ -41,14 +43,7 @@ class MomentumSpec:
     dampening: float = 0.0
 
     def __post_init__(self):
-        m = self.momentum
-        if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= float(m) < 1.0):
-            raise ValueError(f"momentum must be a number in [0, 1), e.g. 0.9; got {m!r}")
-        if not (0.0 <= float(self.dampening) <= 1.0):
-            raise ValueError(f"dampening must be in [0, 1]; got {self.dampening!r}")
-        if self.nesterov and (float(m) == 0.0 or float(self.dampening) != 0.0):
-            raise ValueError("Nesterov momentum requires momentum > 0 and dampening 0 "
-                             "(as torch.optim.SGD)")
+        check_momentum(self.momentum, self.nesterov, self.dampening)
 
 
 class MomentumCorrection:
