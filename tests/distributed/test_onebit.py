@@ -1,0 +1,141 @@
+"""The 1-bit codec (compress/onebit.py: 1-bit SGD / EF-signSGD) and a codec
+registered from user code, on real gloo process groups, P = 1, 3, 4.
+
+Checked against a numpy oracle of the encode and decode: every rank's
+payload (sign bits packed 8 per byte, little-endian; one mean-|acc| scale
+per segment) is what numpy computes from its accumulator; the result is,
+bit for bit on every rank, the rank-order float32 sum of the numpy decodes
+of all payloads; each residual is exactly acc − its own decode; mass is
+conserved over the run (Σ_ranks Σ_steps grad = Σ_steps result(op=sum) +
+Σ_ranks residual); the bytes are the allgather's (P−1)·payload each way.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gtopk_plugin as gp
+from gtopk_plugin.compress import Codec, register
+from gtopk_plugin.compress.base import SelectionContext
+from dist_utils import run_workers
+
+SHAPES = {"w": (37, 11), "b": (13,), "c": (5, 3, 2)}  # segments not multiples of 8
+NUMEL = sum(math.prod(s) for s in SHAPES.values())
+STEPS = 12
+WORLD_SIZES = [1, 3, 4]
+
+
+class HalfCodec(Codec):
+    """User codec (registered from this test file, in the workers only, so
+    the rest of the session does not see it): the accumulator as float16."""
+
+    def encode(self, acc, offsets, ctx):
+        return [acc.to(torch.float16)]
+
+    def decode(self, payload, offsets, numel, dtype):
+        return payload[0].to(dtype)
+
+
+def _grads(rank, step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {n: torch.randn(*s, generator=g) * scale for n, s in SHAPES.items()}
+
+
+def _flat(d):
+    return torch.cat([d[n].reshape(-1) for n in sorted(d)])
+
+
+def _worker(rank, P, method, granularity):
+    if method == "half_user":
+        register("half_user", HalfCodec)
+    red = gp.GradientReducer(method=method, granularity=granularity, op="sum")
+    names = sorted(SHAPES)
+    sizes = [math.prod(SHAPES[n]) for n in names]
+    offsets = torch.tensor([0] + list(np.cumsum(sizes)), dtype=torch.int64)
+    if granularity == "global":
+        offsets = torch.tensor([0, NUMEL], dtype=torch.int64)
+    steps = []
+    for t in range(STEPS):
+        grads = _grads(rank, t)
+        res = red.state_dict()["residuals"]
+        before = torch.zeros(NUMEL) if not res else _flat(res)
+        acc = _flat(grads) + before
+        # the payload this rank's reducer sends (encode is deterministic)
+        payload = red.compressor.encode(acc, offsets, SelectionContext(t, names, 0, rank))
+        out = red.reduce(grads)
+        steps.append(dict(grad=_flat(grads), acc=acc, payload=[p.clone() for p in payload],
+                          out=_flat(out).clone(), res=_flat(red.state_dict()["residuals"]),
+                          sent=red.last_stats.payload_bytes_sent, recv=red.last_stats.payload_bytes_received,
+                          headers=red.last_stats.header_bytes_sent, dense=red.last_stats.dense_bytes))
+    return dict(steps=steps, offsets=offsets)
+
+
+def _np_encode(acc, offsets):
+    a = acc.numpy()
+    bits = np.packbits(a >= 0, bitorder="little")
+    o = offsets.tolist()
+    scales = np.array([np.abs(a[o[i]:o[i + 1]].astype(np.float64)).mean() for i in range(len(o) - 1)])
+    return bits, scales
+
+
+def _np_decode(bits, scales, offsets, n):
+    signs = np.unpackbits(bits, bitorder="little")[:n].astype(np.float32) * 2 - 1
+    o = offsets.tolist()
+    out = np.empty(n, dtype=np.float32)
+    for i in range(len(o) - 1):
+        out[o[i]:o[i + 1]] = signs[o[i]:o[i + 1]] * np.float32(scales[i])
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("granularity", ["layer", "global"])
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_onebit_matches_numpy_oracle_and_conserves_mass(P, granularity):
+    results = run_workers(P, _worker, "onebit", granularity, timeout=280)
+    offsets = results[0]["offsets"]
+    nseg = offsets.numel() - 1
+    payload_bytes = math.ceil(NUMEL / 8) + 4 * nseg
+    total_grad = np.zeros(NUMEL)
+    total_out = np.zeros(NUMEL)
+    for t in range(STEPS):
+        decodes = []
+        for r in range(P):
+            s = results[r]["steps"][t]
+            bits, scales = _np_encode(s["acc"], offsets)
+            wbits, wscales = (p.numpy() for p in s["payload"])
+            assert np.array_equal(bits, wbits), f"rank {r} step {t}: sign bits differ from numpy"
+            np.testing.assert_allclose(wscales, scales, rtol=2e-6, atol=0)
+            d = _np_decode(wbits, wscales, offsets, NUMEL)
+            decodes.append(d)
+            # error feedback: the residual is acc less this rank's own decode, exactly
+            assert np.array_equal(s["res"].numpy(), s["acc"].numpy() - d), f"rank {r} step {t}: residual"
+            total_grad += s["grad"].numpy()
+        expect = np.zeros(NUMEL, dtype=np.float32)
+        for d in decodes:  # rank order, float32: the same bits on every rank
+            expect = expect + d
+        for r in range(P):
+            s = results[r]["steps"][t]
+            assert np.array_equal(s["out"].numpy(), expect), f"rank {r} step {t}: result differs"
+            assert s["sent"] == s["recv"] == (P - 1) * payload_bytes and s["headers"] == 0
+        total_out += expect
+    residuals = sum(results[r]["steps"][-1]["res"].double().numpy() for r in range(P))
+    np.testing.assert_allclose(total_grad, total_out + residuals, rtol=0, atol=2e-4)
+    # against a float32 ring allreduce of the same gradients (2·(P−1)/P·4N):
+    # the sign bits are 1/32 of the float32 bytes, times P/2 for the allgather
+    assert results[0]["steps"][0]["dense"] == 2 * (P - 1) * NUMEL * 4 // P
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [3])
+def test_user_registered_codec_runs_in_gloo(P):
+    results = run_workers(P, _worker, "half_user", "layer", timeout=280)
+    for t in range(STEPS):
+        expect = torch.zeros(NUMEL)
+        for r in range(P):  # rank order
+            expect = expect + results[r]["steps"][t]["acc"].half().float()
+        for r in range(P):
+            s = results[r]["steps"][t]
+            assert torch.equal(s["out"], expect)
+            assert torch.equal(s["res"], s["acc"] - s["acc"].half().float())
+            assert s["sent"] == (P - 1) * NUMEL * 2

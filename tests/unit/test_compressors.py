@@ -1,0 +1,252 @@
+"""The compressor registry as the one source of truth (issue #16), single
+process: metadata and hyper-parameter validation, the 1-bit codec against a
+numpy oracle of its encode/decode, and compressors registered from user code
+(a selector with a hyper-parameter, a codec) working through
+``GradientReducer`` and ``Compression.from_name``."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gtopk_plugin as gp
+from gtopk_plugin import registry
+from gtopk_plugin.compress import Codec, HyperParam, Selector, register, unregister
+from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, CompressionNames
+
+BUILTIN = ("dense", "topk", "gtopk", "rtopk", "randomk", "threshold", "onebit")
+
+
+def make(**kw):
+    kw.setdefault("transport", gp.SingleProcessTransport())
+    return gp.GradientReducer(**kw)
+
+
+# --------------------------------------------------------------- registry
+def test_builtins_registered_with_metadata():
+    assert gp.compress.available()[:len(BUILTIN)] == BUILTIN
+    assert gp.compress.available("codec")[:1] == ("onebit",)
+    assert "onebit" not in gp.compress.available("selector")
+    d = gp.compress.describe("rtopk")
+    assert d["kind"] == "selector" and d["aggregation"] == "allgather"
+    assert d["merges"] == ("allgather", "gtopk") and d["uses_density"]
+    assert [p["name"] for p in d["hyperparams"]] == ["r_factor"]
+    assert d["hyperparams"][0]["default"] == 4.0 and ">= 1" in d["hyperparams"][0]["range"]
+    d = gp.compress.describe("onebit")
+    assert (d["kind"], d["aggregation"], d["merges"], d["uses_density"]) == \
+        ("codec", "allgather_payloads", (), False)
+    table = gp.compress.table()
+    assert all(f"`{n}`" in table for n in BUILTIN)
+    # the old import path still works
+    from gtopk_plugin.compress import registry as old
+
+    assert old.get("gtopk") is gp.compress.get("gtopk")
+
+
+@pytest.mark.parametrize("spec, value, ok", [
+    (HyperParam("r", 4.0, "doc", float, low=1.0), 1.0, 1.0),
+    (HyperParam("r", 4.0, "doc", float, low=1.0), "2", 2.0),
+    (HyperParam("r", 4.0, "doc", float, low=1.0), 0.5, None),
+    (HyperParam("r", 4.0, "doc", float, low=1.0), float("inf"), None),
+    (HyperParam("r", 4.0, "doc", float, low=0.0, low_open=True), 0.0, None),
+    (HyperParam("n", 2, "doc", int, low=1, high=8), 8, 8),
+    (HyperParam("n", 2, "doc", int, low=1, high=8), 2.5, None),
+    (HyperParam("n", 2, "doc", int, low=1, high=8), True, None),
+    (HyperParam("s", "a", "doc", str, choices=("a", "b")), "c", None),
+    (HyperParam("f", False, "doc", bool), 1, None),
+])
+def test_hyperparam_validation_names_the_range(spec, value, ok):
+    if ok is None:
+        with pytest.raises(ValueError, match=spec.name + " must be"):
+            spec.validate(value)
+    else:
+        assert spec.validate(value) == ok
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"method": "rtopk", "r_factor": 0.5}, "r_factor must be a finite number >= 1"),
+    ({"method": "gtopk", "r_factor": 0.5}, "r_factor"),  # validated whatever the method
+    ({"method": "topk", "bogus": 1}, "has no hyper-parameter 'bogus'"),
+    ({"method": "onebit", "merge": "gtopk"}, "does not apply to method 'onebit'"),
+    ({"method": "onebit", "value_dtype": torch.float16}, "value_dtype"),
+    ({"method": "randomk", "merge": "allgather"}, "merge"),
+    ({"method": "nope"}, "onebit"),  # the message lists the registered methods
+])
+def test_reducer_validates_through_the_registry(kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        make(**kw)
+
+
+def test_r_factor_routes_into_rtopk_and_hyper_wins():
+    assert make(method="rtopk", r_factor=2.5).compressor.r_factor == 2.5
+    assert gp.ReducerConfig(method="rtopk", r_factor=2.5, hyper={"r_factor": 3.0}).method_hyper == \
+        {"r_factor": 3.0}
+    assert make(method="topk", r_factor=2.5).compressor.hyper == {}
+
+
+def test_config_does_not_import_compress():
+    import ast
+    import inspect
+
+    from gtopk_plugin import config
+
+    tree = ast.parse(inspect.getsource(config))
+    mods = [getattr(n, "module", None) or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not any("compress" in m for m in mods), mods
+
+
+# ------------------------------------------------------------- 1-bit codec
+def _np_onebit(a: np.ndarray, offsets):
+    bits = np.packbits(a >= 0, bitorder="little")
+    scales = np.array([np.abs(a[offsets[i]:offsets[i + 1]].astype(np.float64)).mean()
+                       for i in range(len(offsets) - 1)])
+    signs = np.unpackbits(bits, bitorder="little")[:a.size].astype(np.float64) * 2 - 1
+    dec = np.concatenate([signs[offsets[i]:offsets[i + 1]] * scales[i] for i in range(len(offsets) - 1)])
+    return bits, scales, dec
+
+
+@pytest.mark.parametrize("sizes", [[1], [8], [13, 5, 64], [3, 1000, 7]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_onebit_encode_decode_match_numpy(sizes, dtype):
+    g = torch.Generator().manual_seed(sum(sizes))
+    acc = torch.randn(sum(sizes), generator=g).to(dtype)
+    acc[0] = 0.0  # sign(0) = +1
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)
+    codec = gp.compress.get("onebit")()
+    payload = codec.encode(acc, offsets, SelectionContext(0, [str(i) for i in sizes], 0))
+    bits, scales, dec = _np_onebit(acc.double().numpy(), offsets.tolist())
+    assert payload[0].dtype == torch.uint8 and payload[0].numel() == math.ceil(sum(sizes) / 8)
+    assert np.array_equal(payload[0].numpy(), bits)
+    assert payload[1].dtype == torch.float32 and payload[1].numel() == len(sizes)
+    np.testing.assert_allclose(payload[1].numpy(), scales, rtol=1e-2 if dtype == torch.bfloat16 else 2e-6)
+    out = codec.decode(payload, offsets, acc.numel(), dtype)
+    assert out.dtype == dtype
+    # decode of the payload as sent: exact
+    signs = np.unpackbits(payload[0].numpy(), bitorder="little")[:acc.numel()] * 2.0 - 1
+    seg = np.repeat(np.arange(len(sizes)), sizes)
+    want = signs * payload[1].to(dtype).double().numpy()[seg]
+    assert np.array_equal(out.double().numpy(), want)
+    np.testing.assert_allclose(out.double().numpy(), dec, rtol=1e-2 if dtype == torch.bfloat16 else 2e-6)
+
+
+def test_onebit_single_worker_conserves_mass_and_shrinks_the_residual():
+    red = make(method="onebit", op="sum")
+    g = torch.Generator().manual_seed(1)
+    tot_g = torch.zeros(300, dtype=torch.float64)
+    tot_o = torch.zeros(300, dtype=torch.float64)
+    for _ in range(40):
+        grads = {"a": torch.randn(10, 20, generator=g), "b": torch.randn(100, generator=g)}
+        out = red.reduce(grads)
+        tot_g += torch.cat([grads["a"].flatten(), grads["b"]]).double()
+        tot_o += torch.cat([out["a"].flatten(), out["b"]]).double()
+    res = red.state_dict()["residuals"]
+    torch.testing.assert_close(tot_g, tot_o + torch.cat([res["a"], res["b"]]).double(), atol=1e-4, rtol=0)
+    st = red.last_stats
+    assert (st.method, st.aggregation, st.k, st.sent_entries) == ("onebit", "allgather_payloads", 300, 300)
+    # error feedback keeps the residual bounded (EF-signSGD): well below the summed gradient
+    assert float(torch.cat([res["a"], res["b"]]).abs().max()) < 10
+
+
+# ------------------------------------------------ compressors from user code
+class StridedK(Selector):
+    """User selector: every ``stride``-th entry of each segment from ``start`` (same on every rank)."""
+
+    hyperparams = (HyperParam("stride", 2, "take every stride-th entry", int, low=1),
+                   HyperParam("start", 0, "first index of each segment", int, low=0))
+    aggregation = "allgather"
+    merges = ("allgather", "gtopk")
+    exact_count = False
+
+    def select(self, acc, offsets, k, ctx):
+        o = offsets.tolist()
+        idx = torch.cat([torch.arange(o[i] + min(self.start, o[i + 1] - o[i] - 1), o[i + 1], self.stride)
+                         for i in range(len(o) - 1)])
+        return idx, acc[idx]
+
+
+class Fp16Codec(Codec):
+    """User codec: the accumulator in float16."""
+
+    def encode(self, acc, offsets, ctx):
+        return [acc.to(torch.float16)]
+
+    def decode(self, payload, offsets, numel, dtype):
+        return payload[0].to(dtype)
+
+
+@pytest.fixture
+def user_methods():
+    register("strided_user", StridedK)
+    register("fp16_user")(Fp16Codec)
+    yield
+    unregister("strided_user")
+    unregister("fp16_user")
+
+
+class _Namespace(CompressionNames):
+    """A framework's Compression without the framework: records the call."""
+
+    @staticmethod
+    def _sparse(method, density, **kw):
+        return ("sparse", method, density, kw)
+
+
+def test_user_selector_through_reducer(user_methods):
+    assert "strided_user" in gp.compress.available() and "strided_user" in SPARSE_METHODS
+    grads = {"w": torch.arange(10.0), "v": torch.arange(5.0) + 100}
+    red = make(method="strided_user", stride=3, start=1, op="sum")
+    out = red.reduce(grads)
+    want_w = torch.zeros(10)
+    want_w[1::3] = grads["w"][1::3]
+    want_v = torch.zeros(5)
+    want_v[1::3] = grads["v"][1::3]
+    assert torch.equal(out["w"], want_w) and torch.equal(out["v"], want_v)
+    res = red.state_dict()["residuals"]
+    assert torch.equal(res["w"] + out["w"], grads["w"])
+    with pytest.raises(ValueError, match="stride must be an integer >= 1"):
+        make(method="strided_user", stride=0)
+    # on the butterfly, too (merge= from its declared merges)
+    out = make(method="strided_user", density=0.5, merge="gtopk", stride=2).reduce(grads)
+    assert int((out["w"] != 0).sum()) <= 5
+
+
+def test_user_codec_through_reducer(user_methods):
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    red = make(method="fp16_user", op="sum")
+    out = red.reduce({"g": g})
+    assert torch.equal(out["g"], g.half().float())
+    assert torch.equal(red.state_dict()["residuals"]["g"], g - g.half().float())
+
+
+def test_user_methods_through_compression_names(user_methods):
+    assert _Namespace.from_name("strided_user", 0.1, stride=4, seed=3) == \
+        ("sparse", "strided_user", 0.1, {"stride": 4, "seed": 3})
+    assert _Namespace.strided_user(0.2) == ("sparse", "strided_user", 0.2, {})
+    assert _Namespace.from_name("fp16_user") == ("sparse", "fp16_user", 1.0, {})
+    assert _Namespace.onebit() == ("sparse", "onebit", 1.0, {})
+    assert "strided_user" in _Namespace.names() and "strided_user" in dir(_Namespace)
+    with pytest.raises(ValueError, match="stride must be"):
+        _Namespace.strided_user(0.1, stride=-1)
+    with pytest.raises(ValueError, match="needs a density"):
+        _Namespace.from_name("strided_user")
+    with pytest.raises(AttributeError, match="strided_user\\(density, stride=2, start=0\\)"):
+        _Namespace.strided  # noqa: B018 - the typo lists every method with its signature
+
+
+def test_user_methods_gone_after_unregister(user_methods):
+    unregister("strided_user")
+    with pytest.raises(ValueError, match="unknown method"):
+        make(method="strided_user")
+    with pytest.raises(ValueError, match="unknown compression"):
+        _Namespace.from_name("strided_user", 0.1)
+    register("strided_user", StridedK)  # for the fixture's teardown
+
+
+def test_register_rejects_bad_names_and_clashes():
+    with pytest.raises(ValueError, match="identifier"):
+        register("not a name", StridedK)
+    with pytest.raises(ValueError, match="reserved"):
+        register("fp16", Fp16Codec)
+    with pytest.raises(ValueError, match="already registered"):
+        register("topk", StridedK)
