@@ -19,24 +19,32 @@ import torch
 from horovod.torch.compression import Compression as _HvdCompression
 from horovod.torch.compression import Compressor as _HvdCompressor
 
-from ... import config
+from ... import config, registry
 from ...config import ReducerConfig
-from ..compression_names import CompressionNames
+from ..compression_names import SPARSE_METHODS, CompressionNames
 
-__all__ = ["SparseCompression", "Compression", "is_dense_compressor"]
+__all__ = ["SparseCompression", "Compression", "is_dense_compressor", "sparse_choices"]
 
 _NONFINITE = ("raise", "skip", "propagate")
+# The core's dense reducer: in this layer dense reduction is Horovod's own
+# allreduce (Compression.none / fp16), so the registry's "dense" is refused.
+DENSE_METHOD = "dense"
 
 
 class SparseCompression:
-    """A sparse method of the core, selected as a Horovod ``compression=``.
+    """A compressor of the core's registry (:mod:`gtopk_plugin.registry`),
+    selected as a Horovod ``compression=``.
 
-    Made by ``Compression.topk/gtopk/rtopk/randomk/threshold(density, ...)``;
-    validated at construction (``ValueError`` naming the bad keyword).
+    Made by ``Compression.<name>(density, ...)`` for any registered method
+    (``topk``, ``gtopk``, ``rtopk``, ``randomk``, ``threshold``, codecs such
+    as ``onebit``, or one registered from user code); validated at
+    construction (``ValueError`` naming the bad keyword).
 
     Args:
         method, density: as :class:`~gtopk_plugin.GradientReducer`.
-        r_factor: rTop-k's r (keep k of the top r·k).
+        r_factor: rTop-k's r (keep k of the top r·k); accepted by every
+            method, used by those that declare it.
+        **hyper: the method's own hyper-parameters (``registry.describe``).
         value_dtype: ``None``, ``torch.float16`` or ``torch.bfloat16`` values
             on the wire.
         warmup: density schedule (``DensityWarmup``, a sequence, or a callable).
@@ -72,8 +80,8 @@ class SparseCompression:
                  error_feedback: bool = True, kernels: Optional[str] = None,
                  fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
                  momentum: Optional[float] = None, nesterov: bool = False,
-                 momentum_masking: bool = True, clip_norm: Optional[float] = None):
-        if method == "dense":
+                 momentum_masking: bool = True, clip_norm: Optional[float] = None, **hyper):
+        if method == DENSE_METHOD:
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
         if nonfinite not in _NONFINITE:
@@ -95,8 +103,8 @@ class SparseCompression:
         self.momentum_correction = bool(momentum_correction)
         if kernels is not None:
             kw["kernels"] = kernels
-        self.config = ReducerConfig(**kw)  # validates (ValueError)
-        self._reducer_kwargs = kw
+        self.config = ReducerConfig(**kw, hyper=hyper)  # validates method, hyper-parameters (ValueError)
+        self._reducer_kwargs = dict(kw, **hyper)
 
     @property
     def method(self) -> str:
@@ -115,6 +123,8 @@ class SparseCompression:
                         if k not in ("method", "density") and v != _DEFAULTS.get(k))
         if self.momentum_correction:
             extra += ", momentum_correction=True"
+        if not registry.get(self.method).uses_density:  # codecs: Compression.onebit(...)
+            return f"Compression.{self.method}({extra[2:]})"
         return f"Compression.{self.method}({self.density!r}{extra})"
 
     # Horovod's own optimizer calls these: say plainly that it cannot run us.
@@ -133,17 +143,17 @@ _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None
 class Compression(CompressionNames):
     """Gradient compression for :func:`DistributedOptimizer`.
 
-    ``none`` and ``fp16`` are Horovod's own compressors (dense allreduce,
-    identical behaviour).  The others select a sparse method of the core and
-    take the density (fraction of entries sent per tensor) plus optional
-    keywords of :class:`SparseCompression` (``value_dtype``, ``warmup``,
-    ``nonfinite``, ``fusion_threshold``, ...):
-
-    * ``topk(density)``: exact top-k, sparse allgather (Top-k S-SGD);
-    * ``gtopk(density)``: exact top-k, gTop-k butterfly (log2 P rounds);
-    * ``rtopk(density, r_factor=4)``: k random of the top r·k, allgather;
-    * ``randomk(density)``: k shared random indices, values allreduced;
-    * ``threshold(density)``: DGC-style sampled threshold, allgather.
+    ``none`` and ``fp16`` are Horovod's own compressors (dense allreduce:
+    :func:`DistributedOptimizer` returns Horovod's own optimizer).  Every
+    other attribute is a compressor of the registry, generated on access
+    (:mod:`gtopk_plugin.frameworks.compression_names`): a method that
+    selects entries takes the density (fraction of entries sent per
+    tensor), e.g. ``topk(density)`` (Top-k S-SGD), ``gtopk(density)`` (the
+    gTop-k butterfly), ``rtopk(density, r_factor=4)``, ``randomk(density)``,
+    ``threshold(density)``; a codec takes keywords only (``onebit()``).
+    All take the method's own hyper-parameters and the keywords of
+    :class:`SparseCompression` (``value_dtype``, ``warmup``, ``nonfinite``,
+    ``fusion_threshold``, ...).  ``Compression.names()`` lists them.
     """
 
     none = _HvdCompression.none
@@ -162,3 +172,8 @@ def is_dense_compressor(c) -> bool:
                                              callable(getattr(c, "decompress", None)) and
                                              not isinstance(c, SparseCompression))
 
+
+
+def sparse_choices():
+    """The registry's methods this layer runs itself (all but the dense one)."""
+    return tuple(n for n in SPARSE_METHODS if n != DENSE_METHOD)

@@ -38,8 +38,8 @@ from horovod.torch import mpi_ops as _ops
 from ...buckets import bucket_names, name_parameters, resolve_groups
 from ...reducer import GradientReducer
 from ...stats import ReduceStats
-from ..compression_names import SPARSE_METHODS
-from .compression import Compression, SparseCompression, is_dense_compressor
+from ..compression_names import signature
+from .compression import Compression, SparseCompression, is_dense_compressor, sparse_choices
 from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
 from .sparse import _SparsePath
 
@@ -286,13 +286,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             raise ValueError("op=hvd.Adasum works with dense compression only; sparse compression "
                              "supports hvd.Average and hvd.Sum")
     elif not is_dense_compressor(compression):
-        # TODO(#16, registry): take the method names from gtopk_plugin.compress.available()
-        # once the registry drives Compression (see /work/notes/compressor_api.md).
-        hint = (f" (did you mean Compression.{compression}(density)?)"
-                if isinstance(compression, str) and compression in SPARSE_METHODS else "")
+        # the choices come from the registry (a user-registered compressor included)
+        hint = (f" (did you mean Compression.{signature(compression)}?)"
+                if isinstance(compression, str) and compression in sparse_choices() else "")
         raise ValueError(
             f"unknown compression {compression!r}{hint}: pass Compression.none, Compression.fp16, "
-            "Compression.topk/gtopk/rtopk/randomk/threshold(density), or a Horovod Compressor")
+            f"Compression.<method>(...) for a method of {', '.join(sparse_choices())}, or a Horovod "
+            "Compressor")
     else:
         if grad_scaler is not None:
             raise ValueError("grad_scaler= is for sparse compressions (error-feedback state follows the "
