@@ -33,8 +33,20 @@ class PeerInputError(RuntimeError):
     """Another rank passed invalid input to the same collective call."""
 
 
+def describe_layout(tensors: Sequence[Tuple], settings: Tuple) -> List[Tuple]:
+    """The layout description every rank fingerprints, for every framework
+    layer: one ``(name, shape, dtype)`` entry per tensor, then
+    ``("settings", *settings)`` -- whatever must agree across ranks for the
+    exchange to pair up (method, aggregation, granularity, wire dtype, op,
+    k per segment, ...).  Plain Python values only (``repr`` must be the
+    same on every rank); :func:`first_mismatch` names the first entry that
+    differs."""
+    return [tuple(t) for t in tensors] + [("settings",) + tuple(settings)]
+
+
 def fingerprint(layout: Sequence[Tuple]) -> int:
-    """63-bit hash of a layout description, identical on every rank."""
+    """63-bit hash of a layout description, identical on every rank (and in
+    every framework: plain Python, no tensors)."""
     h = hashlib.blake2b(repr(tuple(layout)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 62) - 1)
 

@@ -33,6 +33,7 @@ import torch
 from .. import kernels
 from . import wire
 from .base import Aggregated, Aggregation, Selection, register
+from .schedule import butterfly_schedule, message_rounds
 from .transport import Transport
 
 Tensor = torch.Tensor
@@ -47,10 +48,6 @@ class ButterflyResult:
     # (int64 global idx, values in the accumulation dtype): wire roundings
     # of merged sums that this rank owns and that reached the result
     residual_add: Optional[Tuple[Tensor, Tensor]] = None
-
-
-def _rounds(P: int) -> int:
-    return (P.bit_length() - 1) + (0 if P & (P - 1) == 0 else 2)
 
 
 def _member_of(values: Tensor, ascending: Tensor) -> Tensor:
@@ -123,7 +120,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     if P == 1:
         return ButterflyResult(idx, vals, alive, 0)
 
-    Pp = 1 << (P.bit_length() - 1)
+    sched = butterfly_schedule(P, r)  # who talks to whom (collectives/schedule.py)
     eb = wire.entry_bytes(idx_dtype, wdt)
     K = int(k.sum())
     msg_bytes = K * eb if static_count else None
@@ -152,16 +149,14 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     cur_idx = idx.to(idx_dtype)
     cur_val = vals if adt is None else vals.to(adt)
     headers = not static_count
-    n_extra = P - Pp
     own_mask_bytes = wire.bitmask_bytes(own_idx.numel())
 
     # Phase 1 (non-power-of-two P): ranks r >= P' fold their set into r - P'
     # (their own wire values: nothing to round).  Every rank takes part in
     # every phase (see Transport.phase).
     folded_idx = folded_alive = None
-    if n_extra:
-        send_to = r - Pp if r >= Pp else None
-        recv_from = r + Pp if r < n_extra else None
+    if sched.fold_in is not None:
+        send_to, recv_from = sched.fold_in.send_to, sched.fold_in.recv_from
         blob = transport.phase(send_to, wire.pack(cur_idx, vals, idx_dtype) if send_to is not None else None,
                                recv_from, msg_bytes, dev, headers)
         if recv_from is not None:
@@ -171,15 +166,13 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
             folded_idx, folded_alive = o_idx.long(), keep_b
 
     # Phase 2: log2(P') butterfly rounds among ranks < P'; both partners of a
-    # round compute the same merge.  Before round j the group of r is the
-    # 2^j ranks < P' that agree with r above bit j (plus their folded
-    # partners); its lowest rank, r with the low j bits clear, owns the
-    # rounding of the group's set.
-    for j in range(Pp.bit_length() - 1):
-        peer = (r ^ (1 << j)) if r < Pp else None
+    # round compute the same merge.  The lowest rank of the group that holds
+    # the set owns its rounding (schedule.Round.owns_rounding).
+    for rnd in sched.rounds:
+        peer = rnd.peer
         send = None
         if peer is not None:
-            send, cur_val = to_wire(cur_idx, cur_val, owner=r % (1 << j) == 0)
+            send, cur_val = to_wire(cur_idx, cur_val, owner=rnd.owns_rounding)
         blob = transport.phase(peer, wire.pack(cur_idx, send, idx_dtype) if peer is not None else None,
                                peer, msg_bytes, dev, headers)
         if peer is None:
@@ -197,16 +190,15 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     # The result travels and is returned in the wire dtype on every rank
     # (folded ranks included): one last rounding, owned by rank 0 (the
     # lowest rank of the final group); every entry of it is in the result.
-    if r < Pp:
-        cur_val, _ = to_wire(cur_idx, cur_val, owner=r == 0)
+    if sched.in_core:
+        cur_val, _ = to_wire(cur_idx, cur_val, owner=sched.owns_final_rounding)
     residual_add = None if charges is None else charges.result()
 
     # Phase 3: the folded ranks get the result plus a bitmask of which of
     # their own entries reached it (they cannot tell from the result alone:
     # an index may have been dropped and reappeared with others' values).
-    if n_extra:
-        send_to = r + Pp if r < n_extra else None
-        recv_from = r - Pp if r >= Pp else None
+    if sched.fold_out is not None:
+        send_to, recv_from = sched.fold_out.send_to, sched.fold_out.recv_from
         out = None
         if send_to is not None:
             out = torch.cat([wire.pack(cur_idx, cur_val, idx_dtype), wire.pack_bits(folded_alive)])
@@ -215,8 +207,8 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         if recv_from is not None:
             res_idx, res_val, bits = unpack(blob, own_mask_bytes)
             return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), own_idx.numel()),
-                                   _rounds(P))
-    return ButterflyResult(cur_idx, cur_val, alive, _rounds(P), residual_add)
+                                   message_rounds(P))
+    return ButterflyResult(cur_idx, cur_val, alive, message_rounds(P), residual_add)
 
 
 @register("gtopk")

@@ -47,7 +47,8 @@ except Exception as e:  # noqa: BLE001
     HAVE_HVD_TF, WHY = False, f"{type(e).__name__}: {e}"
 
 from gtopk_plugin import DensityWarmup  # noqa: E402
-from gtopk_plugin.frameworks import horovod_tf_kernels as K  # noqa: E402
+from gtopk_plugin.frameworks.horovod_tf import kernels as K  # noqa: E402
+from gtopk_plugin.frameworks.horovod_tf import selection as S  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
 from hvd_launch import JOBS, elastic_hosts, horovodrun as _horovodrun  # noqa: E402
@@ -102,8 +103,8 @@ def test_selection_matches_reference_bit_for_bit(dtype):
         xt = tf.constant(_to_np(x))
         if dtype == torch.bfloat16:
             xt = tf.bitcast(xt, tf.bfloat16)
-        for name, ours, theirs in (("topk", K.select_topk, ref.select_topk),
-                                   ("threshold", K.select_threshold, ref.select_threshold)):
+        for name, ours, theirs in (("topk", S.select_topk, ref.select_topk),
+                                   ("threshold", S.select_threshold, ref.select_threshold)):
             ti, tv = theirs(x, torch.tensor(offs), torch.tensor(ks))
             fi, fv = ours(xt, offs, ks)
             assert np.array_equal(ti.numpy(), fi.numpy()), f"{name} {dtype} trial {trial}: indices differ"
@@ -116,7 +117,7 @@ def test_runtime_counts_select_as_static_counts(select):
     int32 tensor): the selection must be the static one, bit for bit,
     including k >= n and the threshold rule's sample-size arithmetic."""
     rng = np.random.default_rng(3)
-    fn = K.select_topk if select == "topk" else K.select_threshold
+    fn = S.select_topk if select == "topk" else S.select_threshold
     for trial in range(10):
         offs, ks = _layout(rng)
         if trial == 0:
@@ -134,7 +135,7 @@ def test_threshold_large_segment_matches_reference():
     for n, k in ((200_000, 2_000), (50_000, 17), (10_000, 4_000)):
         x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
         ti, _ = ref.select_threshold(x, torch.tensor([0, n]), torch.tensor([k]))
-        fi, _ = K.select_threshold(tf.constant(x.numpy()), [0, n], [k])
+        fi, _ = S.select_threshold(tf.constant(x.numpy()), [0, n], [k])
         assert np.array_equal(ti.numpy(), fi.numpy()), (n, k)
 
 
@@ -160,21 +161,21 @@ def test_wire_format_round_trip():
     i = tf.constant([0, 7, 123456], tf.int32)
     for dt in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
         v = tf.cast(tf.constant([1.5, -2.25, 3e3]), dt)
-        blob = K._pack(i, v)
+        blob = K.pack(i, v)
         assert blob.dtype == tf.uint8 and int(tf.size(blob)) == 3 * (4 + dt.size)
-        gi, gv, tail = K._unpack(blob, dt)
+        gi, gv, tail = K.unpack(blob, dt)
         assert np.array_equal(gi.numpy(), i.numpy()) and int(tf.size(tail)) == 0
         assert np.array_equal(tf.cast(gv, tf.float32).numpy(), tf.cast(v, tf.float32).numpy())
     for n in (1, 8, 13, 64):
         m = tf.constant(np.random.default_rng(n).random(n) > 0.5)
-        bits = K._pack_bits(m)
+        bits = K.pack_bits(m)
         assert int(tf.size(bits)) == (n + 7) // 8
-        assert np.array_equal(K._unpack_bits(bits, n).numpy(), m.numpy())
+        assert np.array_equal(K.unpack_bits(bits, n).numpy(), m.numpy())
 
 
 @pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.5)])
 def test_momentum_step_matches_momentum_correction_bit_for_bit(nesterov, dampening):
-    """The TF twin of DGC's momentum correction (horovod_tf_kernels.momentum_step)
+    """The TF twin of DGC's momentum correction (horovod_tf.kernels.momentum_step)
     against the library's MomentumCorrection over steps with masking, fp32."""
     from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
 

@@ -1,27 +1,23 @@
-"""TensorFlow twins of the reference kernels (gtopk_plugin.kernels.reference)
-used by the Horovod-TensorFlow layer (:mod:`gtopk_plugin.frameworks.horovod_tf`):
-selection, the butterfly merge and the wire format, in TensorFlow ops only, so
-they run eagerly and inside ``tf.function``.  Needs TensorFlow, not Horovod;
-the tests compare every function here with the reference kernel bit for bit
-(ties, NaN/Inf, fp16/bf16/fp64).
+"""The tensor ops of the Horovod-TensorFlow layer that must be TensorFlow
+ops (they sit between Horovod's collectives inside ``tf.function``): the
+butterfly merge, set membership, the wire format, DGC momentum correction,
+local clipping and wire rounding -- TF twins of
+``gtopk_plugin.kernels.reference.merge_select``, ``collectives/wire.py``,
+``compress/momentum.py`` and the reducer's clipping, op for op.  Needs
+TensorFlow, not Horovod; the tests compare every function here with its
+PyTorch twin bit for bit (ties, NaN/Inf, fp16/bf16/fp64).
+
+Selection is not here: it runs the registry's torch compressors (and so the
+project's C++ kernels) through :mod:`.selection`.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
-import torch
 
-from ..compress.base import seeded_generator
-from ..kernels import reference as _ref
-
-# ---------------------------------------------------------------------------
-# Kernels in TensorFlow ops (twins of gtopk_plugin.kernels.reference; the
-# tests compare them bit for bit on random data with ties and NaN/Inf).
 # Indices are int32 global positions into the flat buffer, ascending.
-# ---------------------------------------------------------------------------
 def magnitude(v):
     """|v| as float32 (float64 stays float64), NaN mapped to +inf: the
     selection order of the reference kernels."""
@@ -29,132 +25,6 @@ def magnitude(v):
     if m.dtype not in (tf.float32, tf.float64):
         m = tf.cast(m, tf.float32)
     return tf.where(tf.math.is_nan(m), tf.constant(np.inf, m.dtype), m)
-
-
-def _topk_positions(mag, k):
-    """Positions (ascending) of the top-``k`` of ``mag`` under the tie rule:
-    ``tf.math.top_k`` returns equal values lower index first."""
-    n = tf.size(mag)
-    k = tf.minimum(tf.cast(k, tf.int32), n)
-    pos = tf.math.top_k(mag, k=k, sorted=True).indices
-    return tf.sort(pos)
-
-
-def _static(ks) -> bool:
-    """Counts known while tracing (Python ints) rather than a run-time int32
-    tensor (a density warm-up inside ``tf.function``)."""
-    return not isinstance(ks, (tf.Tensor, tf.Variable))
-
-
-def select_topk(x, offsets: Sequence[int], ks):
-    """Exact per-segment top-k of the flat ``x`` (segments ``offsets``,
-    counts ``ks``: Python ints, or a run-time int32 tensor):
-    ``(int32 indices ascending, values)``."""
-    mag = magnitude(x)
-    parts = []
-    for s in range(len(offsets) - 1):
-        lo, hi = int(offsets[s]), int(offsets[s + 1])
-        if _static(ks) and ks[s] >= hi - lo:
-            parts.append(tf.range(lo, hi, dtype=tf.int32))
-        else:  # a run-time k >= n selects every position too (ascending)
-            parts.append(_topk_positions(mag[lo:hi], ks[s]) + lo)
-    idx = tf.concat(parts, 0)
-    return idx, tf.gather(x, idx)
-
-
-def _threshold_positions(mag, n: int, k):
-    """Positions of one segment selected by the sampled threshold; the same
-    steps, constants and branches as kernels.reference._threshold_segment.
-    ``k``: a Python int, or a run-time int32 tensor (a warm-up inside
-    ``tf.function``) for which the sample size and tolerance band are float64
-    ops that round as the reference's Python floats do (k·m exact, one
-    correctly rounded division, sqrt, ceil)."""
-    static = _static(k)
-    if static and k >= n:
-        return tf.range(n, dtype=tf.int32)
-    pos = _ref.threshold_sample_positions(n).numpy().astype(np.int32)
-    m = int(pos.size)
-    if static:
-        q = k * m / n
-        ks = max(1, min(m, math.ceil(q + _ref.THRESHOLD_BIAS * math.sqrt(max(q, 0.0)))))
-        kf = k
-    else:
-        k64 = tf.cast(k, tf.int64)
-        q = tf.cast(k64 * m, tf.float64) / tf.constant(float(n), tf.float64)
-        ks = tf.math.ceil(q + _ref.THRESHOLD_BIAS * tf.sqrt(tf.maximum(q, 0.0)))
-        ks = tf.cast(tf.clip_by_value(ks, 1.0, float(m)), tf.int32)
-        kf = tf.cast(k64, tf.float64)
-    lo, hi = (1 - _ref.THRESHOLD_TOLERANCE) * kf, (1 + _ref.THRESHOLD_TOLERANCE) * kf
-
-    def sampled():
-        t = tf.reduce_min(tf.math.top_k(tf.gather(mag, pos), k=ks, sorted=False).values)
-        sel = tf.cast(tf.where(mag >= t)[:, 0], tf.int32)
-        cnt = tf.cast(tf.size(sel), tf.float64)
-
-        def too_many():  # the exact threshold lies among the candidates
-            return tf.gather(sel, _topk_positions(tf.gather(mag, sel), k))
-
-        def too_few():
-            return _topk_positions(mag, k)
-
-        return tf.cond((cnt >= lo) & (cnt <= hi), lambda: sel, lambda: tf.cond(cnt > hi, too_many, too_few))
-
-    if static:
-        return sampled()
-    return tf.cond(k64 >= n, lambda: tf.range(n, dtype=tf.int32), sampled)
-
-
-def select_threshold(x, offsets: Sequence[int], ks):
-    """Sampled-threshold selection per segment (count within ±10% of k_s);
-    ``ks`` as for :func:`select_topk`."""
-    mag = magnitude(x)
-    parts = []
-    for s in range(len(offsets) - 1):
-        lo, hi = int(offsets[s]), int(offsets[s + 1])
-        parts.append(_threshold_positions(mag[lo:hi], hi - lo, ks[s]) + lo)
-    idx = tf.concat(parts, 0)
-    return idx, tf.gather(x, idx)
-
-
-def _randomk_positions(step, offsets, ks, names, seed, ks_at=None):
-    """Random-k's shared positions, drawn by torch from (seed, step, name):
-    the PyTorch side's draws, bit for bit.  ``ks_at(step) -> counts`` when
-    the counts are only known at run time (``ks`` is then a tensor)."""
-    def draw(step_value):
-        parts = []
-        counts = ks if ks_at is None else ks_at(int(step_value))
-        for s, (k, name) in enumerate(zip(counts, names)):
-            n = offsets[s + 1] - offsets[s]
-            g = seeded_generator(seed, int(step_value), name)
-            parts.append(torch.sort(torch.randperm(n, generator=g)[: min(k, n)]).values + offsets[s])
-        return torch.cat(parts).numpy().astype(np.int32)
-
-    out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
-    if ks_at is not None:
-        return tf.ensure_shape(out, [None])
-    total = sum(min(k, offsets[s + 1] - offsets[s]) for s, k in enumerate(ks))
-    return tf.ensure_shape(out, [total])
-
-
-def _rtopk_picks(step, rs, ks, names, seed, rank, layout_at=None):
-    """rTop-k's per-rank picks (positions into the concatenated top-r sets),
-    drawn by torch from (seed, step, name, rank) as the PyTorch side does.
-    ``layout_at(step) -> (rs, ks)`` when they are only known at run time."""
-    def draw(step_value):
-        picks, start = [], 0
-        r_list, k_list = (rs, ks) if layout_at is None else layout_at(int(step_value))
-        for r_s, k_s, name in zip(r_list, k_list, names):
-            g = seeded_generator(seed, int(step_value), name, rank=rank)
-            perm = torch.randperm(r_s, generator=g)[:min(k_s, r_s)]
-            picks.append(torch.sort(perm).values + start)
-            start += r_s
-        return torch.cat(picks).numpy().astype(np.int32)
-
-    out = tf.numpy_function(draw, [step], tf.int32, stateful=False)
-    if layout_at is not None:
-        return tf.ensure_shape(out, [None])
-    total = sum(min(k, r) for k, r in zip(ks, rs))
-    return tf.ensure_shape(out, [total])
 
 
 def _segment_of(idx, offsets_t):
@@ -198,7 +68,7 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets_t, k_t):
     return tf.boolean_mask(uniq, keep), tf.boolean_mask(vals, keep), keep_a, keep_b
 
 
-def _member_of(values, ascending):
+def member_of(values, ascending):
     """Whether each of ``values`` is in the strictly ascending ``ascending``
     (binary search; a -1 sentinel keeps the gather in range when empty)."""
     asc = tf.concat([ascending, tf.constant([-1], ascending.dtype)], 0)
@@ -207,12 +77,12 @@ def _member_of(values, ascending):
 
 
 # -- wire format: [int32 indices | values] bytes, 8 bytes per fp32 entry ----
-def _pack(idx, vals):
+def pack(idx, vals):
     return tf.concat([tf.reshape(tf.bitcast(idx, tf.uint8), [-1]),
                       tf.reshape(tf.bitcast(vals, tf.uint8), [-1])], 0)
 
 
-def _unpack(blob, val_dtype, extra_bytes=0):
+def unpack(blob, val_dtype, extra_bytes=0):
     vsz = val_dtype.size
     eb = 4 + vsz
     body = tf.size(blob) - extra_bytes
@@ -223,7 +93,7 @@ def _unpack(blob, val_dtype, extra_bytes=0):
     return idx, vals, blob[body:]
 
 
-def _pack_bits(mask):
+def pack_bits(mask):
     n = tf.size(mask)
     pad = (8 - n % 8) % 8
     m = tf.concat([tf.cast(mask, tf.uint8), tf.zeros([pad], tf.uint8)], 0)
@@ -231,7 +101,7 @@ def _pack_bits(mask):
     return tf.reduce_sum(tf.reshape(m, [-1, 8]) * w, axis=1)
 
 
-def _unpack_bits(bits, n):
+def unpack_bits(bits, n):
     w = tf.constant([1, 2, 4, 8, 16, 32, 64, 128], tf.uint8)
     return tf.reshape(tf.bitwise.bitwise_and(bits[:, None], w) != 0, [-1])[:n]
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 from typing import Iterable, List
 
-import tensorflow as tf
-
-import horovod.tensorflow as hvd
 from horovod.tensorflow.elastic import TensorFlowKerasState
 
-from .horovod_tf import SparseCompression
+from ._guard import hvd, tf
+from .compression import SparseCompression
 
 __all__ = ["SparseKerasState"]
 

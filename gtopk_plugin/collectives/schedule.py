@@ -1,0 +1,100 @@
+"""The gTop-k butterfly's communication schedule for any P, as plain Python
+(no torch, no framework): who sends to whom in which phase, and which rank
+owns each wire rounding.  One definition serves the torch.distributed /
+Horovod-PyTorch butterfly (:mod:`.gtopk`) and the Horovod-TensorFlow one
+(``frameworks/horovod_tf/collectives.py``), so both frameworks run the same
+exchanges in the same order and charge roundings to the same ranks.
+
+Shi et al. 2019 (arXiv 1901.04359, Algorithm 1) describe the butterfly for
+P a power of two; DESIGN.md §3 extends it to any P.  Let P' = 2^⌊log2 P⌋:
+
+1. *fold-in* (only when P > P'): rank r ≥ P' sends its set to r − P',
+   which merges it;
+2. *rounds* j = 0 .. log2 P' − 1: rank r < P' swaps its current set with
+   r XOR 2^j and both compute the same merge;
+3. *fold-out* (only when P > P'): rank r < P − P' sends the result (and a
+   bitmask of which of r + P''s entries survived) to r + P'.
+
+Ownership of wire roundings (DESIGN.md §3, precision): before round j the
+group of r is the 2^j ranks < P' that agree with r above bit j (plus their
+folded partners); its lowest rank -- r with its low j bits clear -- owns
+the rounding of the group's set before the send.  The final rounding of the
+result is owned by rank 0, the lowest rank of the final group.
+
+Every rank takes part in every phase (Horovod's collectives need all ranks,
+so an idle rank still joins with nothing to send): a phase says ``None``
+where this rank neither sends nor receives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+__all__ = ["Exchange", "Round", "ButterflySchedule", "butterfly_schedule", "message_rounds"]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One fold phase for one rank: whom it sends to and receives from
+    (``None``: nobody)."""
+
+    send_to: Optional[int]
+    recv_from: Optional[int]
+
+
+@dataclass(frozen=True)
+class Round:
+    """Butterfly round ``j`` for one rank: ``peer`` (``None`` for a folded
+    rank ≥ P', idle in every round) and whether this rank owns the wire
+    rounding of its group's set before the send."""
+
+    j: int
+    peer: Optional[int]
+    owns_rounding: bool
+
+
+@dataclass(frozen=True)
+class ButterflySchedule:
+    """The whole schedule of rank ``rank`` among ``world_size`` ranks."""
+
+    world_size: int
+    rank: int
+    core: int                        # P' = 2^⌊log2 P⌋
+    fold_in: Optional[Exchange]      # None when P is a power of two
+    rounds: Tuple[Round, ...]        # log2 P' entries on every rank
+    fold_out: Optional[Exchange]     # None when P is a power of two
+    owns_final_rounding: bool        # rank 0: the result's last wire rounding
+
+    @property
+    def in_core(self) -> bool:
+        """Whether this rank takes part in the rounds (r < P')."""
+        return self.rank < self.core
+
+    @property
+    def folded(self) -> bool:
+        """Whether P is not a power of two (fold-in and fold-out phases run)."""
+        return self.fold_in is not None
+
+
+def message_rounds(world_size: int) -> int:
+    """Message rounds of the butterfly: log2 P' plus the two fold phases when
+    P is not a power of two (0 for P = 1).  The ``rounds`` that the
+    statistics and the traffic model report."""
+    P = int(world_size)
+    return (P.bit_length() - 1) + (0 if P & (P - 1) == 0 else 2)
+
+
+def butterfly_schedule(world_size: int, rank: int) -> ButterflySchedule:
+    """The schedule of ``rank`` (0 ≤ rank < world_size); see the module doc."""
+    P, r = int(world_size), int(rank)
+    if P < 1 or not 0 <= r < P:
+        raise ValueError(f"butterfly_schedule: need 0 <= rank < world_size, got rank {rank} of {world_size}")
+    Pp = 1 << (P.bit_length() - 1)
+    n_extra = P - Pp
+    fold_in = fold_out = None
+    if n_extra:
+        fold_in = Exchange(send_to=r - Pp if r >= Pp else None, recv_from=r + Pp if r < n_extra else None)
+        fold_out = Exchange(send_to=r + Pp if r < n_extra else None, recv_from=r - Pp if r >= Pp else None)
+    rounds = tuple(Round(j, (r ^ (1 << j)) if r < Pp else None, r < Pp and r % (1 << j) == 0)
+                   for j in range(Pp.bit_length() - 1))
+    return ButterflySchedule(P, r, Pp, fold_in, rounds, fold_out, r == 0)

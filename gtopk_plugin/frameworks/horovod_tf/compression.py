@@ -1,0 +1,238 @@
+"""``SparseCompression``: a registered compressor of the core as a
+Horovod-TensorFlow ``compression=``, holding this worker's state (residuals,
+momentum-correction velocities, the step counter) as ``tf.Variable`` objects
+of a ``tf.Module``, so every checkpoint that holds it saves and restores them.
+
+The settings are the PyTorch side's :class:`~gtopk_plugin.config.ReducerConfig`
+(same validation, same messages), the method is looked up in the compressor
+registry (a compressor registered from user code works here too), and the
+step itself is :func:`.step.reduce`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from ...config import ReducerConfig
+from ...traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
+from . import selection
+from ._guard import tf
+
+__all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
+
+_TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16}
+_TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# last_step_traffic's int64 vector: the transport's fields, the statistics', skipped
+TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
+_DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
+                 nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=())
+
+
+def _wire_name(value_dtype) -> Optional[str]:
+    if value_dtype is None:
+        return None
+    for name, tdt in (("float16", tf.float16), ("bfloat16", tf.bfloat16)):
+        if value_dtype in (name, tdt, _TORCH_WIRE[name]):
+            return name
+    raise ValueError(f"value_dtype must be None, tf.float16 or tf.bfloat16; got {value_dtype!r}")
+
+
+class SparseCompression(tf.Module):
+    """A compressor of the registry as a Horovod-TF ``compression=``; made by
+    ``Compression.topk/gtopk/rtopk/randomk/threshold(density, ...)`` (or any
+    registered method: ``SparseCompression("mine", density, hyper={...})``).
+
+    It holds this worker's error-feedback residuals (one non-trainable
+    ``tf.Variable`` per gradient, flat, created at the first step) and the
+    step counter (``tf.Variable``, int64), so create it once and pass the
+    same object to every step's ``DistributedGradientTape``.  One object per
+    list of variables: residuals are keyed by position in that list.
+
+    Args:
+        method, density: as :class:`~gtopk_plugin.GradientReducer`.
+        r_factor: rTop-k's r (keep k of the top r·k).
+        hyper, **method_hyper: the method's own hyper-parameters (as the
+            registry declares them; validated, ``ValueError`` naming the
+            valid range and, for an unknown keyword, the method's
+            hyper-parameters).
+        value_dtype: None, ``tf.float16`` or ``tf.bfloat16`` (values on the wire).
+        merge: None or an aggregation the method allows (``"allgather"``,
+            ``"gtopk"``: any selector on the butterfly).
+        granularity: ``"layer"`` (k per tensor) or ``"global"`` (k over all).
+        seed: key of random-k's shared and rTop-k's per-rank draws.
+        nonfinite: ``"raise"`` (every rank raises; nothing applied) or
+            ``"skip"`` (every rank applies zero for the step; residuals kept).
+        warmup: density schedule of the first steps, as the PyTorch side
+            (``DensityWarmup``, a sequence of densities, or a callable
+            step -> density): k per segment is ``k_for(density at the
+            step, n)``, a run-time count inside ``tf.function``.
+        error_feedback: keep the residual (default True).
+        momentum_correction: DGC momentum correction with momentum factor
+            masking, with the Keras SGD's own momentum and Nesterov flag:
+            ``DistributedOptimizer`` takes them from the optimizer it wraps,
+            ``DistributedGradientTape`` from its ``optimizer=``; that
+            optimizer then applies the update without momentum (see
+            :func:`.momentum.bind_momentum`).
+        momentum, nesterov, dampening: DGC momentum correction (Lin et al.
+            2018; compress/momentum.py): each worker keeps a velocity
+            ``u <- m·u + g`` (Nesterov: ``u <- m·(u + g)``, increment
+            ``u + g``) and accumulates it, not ``g``, into the residual.
+            The optimizer that applies the update must then have no momentum
+            of its own.  ``None`` (default): off.
+        momentum_masking: zero the velocity where the accumulator's entry
+            reached the global result (DGC's momentum factor masking).
+        clip_norm: DGC local gradient clipping: each worker scales its
+            gradient so that its L2 norm over all tensors of the call is at
+            most ``clip_norm · P^-1/2``, before the velocity and residual.
+        name: prefix of the Horovod op names (distinct per object when
+            several compressions reduce in the same step).
+
+    State (``tf.Variable`` objects tracked by this ``tf.Module``, so in
+    every checkpoint that holds it): ``residuals``, ``velocities`` (with
+    momentum correction) and ``step``.
+    """
+
+    def __init__(self, method: str, density: float = 0.01, *, r_factor: float = 4.0, hyper=None,
+                 value_dtype=None, merge: Optional[str] = None, granularity: str = "layer", seed: int = 0,
+                 nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
+                 momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
+                 dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
+                 name: Optional[str] = None, **method_hyper):
+        # the method's own hyper-parameters may come as keywords (as
+        # Compression.<name>(density, **kwargs) passes them) or as hyper=
+        hyper = {**dict(hyper or {}), **method_hyper}
+        if nonfinite == "propagate":
+            raise ValueError("nonfinite='propagate' is for torch's GradScaler; the TensorFlow layer takes "
+                             "'raise' or 'skip'")
+        if momentum_correction and momentum is not None:
+            raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
+                             "or momentum=<float>, not both")
+        wire = _wire_name(value_dtype)
+        self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
+                                    granularity=granularity, value_dtype=_TORCH_WIRE[wire], seed=seed,
+                                    nonfinite=nonfinite, error_feedback=bool(error_feedback),
+                                    warmup=warmup, momentum=momentum, nesterov=bool(nesterov),
+                                    dampening=dampening, momentum_masking=bool(momentum_masking),
+                                    clip_norm=clip_norm, hyper=hyper)  # validates (ValueError)
+        if self.config.aggregation == "dense":
+            raise ValueError(f"{method!r} is a dense reduction: that is Compression.none (Horovod's own "
+                             "allreduce), not a sparse compression")
+        prefix = name or f"gtopk_tf_{method}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+            raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
+        super().__init__(name=prefix)
+        self.prefix = prefix
+        self.wire_dtype = _TF_WIRE[wire]
+        # the registry's compressor: selection / encoding (see .selection)
+        self.compressor = selection.compressor(method, **self.config.method_hyper)
+        self.momentum_correction = bool(momentum_correction)  # take the Keras SGD's momentum over
+        with tf.init_scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
+        self.velocities = {}  # "u0003" -> flat tf.Variable: momentum correction's u
+        # A Keras SGD whose momentum/nesterov the correction takes over
+        # (momentum_correction=True); None: the config's momentum.
+        self._momentum_from = None
+        with tf.init_scope():  # the last step's StepTraffic fields (TRAFFIC_FIELDS)
+            self._traffic = tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64), trainable=False,
+                                        name="last_step_traffic")
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def density(self) -> float:
+        return self.config.density
+
+    def __repr__(self):
+        c = self.config
+        extra = "".join(f", {k}={v!r}" for k, v in (("r_factor", c.r_factor), ("merge", c.merge),
+                                                     ("granularity", c.granularity), ("seed", c.seed),
+                                                     ("nonfinite", c.nonfinite), ("momentum", c.momentum),
+                                                     ("nesterov", c.nesterov), ("dampening", c.dampening),
+                                                     ("momentum_masking", c.momentum_masking),
+                                                     ("clip_norm", c.clip_norm))
+                        if v != _DEFAULTS[k])
+        if c.hyper:
+            extra += f", hyper={dict(c.hyper)!r}"
+        if self.momentum_correction:
+            extra += ", momentum_correction=True"
+        if self.wire_dtype is not None:
+            extra += f", value_dtype=tf.{self.wire_dtype.name}"
+        return f"Compression.{c.method}({c.density!r}{extra})"
+
+    # Horovod's own tape/optimizer call these: say plainly that they cannot run us.
+    def compress(self, tensor):
+        raise TypeError(f"{self!r} is a sparse gtopk_plugin compression: pass it to "
+                        "gtopk_plugin.tensorflow.DistributedGradientTape / DistributedOptimizer, "
+                        "not to horovod.tensorflow's")
+
+    decompress = compress
+
+    # -- state ----------------------------------------------------------------
+    def state_var(self, store: dict, what: str, key: str, numel: int, dtype):
+        """This worker's flat state variable ``key`` in ``store`` (residuals
+        or velocities), created zero at first use."""
+        v = store.get(key)
+        if v is None:
+            with tf.init_scope():  # created once, eagerly, even while tracing
+                v = tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"{what}_{key}")
+            store[key] = v
+        elif v.shape[0] != numel or v.dtype != dtype:
+            raise ValueError(
+                f"{self!r}: the {what} {key} has {v.shape[0]} {v.dtype.name} entries but the gradient "
+                f"has {numel} {dtype.name}: pass the same variables in the same order every step "
+                "(one compression object per variable list)")
+        return v
+
+    def momentum_spec(self):
+        """The momentum correction of the next call: ``(momentum, nesterov,
+        dampening)`` or None (off).  Taken from the bound Keras SGD (read at
+        every call, so inside ``tf.function`` at trace time, as Keras' own
+        ``update_step`` reads it) when its momentum is not 0, else from the
+        ``momentum=`` this compression was built with."""
+        from .momentum import keras_sgd_momentum
+
+        opt = self._momentum_from
+        if opt is not None:
+            spec = keras_sgd_momentum(opt)
+            if spec is not None:
+                return spec
+        c = self.config
+        return None if c.momentum is None else (c.momentum, c.nesterov, c.dampening)
+
+    @property
+    def last_step_traffic(self) -> dict:
+        """This worker's traffic in the last step, as the PyTorch layers
+        report it (:class:`gtopk_plugin.traffic.StepTraffic` ``.as_dict()``):
+        ``bytes_sent``/``bytes_received`` (payload + headers), their
+        ``payload_``/``header_`` parts, ``control_bytes`` (the consistency
+        check), ``messages_sent``, ``numel``, ``k`` (entries selected per
+        rank), ``sent_entries``, ``rounds``, ``dense_bytes`` (what a ring
+        allreduce of the same gradients would send) and ``skipped``.
+        Counted as the PyTorch transport counts (see :mod:`.ops`).  Read
+        eagerly."""
+        v = dict(zip(TRAFFIC_FIELDS, (int(x) for x in self._traffic.numpy())))
+        skipped = bool(v.pop("skipped"))
+        return StepTraffic(**v, buckets=1, skipped=skipped).as_dict()
+
+    def residual_values(self) -> dict:
+        """This worker's residuals as numpy arrays (flat), by key."""
+        return {k: v.numpy() for k, v in self.residuals.items()}
+
+    def velocity_values(self) -> dict:
+        """This worker's momentum-correction velocities as numpy arrays
+        (flat), by key (``u0003`` goes with the residual ``r0003``)."""
+        return {k: v.numpy() for k, v in self.velocities.items()}
+
+    def reduce(self, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
+        """Reduce the list ``grads`` (tensors, ``IndexedSlices`` or None)
+        across the Horovod workers of ``process_set``; returns the list of
+        updates (None stays None).  Collective: every rank calls it with the
+        same shapes.  Works eagerly and while tracing a ``tf.function``."""
+        from .step import reduce
+
+        return reduce(self, grads, process_set, op, gradient_predivide_factor)

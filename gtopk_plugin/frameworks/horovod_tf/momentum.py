@@ -1,0 +1,130 @@
+"""DGC momentum correction with a Keras optimizer (Lin et al. 2018): how the
+Horovod-TensorFlow front ends take a Keras SGD's momentum over
+(``momentum_correction=True``) or refuse to apply momentum twice.
+
+The correction itself (velocity, accumulation, factor masking) is the
+compression's (``kernels.momentum_step`` inside the reduce step, the twin of
+``compress/momentum.py``); this module only binds it to the optimizer.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ...compress.momentum import MomentumSpec
+from ._guard import tf
+
+__all__ = ["momentum_key", "keras_sgd_momentum", "bind_momentum", "setup_correction"]
+
+
+def momentum_key(m) -> str:
+    """The momentum as the same text on every rank (fingerprint): its value,
+    or "variable" when it is a tensor read at run time."""
+    return repr(float(m)) if isinstance(m, (int, float)) else "variable"
+
+
+def _is_keras_sgd(optimizer) -> bool:
+    return isinstance(optimizer, tf.keras.optimizers.SGD)
+
+
+def keras_sgd_momentum(optimizer):
+    """``(momentum, nesterov, 0.0)`` of a Keras SGD, or None when its
+    momentum is the Python number 0 (nothing to correct).  A tensor or
+    variable momentum is used as it is, at run time."""
+    m = optimizer.momentum
+    if isinstance(m, (int, float)):
+        if float(m) == 0.0:
+            return None
+        MomentumSpec(float(m), bool(optimizer.nesterov))  # [0, 1): ValueError (Keras allows 1)
+        m = float(m)
+    return m, bool(optimizer.nesterov), 0.0
+
+
+def _keras_momentum_of(optimizer):
+    """What momentum ``optimizer`` applies itself: None (none, or taken over
+    by gtopk_plugin), else a description for error messages."""
+    if getattr(optimizer, "_gtopk_momentum_taken", False):
+        return None
+    if _is_keras_sgd(optimizer):
+        m = optimizer.momentum
+        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
+    hyper = getattr(optimizer, "_hyper", None)  # legacy Keras optimizers
+    if isinstance(hyper, dict) and "momentum" in hyper and getattr(optimizer, "_momentum", True):
+        m = hyper["momentum"]
+        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
+    return None
+
+
+def bind_momentum(compression, optimizer) -> None:
+    """``momentum_correction=True``: ``compression`` takes the Keras SGD's
+    momentum and Nesterov flag over (read at every call) and the optimizer's
+    ``update_step`` runs with momentum 0 from now on.
+
+    Why this way: Keras 2.15's ``SGD.update_step`` reads ``self.momentum``
+    and ``self.nesterov`` as Python values each time it runs (eagerly) or is
+    traced (``tf.function``, XLA); with momentum 0 it computes
+    ``m = -lr·g + 0·m; w += m``, which is ``w -= lr·g`` bit for bit.  So the
+    optimizer's ``update_step`` is wrapped to see momentum 0 and no Nesterov
+    while it runs and the user's values otherwise: ``optimizer.momentum``,
+    ``get_config()`` and saved configs keep the user's values, and a
+    momentum changed between steps (eagerly) reaches the correction.  Keras'
+    ``weight_decay`` is decoupled (``apply_gradients`` subtracts
+    ``lr·wd·w`` from the variable before ``update_step``; it never enters
+    the momentum), so it stays with the optimizer, unchanged.  An L2
+    regularizer's gradient is part of the loss's gradient and so enters the
+    correction before the velocity, as DGC adds weight decay.
+    """
+    if not _is_keras_sgd(optimizer):
+        raise ValueError(
+            f"momentum_correction=True needs a Keras SGD optimizer (tf.keras.optimizers.SGD with "
+            f"momentum); got {type(optimizer).__name__}. Adam-style optimizers keep their own moments: use "
+            "error feedback alone (momentum_correction=False). For a legacy or other optimizer, build it "
+            "without momentum and pass momentum= (and nesterov=) to the compression instead")
+    if compression.config.momentum is not None:
+        raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) or "
+                         "momentum= to the compression, not both")
+    keras_sgd_momentum(optimizer)  # validates
+    compression._momentum_from = optimizer
+    if getattr(optimizer, "_gtopk_momentum_taken", False):
+        return
+    inner = optimizer.update_step  # bound method (SGD's, or a subclass')
+
+    def update_step(gradient, variable):
+        saved = optimizer.momentum, optimizer.nesterov
+        optimizer.momentum, optimizer.nesterov = 0.0, False  # the correction applied it
+        try:
+            return inner(gradient, variable)
+        finally:
+            optimizer.momentum, optimizer.nesterov = saved
+
+    optimizer.update_step = update_step
+    optimizer._gtopk_momentum_taken = True
+
+
+def setup_correction(compression, sparse: bool, momentum_correction: bool, optimizer,
+                      warn_uncorrected: bool = False) -> None:
+    """Front ends: bind (momentum_correction) or refuse a double momentum."""
+    if not sparse:
+        # Dense reduction: every worker's gradient reaches the average, so
+        # the optimizer's own momentum already is what the correction computes
+        # (nothing stays behind); momentum_correction=True changes nothing.
+        return
+    momentum_correction = momentum_correction or compression.momentum_correction
+    if momentum_correction:
+        if optimizer is None:
+            raise ValueError("momentum_correction=True needs the Keras optimizer: "
+                             "DistributedGradientTape(..., momentum_correction=True, optimizer=opt), or "
+                             "pass momentum= (and nesterov=) to the compression and build the optimizer "
+                             "without momentum")
+        bind_momentum(compression, optimizer)
+    elif optimizer is not None and compression.config.momentum is not None:
+        own = _keras_momentum_of(optimizer)
+        if own is not None:
+            raise ValueError(
+                f"{compression!r} corrects momentum itself (momentum={compression.config.momentum}), and "
+                f"the optimizer has {own}: it would apply momentum a second time. Build the optimizer "
+                "without momentum, or pass momentum_correction=True instead of the compression's momentum=")
+    elif warn_uncorrected and optimizer is not None and _keras_momentum_of(optimizer) is not None:
+        warnings.warn(
+            f"{compression!r} with an optimizer that has {_keras_momentum_of(optimizer)}: the optimizer applies "
+            "its momentum to the sparse update, which usually trains worse than dense; pass "
+            "momentum_correction=True (DGC momentum correction)", UserWarning, stacklevel=3)

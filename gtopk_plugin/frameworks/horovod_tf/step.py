@@ -1,0 +1,260 @@
+"""One reduce step of the Horovod-TensorFlow layer: the reducer's pipeline
+(DESIGN.md §3) on TensorFlow tensors, with every decision that is not a
+tensor op taken by the framework-neutral core.
+
+``acc = grad + residual`` (after DGC clipping and momentum correction);
+the registry's compressor selects (or encodes) through :mod:`.selection`;
+the aggregation the compressor declares combines the contributions
+(:mod:`.collectives`); ``residual = acc`` less what reached the global
+result, as it travelled (wire-rounded); the update is the sum divided by P
+(average) or the sum.
+
+From the core, not re-derived: segments and k (``layout.segment_ks``,
+``global_segment_name``; the density warm-up through
+``ReducerConfig.density_at``), the consistency fingerprint
+(``consistency.describe_layout`` / ``fingerprint``), the butterfly schedule
+(``collectives/schedule.py``), the traffic record (``traffic.StepTraffic``)
+and the selection itself (the compressor objects).
+
+Consistency: one MAX-allreduce of ``[non-finite, fingerprint, -fingerprint,
+step]`` tells every rank at once about NaN/Inf anywhere and about ranks that
+disagree on the layout, and agrees on the step counter (the largest: a
+worker that restored a checkpoint carries the others along).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import consistency
+from ...config import DensityWarmup
+from ...kernels.reference import INT32_LIMIT
+from ...layout import global_segment_name, segment_ks
+from ...traffic import STATS_FIELDS
+from . import selection
+from ._guard import hvd, tf
+from .collectives import Contribution, aggregate
+from .kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
+from .momentum import momentum_key
+from .ops import Ops
+
+__all__ = ["reduce"]
+
+
+def schedule_key(warmup) -> str:
+    """The warm-up schedule as the same text on every rank (a function's
+    repr carries its address)."""
+    if warmup is None or isinstance(warmup, (tuple, DensityWarmup)):
+        return repr(warmup)
+    return f"callable {getattr(warmup, '__module__', '')}.{getattr(warmup, '__qualname__', type(warmup).__name__)}"
+
+
+def _promote(dtypes) -> "tf.DType":
+    """The flat buffer's dtype, as torch.promote_types over the gradients."""
+    ds = set(dtypes)
+    if len(ds) == 1:
+        return dtypes[0]
+    return tf.float64 if tf.float64 in ds else tf.float32
+
+
+def _inputs(grads, pre):
+    """Positions and flat-ready tensors of the non-None gradients (checked)."""
+    pos, tensors = [], []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        if not g.dtype.is_floating:
+            raise ValueError(f"gradient {i} has dtype {g.dtype.name}; sparse compression needs floats")
+        if not g.shape.is_fully_defined():
+            raise ValueError(f"gradient {i} has shape {g.shape}, not fully known; sparse compression "
+                             "needs static shapes")
+        if g.shape.num_elements() == 0:
+            raise ValueError(f"gradient {i} is empty (shape {g.shape})")
+        pos.append(i)
+        tensors.append(g * tf.cast(pre, g.dtype) if pre != 1.0 else g)
+    return pos, tensors
+
+
+def _check(comp, ops, layout, tensors):
+    """The consistency check: ``(v, checks)``, the agreed vector and the
+    graph assertions (eagerly it raises on every rank at once instead)."""
+    cfg = comp.config
+    fp = consistency.fingerprint(layout)
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+    v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
+                  tf.constant(-fp, tf.int64), comp.step.read_value()])
+    if ops.P > 1:
+        v = ops.allreduce(v, hvd.Max, "check")
+        ops.zero = tf.cast(tf.minimum(v[3], 0), tf.int32)  # step >= 0; unknown to TF
+    mismatch = ("gtopk_plugin: ranks reduced different tensors or settings (shapes, dtypes, "
+                "k or method must match)")
+    nonfinite = ("gtopk_plugin: non-finite gradient (NaN or Inf) on some rank; nothing was applied "
+                 "and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
+    if tf.executing_eagerly():
+        if int(v[1]) != -int(v[2]):
+            raise consistency.LayoutMismatchError(mismatch)
+        if cfg.nonfinite == "raise" and int(v[0]):
+            raise consistency.NonFiniteGradientError(nonfinite)
+        return v, []
+    checks = [tf.debugging.Assert(tf.equal(v[1], -v[2]), [mismatch])]
+    if cfg.nonfinite == "raise":
+        checks.append(tf.debugging.Assert(tf.equal(v[0], 0), [nonfinite]))
+    return v, checks
+
+
+def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
+    """``SparseCompression.reduce`` (see there)."""
+    ps = hvd.global_process_set if process_set is None else process_set
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("sparse compression supports op=hvd.Average and hvd.Sum")
+    average = op == hvd.Average
+    pre = 1.0 / gradient_predivide_factor if average else 1.0
+    post = gradient_predivide_factor if average else 1.0
+    cfg, cmp = comp.config, comp.compressor
+    ops = Ops(ps, comp.prefix)
+    P = ops.P
+
+    pos, tensors = _inputs(grads, pre)
+    if not tensors:
+        return list(grads)
+    names = [f"t{i:04d}" for i in pos]     # positional: stable across model instances
+    sizes = [int(t.shape.num_elements()) for t in tensors]
+    dtype = _promote([t.dtype for t in tensors])
+    wire = comp.wire_dtype or dtype
+    N = sum(sizes)
+    if N > INT32_LIMIT:
+        raise ValueError(f"{N} gradient entries exceed int32 indices; reduce fewer variables per call")
+    if cfg.granularity == "layer":
+        offsets, seg_names = list(np.cumsum([0] + sizes).tolist()), names
+    else:
+        offsets, seg_names = [0, N], [global_segment_name(names)]  # the PyTorch side's key of the draws
+    seg_sizes = [offsets[s + 1] - offsets[s] for s in range(len(offsets) - 1)]
+    full = getattr(cmp, "kind", "selector") == "codec"  # a codec encodes all: k = n (as the reducer)
+
+    def ks_at(step_value: int):  # the PyTorch side's rule: k_for(density at the step, n)
+        return segment_ks(sizes, cfg.density_at(step_value), cfg.granularity, full=full)
+
+    ks = segment_ks(sizes, cfg.density, cfg.granularity, full=full)  # the target (after any warm-up)
+    res_vars = [comp.state_var(comp.residuals, "residual", f"r{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+    mspec = comp.momentum_spec()
+    vel_vars = None if mspec is None else \
+        [comp.state_var(comp.velocities, "velocity", f"u{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+
+    layout = consistency.describe_layout(
+        [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(names, tensors)],
+        (cfg.method, cfg.aggregation, cfg.granularity, str(comp.wire_dtype), "average" if average else "sum",
+         tuple(ks), schedule_key(cfg.warmup),
+         None if mspec is None else (momentum_key(mspec[0]), bool(mspec[1]), float(mspec[2]),
+                                     cfg.momentum_masking),
+         cfg.clip_norm))
+    hyper = getattr(cmp, "hyper", None)
+    if hyper:  # the method's own hyper-parameters, as the reducer adds them
+        layout.append(("hyper",) + tuple(sorted(hyper.items())))
+    v, checks = _check(comp, ops, layout, tensors)
+    step = v[3]
+    with tf.control_dependencies(checks):
+        skip = v[0] > 0
+        flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
+        if cfg.clip_norm is not None:  # DGC local clipping, over every tensor of the step
+            factor = tf.cast(clip_factor(flat, cfg.clip_norm, P), dtype)
+            flat = [g * factor for g in flat]
+        old_u = new_u = None
+        if mspec is not None:  # DGC momentum correction: the increments enter the residual
+            old_u = [u.read_value() for u in vel_vars]
+            flat, new_u = momentum_step(flat, old_u, *mspec)
+        acc = tf.concat([g + r.read_value() if cfg.error_feedback else g for g, r in zip(flat, res_vars)], 0)
+
+    control = ops.traffic()  # the check only: what a skipped step sends
+
+    # The counts at this step: with a density warm-up they follow the
+    # agreed step -- Python ints when eager, a run-time tensor in a traced
+    # graph (one graph serves every step).
+    if cfg.warmup is not None:
+        if tf.executing_eagerly():
+            ks = ks_at(int(step))
+        else:
+            ks = tf.ensure_shape(tf.numpy_function(lambda st: np.asarray(ks_at(int(st)), np.int32),
+                                                   [step], tf.int32, stateful=False), [len(seg_sizes)])
+
+    def run():
+        return _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average)
+
+    def skipped():
+        zero = tf.constant(0, tf.int64)
+        return tf.zeros([N], dtype), acc, control, tf.zeros([0], tf.int32), zero, zero
+
+    if tf.executing_eagerly():
+        update, residual, traffic, reached, sent, rounds = skipped() if bool(skip) else run()
+    elif cfg.nonfinite == "skip":
+        update, residual, traffic, reached, sent, rounds = tf.cond(skip, skipped, run)
+    else:
+        update, residual, traffic, reached, sent, rounds = run()
+    k_sum = sum(ks) if isinstance(ks, list) else tf.reduce_sum(tf.cast(ks, tf.int64))
+    stats = {"dense_bytes": 2 * (P - 1) * N * dtype.size // P, "numel": N, "k": k_sum,
+             "sent_entries": sent, "rounds": rounds}
+    comp._traffic.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
+                                    tf.reshape(tf.cast(skip, tf.int64), [1])], 0))
+    if cfg.error_feedback:
+        if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
+            residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
+        for r, part in zip(res_vars, tf.split(residual, sizes)):
+            r.assign(part)
+    if mspec is not None:
+        u = tf.concat(new_u, 0)
+        if cfg.momentum_masking:  # DGC momentum factor masking: u restarts where v reached the result
+            u = tf.tensor_scatter_nd_update(u, reached[:, None], tf.zeros(tf.shape(reached), dtype))
+        if cfg.nonfinite == "skip":  # a skipped step keeps the old velocity
+            u = tf.where(skip, tf.concat(old_u, 0), u)
+        for var, part in zip(vel_vars, tf.split(u, sizes)):
+            var.assign(part)
+    comp.step.assign(step + 1)
+    out = list(grads)
+    for i, t, u in zip(pos, tensors, tf.split(update, sizes)):
+        u = tf.cast(tf.reshape(u, t.shape), t.dtype)
+        out[i] = u * tf.cast(post, u.dtype) if post != 1.0 else u
+    return out
+
+
+def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average):
+    """One step on the flat accumulator: ``(dense update, residual, traffic,
+    indices of this rank's entries that reached the result, entries sent,
+    rounds)``.  ``ks``: per-segment counts, Python ints or a run-time tensor."""
+    cfg, cmp = comp.config, comp.compressor
+    P = ops.P
+    common = dict(step=step, names=seg_names, seed=cfg.seed, rank=ops.rank, kernels=cfg.kernels)
+    # A wire narrower than the gradients: sums in the accumulation dtype,
+    # each later rounding charged to one rank's residual (DESIGN.md §3).
+    acc_dt = accumulation_dtype(wire, dtype)
+    # P + a run-time zero: in a traced graph Grappler turns a division by a
+    # constant into a multiplication by its reciprocal (other bits for P=3)
+    divisor = tf.cast(P + ops.zero if average else 1, dtype)
+    if getattr(cmp, "kind", "selector") == "codec":
+        blob, mine, spec = selection.encode(acc, offsets, cmp, **common)
+        res = aggregate(cfg.aggregation, ops, Contribution(N, dtype, None, comp=cmp, blob=blob, mine=mine,
+                                                           spec=spec))
+        update = res.vals / divisor if average else res.vals
+        # error feedback: acc less this worker's contribution as it decodes;
+        # no momentum masking (as the reducer: only selected entries restart)
+        return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
+                                               tf.constant(res.rounds, tf.int64))
+    idx, vals = selection.select(acc, offsets, ks, cmp, **common)
+    wire_vals = to_wire(vals, wire)  # clamped to the wire's finite range, never ±inf
+    k_t = tf.constant(ks, tf.int32) if isinstance(ks, list) else ks
+    res = aggregate(cfg.aggregation, ops, Contribution(
+        N, dtype, acc_dt, idx=idx, vals=wire_vals, offsets_t=tf.constant(offsets, tf.int32), k_t=k_t,
+        static_count=bool(getattr(cmp, "exact_count", False)), comp=cmp))
+    if res.idx is None:
+        update = res.vals / divisor if average else res.vals
+    else:
+        update = tf.scatter_nd(res.idx[:, None], res.vals / divisor if average else res.vals, [N])
+    sent = tf.cast(wire_vals, dtype)
+    if res.alive is not None:
+        idx, sent = tf.boolean_mask(idx, res.alive), tf.boolean_mask(sent, res.alive)
+    residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
+    if res.residual_fix is not None:  # wire roundings this rank owns
+        residual = res.residual_fix(residual)
+    # idx: this rank's entries that reached the result (momentum masking)
+    return ops.keep(update, residual) + (ops.traffic(), idx, tf.size(wire_vals, out_type=tf.int64),
+                                         tf.constant(res.rounds, tf.int64))
