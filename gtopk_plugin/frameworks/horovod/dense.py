@@ -1,8 +1,17 @@
-"""The dense step of the PyTorch Horovod optimizer, for the cases where
-Horovod's own ``horovod.torch.DistributedOptimizer`` cannot run the job:
-gradients in ``torch.bfloat16`` (Horovod 0.28.1 has no bfloat16 kernels;
-they travel as fp32 and come back as bfloat16).  Everything else dense is
-handed to Horovod's own optimizer (:func:`~.optimizer.DistributedOptimizer`).
+"""The dense step of the PyTorch Horovod optimizer, for the two cases where
+Horovod's own ``horovod.torch.DistributedOptimizer`` would fail or hang:
+
+* gradients in ``torch.bfloat16``: Horovod 0.28.1 has no bfloat16 kernels;
+  here they travel as fp32 and come back as bfloat16;
+* ``groups``: when a group is incomplete at ``step()`` (a parameter got no
+  gradient on this rank), Horovod reduces its members one by one while a
+  rank whose group completed runs one grouped op under another name, and
+  the ranks wait for each other forever; here an incomplete group is
+  reduced as a whole, under the same name on every rank.
+
+Everything else dense is handed to Horovod's own optimizer
+(:func:`~.optimizer.DistributedOptimizer`), which does exactly what this
+step would.
 
 Either way the step's bytes are reported in ``last_step_traffic`` with the
 ring model (Horovod's engine is not observable), so dense figures compare
@@ -24,9 +33,11 @@ from ...traffic import StepTraffic
 Tensor = torch.Tensor
 
 
-def needs_own_dense_path(param_groups) -> bool:
+def needs_own_dense_path(param_groups, groups) -> bool:
     """Whether a dense job needs our dense step rather than Horovod's own
-    optimizer: a bfloat16 parameter (Horovod 0.28.1 cannot allreduce it)."""
+    optimizer: a bfloat16 parameter, or explicit ``groups`` (see above)."""
+    if groups is not None and groups != 0:
+        return True
     return any(p.dtype == torch.bfloat16 for g in param_groups for p in g["params"] if p.requires_grad)
 
 

@@ -16,8 +16,9 @@ Which optimizer you get:
 * ``Compression.none`` / ``fp16`` / any Horovod ``Compressor``: Horovod's own
   ``horovod.torch.DistributedOptimizer`` (it is exactly what our dense path
   did), with ``last_step_traffic`` added; ours with
-  :class:`~.dense._DensePath` only where Horovod cannot run the job
-  (bfloat16 parameters: Horovod 0.28.1 has no bfloat16 allreduce);
+  :class:`~.dense._DensePath` only where Horovod would fail or hang
+  (bfloat16 parameters: Horovod 0.28.1 has no bfloat16 allreduce;
+  ``groups``: an incomplete group is reduced as a whole on every rank);
 * ``op=hvd.Adasum`` with dense compression: Horovod's Adasum optimizer.
 
 As in Horovod, our optimizer is a new class whose base is the user's
@@ -259,9 +260,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Dense compression returns Horovod's own optimizer (it does exactly what
     a dense path of ours would) with ``last_step_traffic`` (ring model)
-    added; our dense path runs only for bfloat16 parameters, which Horovod
-    0.28.1 cannot allreduce (they travel as fp32).  Either way parameter
-    names are checked first, with errors that name the missing parameter.
+    added.  Our dense path runs only where it adds something: bfloat16
+    parameters, which Horovod 0.28.1 cannot allreduce (they travel as
+    fp32), and ``groups``, where Horovod reduces the members of a group
+    that is incomplete at ``step()`` one by one and can hang (ours reduces
+    it as a whole on every rank).  Either way parameter names are checked
+    first, with errors that name the missing parameter.
 
     With a sparse compression the returned optimizer also has ``reducer``,
     ``last_stats`` (last bucket), ``last_step_traffic`` (bytes of the last
@@ -305,7 +309,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         name_parameters(named_parameters, optimizer.param_groups)  # clear errors before Horovod's
-        if not needs_own_dense_path(optimizer.param_groups):
+        if not needs_own_dense_path(optimizer.param_groups, groups):
             opt = hvd.DistributedOptimizer(optimizer, named_parameters, compression,
                                            backward_passes_per_step, op, gradient_predivide_factor,
                                            0, groups, sparse_as_dense, process_set)
