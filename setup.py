@@ -107,6 +107,13 @@ EXTRAS = {
 EXTRAS["all"] = sorted({r for k in ("dev", "demo", "bench") for r in EXTRAS[k]})
 
 EXT_MODULES, CMDCLASS = _cpu_extension()
+# benchmarks/ -> gtopk_plugin.benchmarks, when the tree has it (a copy of
+# the library alone, as the wheel test builds, does not)
+_BENCH_DIR = os.path.join(HERE, "benchmarks")
+_BENCHMARK_PACKAGES = (["gtopk_plugin.benchmarks"] + [f"gtopk_plugin.benchmarks.{p}"
+                                                      for p in find_packages(where=_BENCH_DIR)]
+                       if os.path.isdir(_BENCH_DIR) else [])
+_BENCHMARK_DIRS = {"gtopk_plugin.benchmarks": "benchmarks"} if _BENCHMARK_PACKAGES else {}
 
 setup(
     name="gtopk-plugin",
@@ -115,10 +122,14 @@ setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     # csrc/ (the kernel sources, compiled at install or on first use) ships
-    # inside the package as gtopk_plugin/csrc/.
-    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*", "benchmarks", "benchmarks.*"])
-    + ["gtopk_plugin.csrc"],
-    package_dir={"gtopk_plugin.csrc": "csrc"},
+    # inside the package as gtopk_plugin/csrc/.  benchmarks/ ships as the
+    # subpackage gtopk_plugin.benchmarks (``gtopk-bench``), never as a
+    # top-level ``benchmarks`` package in site-packages (a name that any
+    # other project may use); its imports are relative, so a checkout runs
+    # it as ``python -m benchmarks.NAME`` too.  Its results/ are not shipped.
+    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"])
+    + ["gtopk_plugin.csrc"] + _BENCHMARK_PACKAGES,
+    package_dir={"gtopk_plugin.csrc": "csrc", **_BENCHMARK_DIRS},
     package_data={"gtopk_plugin.csrc": ["cpu/*.cpp", "cpu/*.h", "cuda/*.cu", "cuda/*.cuh",
                                         "cuda/*.h", "cuda/*.cpp"]},
     ext_modules=EXT_MODULES,
@@ -130,5 +141,5 @@ setup(
     install_requires=["torch>=2.1", "numpy>=1.24"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["gtopk-demo=gtopk_plugin.demo:main",
-                                      "gtopk-bench=benchmarks.cli:main"]},
+                                      "gtopk-bench=gtopk_plugin.benchmarks.cli:main"]},
 )

@@ -11,19 +11,19 @@ any network; the times only rank methods on this machine (the emulated
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make "benchmarks" importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import launch  # noqa: E402
+from gtopk_plugin.compress import available
+
+from . import launch
+from .record import write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ["dense", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+METHODS = list(available())  # every compressor in the registry
 
 
 def layer_shapes(numel: int):
@@ -68,7 +68,7 @@ def run(P, args):
     """P gloo workers on loopback (benchmarks.launch); every rank reports and
     the table shows the max over ranks (the slowest link)."""
     try:
-        per_rank = launch.run_workers(P, "benchmarks.bytes_per_step:measure", vars(args),
+        per_rank = launch.run_workers(P, measure, vars(args),
                                       engine="torch", ifname="lo", timeout=1800)
     except launch.WorkerFailed as e:
         raise SystemExit(f"a worker failed at P={P}:\n{e}")
@@ -98,7 +98,7 @@ def plot(rows, path):
     densities = sorted({r["density"] for r in rows})
     fig, axes = plt.subplots(1, len(densities), figsize=(6 * len(densities), 4), squeeze=False)
     for ax, d in zip(axes[0], densities):
-        for m in METHODS:
+        for m in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["P"], r["bytes_sent"]) for r in rows if r["density"] == d and r["method"] == m)
             if pts:
                 ax.plot([p for p, _ in pts], [b for _, b in pts], marker="o", label=m)
@@ -125,9 +125,7 @@ def main(argv=None):
     for P in args.workers:
         rows += run(P, args)
     print_table(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "torch": torch.__version__}, f, indent=1)
+    write_json(args.json, "bytes_per_step", document={"args": vars(args), "rows": rows, "torch": torch.__version__})
     png = os.path.splitext(args.json)[0] + ".png"
     plot(rows, png)
     print(f"wrote {args.json} and {png}")

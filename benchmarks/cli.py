@@ -2,26 +2,29 @@
 
 ``gtopk-bench NAME [options]`` is ``python -m benchmarks.NAME [options]``;
 dashes and underscores in NAME are interchangeable.  Installed with the
-package (``pip install -e .`` puts ``benchmarks`` on the path beside
-``gtopk_plugin``)."""
+package as ``gtopk_plugin.benchmarks`` (setup.py maps this folder there, so
+no top-level ``benchmarks`` package lands in site-packages); in a checkout
+``python -m benchmarks.NAME`` runs the same modules (every import inside is
+relative)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Optional, Sequence
 
-#: name -> (module, entry point, one-line description)
+#: name -> (module relative to this package, entry point, one-line description)
 BENCHMARKS = {
-    "cluster": ("benchmarks.cluster.cli", "main", "emulated 1 GbE cluster: comm grid, model replay, α-β model"),
-    "convergence": ("benchmarks.convergence.cli", "main", "convergence study of every method on offline tasks"),
-    "selection": ("benchmarks.selection", "main", "CPU selection kernels vs torch.topk and the one-read floor"),
-    "bytes_per_step": ("benchmarks.bytes_per_step", "main", "bytes and time per method on loopback gloo"),
-    "horovod_overhead": ("benchmarks.horovod_overhead", "main", "Horovod integration overhead vs plain Horovod"),
-    "horovod_tf": ("benchmarks.horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
-    "elastic": ("benchmarks.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
-    "soak": ("benchmarks.soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
-    "step": ("benchmarks.step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
-    "wire_precision": ("benchmarks.wire_precision", "main",
+    "cluster": (".cluster.cli", "main", "emulated 1 GbE cluster: comm grid, model replay, α-β model"),
+    "convergence": (".convergence.cli", "main", "convergence study of every method on offline tasks"),
+    "selection": (".selection", "main", "CPU selection kernels vs torch.topk and the one-read floor"),
+    "bytes_per_step": (".bytes_per_step", "main", "bytes and time per method on loopback gloo"),
+    "horovod_overhead": (".horovod_overhead", "main", "Horovod integration overhead vs plain Horovod"),
+    "horovod_tf": (".horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
+    "elastic": (".elastic", "main", "elastic consistency scheduler: step time and accuracy"),
+    "soak": (".soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
+    "step": (".step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
+    "wire_precision": (".wire_precision", "main",
                        "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
 }
 
@@ -43,9 +46,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     module, attr, _ = BENCHMARKS[name]
     try:
-        mod = importlib.import_module(module)
+        mod = importlib.import_module(module, __package__)
     except ModuleNotFoundError as e:
-        if e.name == module:
+        if e.name == importlib.util.resolve_name(module, __package__):
             print(f"gtopk-bench: {argv[0]!r} is not available in this installation ({e})", file=sys.stderr)
             return 2
         raise

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -65,14 +64,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script: make "benchmarks" importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gtopk_plugin.collectives.transport import Transport
 
-from gtopk_plugin.collectives.transport import Transport  # noqa: E402
+from .record import write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_POLICIES = "barrier,norm:0.3,norm:0.5,norm:0.8,variance"
-TARGET = "benchmarks.elastic:worker"
 
 
 # ---------------------------------------------------------------------------
@@ -306,7 +303,7 @@ def worker(ctx, p) -> dict:
     losses, final accuracy and the scheduler's statistics per run."""
     import torch.distributed as dist
 
-    from benchmarks.convergence import glyphs
+    from .convergence import glyphs
     from gtopk_plugin.frameworks.torch_distributed import TorchDistributedTransport
 
     torch.set_num_threads(1)
@@ -540,7 +537,7 @@ def _net_opts(args, netem: bool):
 
 
 def run(args) -> dict:
-    from benchmarks.cluster import harness, netns
+    from .cluster import harness, netns
 
     policies = parse_policies(args.policies)
     reducers = [r for r in args.reducers.replace(",", " ").split() if r]
@@ -594,7 +591,7 @@ def run(args) -> dict:
             res["meta"]["network"] = desc
             t0 = time.time()
             with net:
-                per_rank = harness.run_job(net, P, TARGET, payload, "torch", progress, timeout=args.timeout,
+                per_rank = harness.run_job(net, P, worker, payload, "torch", progress, timeout=args.timeout,
                                            echo=args.echo)
             label = desc["label"]
             res["rows"] += merge(per_rank, P, label)
@@ -673,8 +670,8 @@ def main(argv=None) -> int:
         args.workers, args.steps, args.seeds, args.block, args.skip = [[2]], 6, 1, 3, 1
         args.width, args.blocks, args.batch, args.n_train, args.n_test = 4, 2, 16, 256, 128
     args.seeds_list = list(range(args.seeds))
-    from benchmarks import launch
-    from benchmarks.cluster import netns
+    from . import launch
+    from .cluster import netns
     try:
         res = run(args)
     except netns.NetnsError as e:
@@ -686,9 +683,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("gtopk-bench elastic: interrupted; namespaces and workers removed", file=sys.stderr)
         return 130
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.json, "elastic", document=res, packages=("torch", "gtopk_plugin"))
     md = markdown(res["summary"], res["meta"])
     with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
         f.write(md)

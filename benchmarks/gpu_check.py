@@ -13,7 +13,7 @@ cupy_cuda12x-*.whl``).
    CuPy; the time is printed).  If it cannot load, the checks are skipped and
    the timing table still reports torch.topk and the floor.
 2. **Checks**: every kernel (select_topk, select_threshold, merge_select,
-   scatter_update, residual_update, scatter_residual_update) against the
+   scatter_update) against the
    reference run on the same GPU, bit for bit (any NaN equals any NaN), on
    fresh random data (the seed is printed) with ties, -0.0, NaN/Inf,
    denormals, k = 0, 1, n, tiny/empty segments, all four dtypes and both index
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -48,6 +47,8 @@ import torch
 from gtopk_plugin import k_for
 from gtopk_plugin.kernels import reference
 
+from .record import write_json
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64,
             torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -55,7 +56,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def _resnet50_sizes() -> List[int]:
-    from benchmarks.selection import _numel, resnet50_shapes
+    from .selection import _numel, resnet50_shapes
 
     return [_numel(s) for _, s in resnet50_shapes()]
 
@@ -212,24 +213,19 @@ def run_checks(mod, device: str, seed: int, quick: bool, log=print) -> List[dict
                 e = same(sw[1], got[1]) or same(sw[0].long(), got[0].long())
                 return f"not symmetric: {e}" if e else None
             check(f"merge_select {str(dtype)[6:]} {str(itype)[6:]}", f)
-    # scatter / residual
+    # scatter
     for dtype in dtypes:
         for divisor in (1, 3, 7):
             def f(dtype=dtype, divisor=divisor):
                 n = 1_000_000
-                acc = torch.randn(n, generator=g).to(dtype).to(device)
                 idx = torch.sort(torch.randperm(n, generator=g)[:10_000]).values.to(torch.int32).to(device)
-                sent = acc.index_select(0, idx).to(torch.bfloat16).to(dtype)
                 vals = torch.randn(10_000, generator=g).to(dtype).to(device)
                 for name, ours, theirs in (
                         ("scatter_update", lambda: mod.scatter_update(n, idx, vals, divisor, dtype),
                          lambda: reference.scatter_update(n, idx, vals, divisor, dtype)),
-                        ("residual_update", lambda: mod.residual_update(acc, idx, sent),
-                         lambda: reference.residual_update(acc, idx, sent)),
-                        ("scatter_residual_update",
-                         lambda: mod.scatter_residual_update(acc, idx, sent, idx.flip(0), vals, divisor),
-                         lambda: reference.scatter_residual_update(acc, idx, sent, idx.flip(0), vals,
-                                                                   divisor))):
+                        ("scatter_update unsorted",
+                         lambda: mod.scatter_update(n, idx.flip(0), vals, divisor, dtype),
+                         lambda: reference.scatter_update(n, idx.flip(0), vals, divisor, dtype))):
                     ref = theirs()
                     poison(device)
                     got = ours()
@@ -424,9 +420,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
     failed = [c["check"] for c in checks if not c["ok"]]
     info["total_s"] = round(time.perf_counter() - t_start, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"machine": info, "checks": checks, "timing": rows}, f, indent=1)
+    write_json(args.out, "gpu_check", document={"machine": info, "checks": checks, "timing": rows})
     print(f"\nwrote {args.out} ({info['total_s']} s in all)")
     print(f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
           + (f"; FAILED: {failed}" if failed else ""))

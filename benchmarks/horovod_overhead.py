@@ -24,15 +24,18 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.launch import horovodrun
-from benchmarks.record import write_json
+from gtopk_plugin.compress import available
+
+from .launch import horovodrun
+from .record import dump, write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODELS = {  # name -> layer widths of an MLP
     "mlp-17k": [64, 128, 64, 10],
     "mlp-1.1M": [784, 1024, 256, 10],
 }
-COMPRESSIONS = ["none", "fp16", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+# Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
+COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
 
 
 def _mlp(widths, seed):
@@ -126,13 +129,12 @@ def worker(args):
             t["median_step_s"] = statistics.median(ts[1:] or ts)
             out["bytes"][cname] = t
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f)
+        dump(args.out, out, digits=None)  # to the launcher, exact
     hvd.shutdown()
 
 
 def run_job(P, args, out):
-    argv = ["-m", "benchmarks.horovod_overhead", "--worker", "--out", out, "--rounds", str(args.rounds),
+    argv = ["-m", __spec__.name, "--worker", "--out", out, "--rounds", str(args.rounds),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
             "--density", str(args.density), "--bytes-steps", str(args.bytes_steps)]
     if P == max(args.workers):

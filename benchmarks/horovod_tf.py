@@ -27,12 +27,15 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.launch import horovodrun
-from benchmarks.record import write_json
+from gtopk_plugin.compress import available
+
+from .launch import horovodrun
+from .record import dump, write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WIDTHS = [784, 1024, 256, 10]  # mlp-1.1M of benchmarks/horovod_overhead.py
-COMPRESSIONS = ["none", "fp16", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+# Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
+COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
 
 
 def worker(args):
@@ -104,13 +107,12 @@ def worker(args):
                        control_bytes=0, model="ring")
         out["compressions"][c] = row
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f)
+        dump(args.out, out, digits=None)  # to the launcher, exact
     hvd.shutdown()
 
 
 def run_job(P, args, out):
-    argv = ["-m", "benchmarks.horovod_tf", "--worker", "--out", out, "--rounds", str(args.rounds),
+    argv = ["-m", __spec__.name, "--worker", "--out", out, "--rounds", str(args.rounds),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
             "--density", str(args.density), "--compressions"] + list(args.compressions)
     t0 = time.time()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from gtopk_plugin import k_for, kernels
+
+from .record import write_json
 from gtopk_plugin.kernels import cpu as cpu_kernels
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -313,9 +314,7 @@ def main(argv=None) -> dict:
     info["seconds"] = time.perf_counter() - t_start
     result = {"benchmark": "selection", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": info, "grid": grid, "resnet50": resnet}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "selection.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out, "selection.json"), "selection", document=result)
     png = os.path.join(args.out, "selection.png")
     plotted = _plot(grid, png) if grid else False
     print()

@@ -41,10 +41,12 @@ import statistics
 import sys
 import time
 
-from benchmarks import launch
-from benchmarks.record import write_json
+from gtopk_plugin.compress import available
 
-METHODS = ["dense", "topk", "gtopk", "rtopk", "randomk", "threshold"]
+from . import launch
+from .record import write_json
+
+METHODS = list(available())  # every compressor in the registry
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WIDTHS = (32, 64, 64, 10)
 
@@ -228,7 +230,7 @@ def run(args) -> dict:
             print(f"  {msg['method']:>9} step {msg['step']:>6}: RSS {msg['rss_mb']:.1f} MiB, "
                   f"‖residual‖ {msg['residual_norm']:.4g}, loss {msg['loss']:.4g}", flush=True)
 
-    per_rank = launch.run_workers(args.workers, "benchmarks.soak:worker", payload, engine="torch",
+    per_rank = launch.run_workers(args.workers, worker, payload, engine="torch",
                                   ifname="lo", timeout=args.timeout, progress=progress)
     return {"payload": payload, "summary": summarise(per_rank, payload)}
 

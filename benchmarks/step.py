@@ -47,7 +47,7 @@ PHASES = ["check", "select", "communicate", "update", "total"]
 
 def layouts(sizes) -> List[dict]:
     """name -> shape lists: N in 4 equal tensors per size, and ResNet-50."""
-    from benchmarks.selection import resnet50_shapes
+    from .selection import resnet50_shapes
 
     out = []
     for n in sizes:
@@ -198,8 +198,8 @@ def plot(rows: List[dict], path: str) -> bool:
 
 
 def main(argv=None) -> int:
-    from benchmarks import launch
-    from benchmarks.record import write_json
+    from . import launch
+    from .record import write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         if P == 1:
             rows += worker(None, payload)
         else:
-            per_rank = launch.run_workers(P, "benchmarks.step:worker", payload, engine="torch", ifname="lo",
+            per_rank = launch.run_workers(P, worker, payload, engine="torch", ifname="lo",
                                           timeout=args.timeout, echo=True)
             rows += per_rank[0]
     for P, n in skipped:

@@ -63,7 +63,7 @@ def main(argv=None):
     configs = [(m, w) for m in METHODS for w in WIRES]
     rows = []
     for P in args.world:
-        per_rank = run_workers(P, "benchmarks.wire_precision:worker", {"configs": configs, "steps": args.steps})
+        per_rank = run_workers(P, worker, {"configs": configs, "steps": args.steps})
         for c, (m, w) in enumerate(configs):
             g = sum(torch.tensor(r[c]["grad"], dtype=torch.float64) for r in per_rank)
             res = sum(torch.tensor(r[c]["residual"], dtype=torch.float64) for r in per_rank)

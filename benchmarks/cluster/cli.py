@@ -20,9 +20,9 @@ import sys
 import time
 from typing import List
 
-from benchmarks import launch
-
-from . import harness, model as abm, netns, report
+from .. import launch
+from ..record import write_json
+from . import harness, measure, model as abm, netns, report
 from . import shapes as S
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -157,7 +157,7 @@ def cmd_comm(args) -> dict:
                         payload["linktest"] = dict(addrs=[net.addr(r) for r in range(P)], port=5201,
                                                    port_per_rank=not desc["shaped"],
                                                    nbytes=int(args.link_mb * 1e6), reps=3)
-                    per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:comm_grid", payload, engine,
+                    per_rank = harness.run_job(net, P, measure.comm_grid, payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
                     out["rows"] += _merge_comm(per_rank, desc, rate_bps, load)
                     out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1)})
@@ -257,7 +257,7 @@ def cmd_replay(args) -> dict:
                     t_job = time.time()
                     payload = dict(models=fit, methods=methods, density=args.density, selection=args.selection,
                                    compute=compute, select_s=select, steps=steps, warmup=args.warmup)
-                    per_rank = harness.run_job(net, P, "benchmarks.cluster.measure:replay", payload, engine,
+                    per_rank = harness.run_job(net, P, measure.replay, payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
                     out["rows"] += _merge_replay(per_rank, desc, load)
                     out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1)})
@@ -371,10 +371,8 @@ def cmd_model(args, comm=None, replay=None) -> dict:
 
 
 # ---------------------------------------------------------------------------
-def _write(obj, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+def _write(obj, path, what: str):
+    write_json(path, f"cluster {what}", document=obj, packages=("torch", "gtopk_plugin"))
 
 
 def cmd_cleanup(args) -> int:
@@ -460,7 +458,7 @@ def _main(argv=None) -> int:
         _parser_comm(ap)
         args = ap.parse_args(argv)
         res = cmd_comm(args)
-        _write(res, args.json)
+        _write(res, args.json, "comm")
         report.print_comm(res)
         png = report.plot_comm(res, os.path.splitext(args.json)[0] + ".png")
         print(f"wrote {args.json}" + (f" and {png}" if png else ""))
@@ -469,7 +467,7 @@ def _main(argv=None) -> int:
         _parser_replay(ap)
         args = ap.parse_args(argv)
         res = cmd_replay(args)
-        _write(res, args.json)
+        _write(res, args.json, "replay")
         report.print_replay(res)
         print(f"wrote {args.json}")
         return 0
@@ -479,7 +477,7 @@ def _main(argv=None) -> int:
         comm = json.load(open(args.comm))
         replay = json.load(open(args.replay)) if os.path.exists(args.replay) else None
         res = cmd_model(args, comm, replay)
-        _write(res, args.json)
+        _write(res, args.json, "model")
         pngs = report.plot_model(res, replay, os.path.splitext(args.json)[0])
         md = report.summary(comm, replay, res)
         with open(args.summary, "w") as f:

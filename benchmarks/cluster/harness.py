@@ -12,8 +12,7 @@ import sys
 import time
 from typing import Callable, Dict, Iterator, List, Optional
 
-from benchmarks import launch
-
+from .. import launch
 from . import netns
 
 TORCH_PORT = 29500
@@ -145,11 +144,11 @@ def _hvd_rendezvous(net, P: int) -> Iterator[Dict[int, Dict[str, str]]]:
 
     addr = net.addr(0)
     port = HVD_PORT if net.prefix(0) else launch.free_port()
-    cmd = net.prefix(0) + [sys.executable, "-m", "benchmarks.cluster.hvd_rdzv", addr, str(port), str(P)]
+    cmd = net.prefix(0) + [sys.executable, "-m", f"{__package__}.hvd_rdzv", addr, str(port), str(P)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [launch.ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=launch.ROOT, env=env, start_new_session=True,
-                            preexec_fn=launch._die_with_parent)
+                            preexec_fn=launch.die_with_parent)
     try:
         line = proc.stdout.readline()
         if line.strip() != "READY":
@@ -161,10 +160,10 @@ def _hvd_rendezvous(net, P: int) -> Iterator[Dict[int, Dict[str, str]]]:
             proc.stdin.close()
             proc.wait(5)
         except (subprocess.TimeoutExpired, OSError):
-            launch._stop_all([proc])
+            launch.stop_all([proc])
 
 
-def run_job(net, P: int, target: str, payload, engine: str, progress: Optional[Progress] = None,
+def run_job(net, P: int, target: Callable, payload, engine: str, progress: Optional[Progress] = None,
             timeout: float = 3600.0, echo: bool = False) -> list:
     """Run one worker job (all ranks) on ``net``; per-rank results."""
     def on_progress(rank, msg):

@@ -142,7 +142,7 @@ def comm_grid(ctx, p):
     (dict N -> steps), warmup, and optionally ``linktest`` (the parameters
     of :func:`linktest`, run first).  Tensors are laid out as
     benchmarks/bytes_per_step.py's model-like layers."""
-    from benchmarks.bytes_per_step import layer_shapes
+    from ..bytes_per_step import layer_shapes
 
     link = linktest(ctx, p["linktest"]) if p.get("linktest") else None
     rows = []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 import time
 from typing import List, Optional, Sequence
 
+from ..record import write_json
 from . import report, study
 from .sim import RunSpec
 
@@ -183,10 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta["failed_runs"] = [s.as_dict() for s in failed]
     out = {"meta": meta, "goals": goals, "summary": [{k: v for k, v in r.items()} for r in rows],
            "gloo_check": gloo_cmp, "runs": runs, "plots": plots}
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1, default=_json_default)
-    os.replace(tmp, json_path)
+    write_json(json_path, "convergence", document=out, default=_json_default)
     md_path = os.path.join(outdir, prefix + ".md")
     with open(md_path, "w") as f:
         f.write(md)

@@ -9,129 +9,92 @@ two runs agree bit for bit; :func:`compare` reports the largest differences
 (metric, training loss, final weights) and checks the byte formula against
 the reducer's own counters (``ReduceStats.bytes_sent``, mean over ranks).
 
-Process supervision (first failure or timeout kills every worker) is the
-demo's (:mod:`gtopk_plugin.demo`).
+Processes, rendezvous and supervision (first failure or timeout kills
+every worker) are the project's one launcher's (:mod:`gtopk_plugin.launch`).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import multiprocessing as mp
-import os
-import shutil
-import sys
-import tempfile
 import time
-import traceback
 
 from . import sim
 
 
-def _worker(rank: int, P: int, rendezvous: str, outdir: str, spec_d: dict, timeout: float) -> None:
-    status = 1
-    try:
-        import torch
-        import torch.distributed as dist
+def worker(ctx, spec_d: dict) -> dict:
+    """Launcher target (:func:`gtopk_plugin.launch.run`, gloo group joined):
+    train ``spec_d`` on this rank; rank 0 returns the history, the mean
+    training loss and bytes per step over ranks, and the final weights."""
+    import torch
+    import torch.distributed as dist
 
-        import gtopk_plugin as gp
+    import gtopk_plugin as gp
 
-        from . import tasks
+    from . import tasks
 
-        torch.set_num_threads(1)
-        spec = sim.RunSpec(**spec_d)
-        task = tasks.get(spec.task)
-        steps, lr, batch_size = sim.resolved(task, spec)
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=P,
-                                timeout=datetime.timedelta(seconds=timeout))
-        model = sim.initial_model(task, spec.seed)
-        names = [n for n, _ in model.named_parameters()]
-        params = [p for _, p in model.named_parameters()]
-        # momentum correction, clipping and warm-up: the reducer's own
-        # (sim.reducer_kwargs), as in the simulation; BatchNorm buffers stay
-        # per rank and rank 0 evaluates with its own (sim.Rank0Buffers)
-        reducer = gp.GradientReducer(**sim.reducer_kwargs(spec, steps, sim.steps_per_epoch(task, batch_size)))
-        opt = sim.make_optimizer(spec, params, lr)
-        hist = {"step": [], "metric": [], "eval_loss": []}
+    rank, P = ctx.rank, ctx.size
+    spec = sim.RunSpec(**spec_d)
+    task = tasks.get(spec.task)
+    steps, lr, batch_size = sim.resolved(task, spec)
+    model = sim.initial_model(task, spec.seed)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    # momentum correction, clipping and warm-up: the reducer's own
+    # (sim.reducer_kwargs), as in the simulation; BatchNorm buffers stay
+    # per rank and rank 0 evaluates with its own (sim.Rank0Buffers)
+    reducer = gp.GradientReducer(**sim.reducer_kwargs(spec, steps, sim.steps_per_epoch(task, batch_size)))
+    opt = sim.make_optimizer(spec, params, lr)
+    hist = {"step": [], "metric": [], "eval_loss": []}
 
-        def record(step):
-            if rank == 0:
-                ev = task.evaluate(model)
-                hist["step"].append(step)
-                hist["metric"].append(ev[task.metric])
-                hist["eval_loss"].append(ev["loss"])
-
-        record(0)
-        losses, sent = [], []
-        dist.barrier()
-        t0 = time.perf_counter()
-        for step in range(steps):
-            batch = task.batch_indices(spec.seed, step, batch_size)
-            loss, g = sim.worker_gradients(task, model, params, batch, rank, P)
-            upd = reducer.reduce(dict(zip(names, g)))
-            for n, p in zip(names, params):
-                p.grad = upd[n]
-            for grp in opt.param_groups:
-                grp["lr"] = sim.lr_at(spec, lr, step, steps)
-            opt.step()
-            losses.append(loss.item())
-            sent.append(reducer.last_stats.bytes_sent)
-            if (step + 1) % task.eval_every == 0 or step + 1 == steps:
-                record(step + 1)
-        wall = time.perf_counter() - t0
-        tot = torch.tensor([losses, sent], dtype=torch.float64)
-        dist.all_reduce(tot)
+    def record(step):
         if rank == 0:
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            torch.save(flat, os.path.join(outdir, "params.pt"))
-            out = {"history": hist, "train_loss": (tot[0] / P).tolist(),
-                   "bytes_per_step": (tot[1] / P).tolist(), "wall_s": wall,
-                   "kernels": reducer.config.kernels}
-            with open(os.path.join(outdir, "result.json"), "w") as f:
-                json.dump(out, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        status = 0
-    except BaseException:  # noqa: BLE001 - reported by the launcher
-        with open(os.path.join(outdir, f"error.{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+            ev = task.evaluate(model)
+            hist["step"].append(step)
+            hist["metric"].append(ev[task.metric])
+            hist["eval_loss"].append(ev["loss"])
+
+    record(0)
+    losses, sent = [], []
+    ctx.barrier()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = task.batch_indices(spec.seed, step, batch_size)
+        loss, g = sim.worker_gradients(task, model, params, batch, rank, P)
+        upd = reducer.reduce(dict(zip(names, g)))
+        for n, p in zip(names, params):
+            p.grad = upd[n]
+        for grp in opt.param_groups:
+            grp["lr"] = sim.lr_at(spec, lr, step, steps)
+        opt.step()
+        losses.append(loss.item())
+        sent.append(reducer.last_stats.bytes_sent)
+        if (step + 1) % task.eval_every == 0 or step + 1 == steps:
+            record(step + 1)
+    wall = time.perf_counter() - t0
+    tot = torch.tensor([losses, sent], dtype=torch.float64)
+    dist.all_reduce(tot)
+    out = None
+    if rank == 0:
+        # the weights travel pickled: bit for bit
+        out = {"params": torch.cat([p.detach().reshape(-1) for p in params]), "history": hist, "train_loss": (tot[0] / P).tolist(),
+               "bytes_per_step": (tot[1] / P).tolist(), "wall_s": wall,
+               "kernels": reducer.config.kernels}
+    ctx.barrier()
+    return out
 
 
 def run(spec: sim.RunSpec, timeout: float = 600.0) -> dict:
     """Train ``spec`` on ``spec.workers`` gloo processes; return rank 0's
     history, the mean training loss and bytes per step over ranks, and the
     final weights (``params``, a flat tensor)."""
-    import torch
+    from gtopk_plugin import launch
 
-    from gtopk_plugin.demo import DemoError, _kill, _supervise
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="gtopk-conv-")
-    procs = []
     t0 = time.perf_counter()
     try:
-        rdzv = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, spec.workers, rdzv, tmp, spec.as_dict(), timeout),
-                             daemon=True, name=f"gtopk-conv-rank{r}") for r in range(spec.workers)]
-        for p in procs:
-            p.start()
-        try:
-            _supervise(procs, tmp, timeout)
-        except DemoError as e:
-            raise RuntimeError(f"gloo run of {spec.label} failed: {e}") from None
-        with open(os.path.join(tmp, "result.json")) as f:
-            out = json.load(f)
-        out["params"] = torch.load(os.path.join(tmp, "params.pt"))
-        out["total_wall_s"] = time.perf_counter() - t0
-        return out
-    finally:
-        _kill(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
+        out = launch.run(spec.workers, worker, spec.as_dict(), timeout=timeout)[0]
+    except launch.LaunchError as e:
+        raise RuntimeError(f"gloo run of {spec.label} failed: {e}") from None
+    out["total_wall_s"] = time.perf_counter() - t0
+    return out
 
 
 def compare(simulated: dict, real: dict) -> dict:

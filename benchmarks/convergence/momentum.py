@@ -25,7 +25,6 @@ the steps).
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import platform
@@ -35,6 +34,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..record import write_json
 from .sim import RunSpec, method_label
 
 MOMENTUM = 0.9
@@ -494,9 +494,7 @@ def main(args) -> int:
            f"{wall / 60:.1f} min wall in this session on {args.jobs} process(es) "
            f"({meta['cpu_s'] / 60:.1f} CPU-min for all runs; the machine was shared), torch {meta['torch']}._\n")
     out = {"meta": meta, "goals": goal, "summary": rows}
-    with open(json_path + ".tmp", "w") as f:
-        json.dump(out, f, separators=(",", ":"), default=_json_default)
-    os.replace(json_path + ".tmp", json_path)
+    write_json(json_path, "convergence momentum", document=out, default=_json_default)
     with open(os.path.join(outdir, prefix + ".md"), "w") as f:
         f.write(md)
     docs = None if args.quick else (args.docs if args.docs not in (None, "none") else
