@@ -20,6 +20,8 @@ import sys
 import time
 from typing import List
 
+from gtopk_plugin.compress import available
+
 from .. import launch
 from ..record import write_json
 from . import harness, measure, model as abm, netns, report
@@ -34,6 +36,16 @@ def _list(conv):
     def parse(s):
         return [conv(x) for x in s.replace(",", " ").split()]
     return parse
+
+
+def _methods(s):
+    """``--methods``: names in the compressor registry (the one source of truth)."""
+    names = _list(str)(s)
+    unknown = [m for m in names if m not in available()]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown)}; "
+                                         f"choose from {', '.join(available())}")
+    return names
 
 
 def _flat(xs):
@@ -389,7 +401,7 @@ def _parser_comm(ap):
     ap.add_argument("--numel", "-N", type=_list(int), nargs="+", default=[[1_000_000, 25_000_000]])
     ap.add_argument("--density", "-d", type=_list(float), nargs="+", default=[[0.001, 0.01]])
     ap.add_argument("--dtypes", type=lambda s: s.replace(",", " ").split(), default=["fp32", "fp16"])
-    ap.add_argument("--methods", type=_list(str), nargs="+", default=[["dense", "topk", "gtopk"]])
+    ap.add_argument("--methods", type=_methods, nargs="+", default=[["dense", "topk", "gtopk"]])
     ap.add_argument("--steps", "-S", type=int, default=6, help=f"timed steps for N < {BIG:,}")
     ap.add_argument("--big-steps", type=int, default=3, help=f"timed steps for N >= {BIG:,}")
     ap.add_argument("--warmup", type=int, default=1)
@@ -405,7 +417,7 @@ def _parser_comm(ap):
 def _parser_replay(ap):
     ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
     ap.add_argument("--models", type=_list(str), nargs="+", default=[DEFAULT_MODELS])
-    ap.add_argument("--methods", type=_list(str), nargs="+", default=[["dense", "topk", "gtopk"]])
+    ap.add_argument("--methods", type=_methods, nargs="+", default=[["dense", "topk", "gtopk"]])
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--selection", choices=["paper", "measured", "none"], default="paper",
                     help="selection time: the paper's (sleep), our kernels' (measured), or none")
