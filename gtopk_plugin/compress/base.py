@@ -96,7 +96,7 @@ class Compressor:
     ``merges``: the aggregations a user may choose with ``merge=``.
     ``hyperparams``: :class:`HyperParam` declarations; the constructor
     validates the values (``ValueError`` naming the valid range) and sets
-    them as attributes.
+    them as attributes (``Compressor.hyper`` returns them as a dict).
     ``uses_density``: whether ``density`` (k per segment) means anything.
     """
 
@@ -106,8 +106,10 @@ class Compressor:
     merges: Tuple[str, ...] = ()
     hyperparams: Tuple[HyperParam, ...] = ()
     uses_density: bool = True
-    # keywords accepted and ignored when not declared (compatibility)
-    legacy_keywords: Tuple[str, ...] = ()
+    # every method took r_factor before hyper-parameters were declared per
+    # method (gtopk_plugin.testing still passes it): accepted, and ignored
+    # unless declared
+    legacy_keywords: Tuple[str, ...] = ("r_factor",)
 
     def __init__(self, **hyper):
         declared = {p.name: p for p in self.hyperparams}
@@ -137,9 +139,6 @@ class Selector(Compressor):
     kind = "selector"
     exact_count: bool = True
     shared_indices: bool = False
-    # every selector took r_factor before hyper-parameters were declared per
-    # method (gtopk_plugin.testing still passes it): ignored unless declared
-    legacy_keywords = ("r_factor",)
 
     def select(self, acc: Tensor, offsets: Tensor, k: Tensor,
                ctx: SelectionContext) -> Tuple[Optional[Tensor], Tensor]:
