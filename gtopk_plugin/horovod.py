@@ -1,5 +1,7 @@
 """``import gtopk_plugin.horovod``: the drop-in Horovod ``DistributedOptimizer``
-with sparse ``compression=`` choices (see :mod:`gtopk_plugin.frameworks.horovod`).
+with sparse ``compression=`` choices (the package
+:mod:`gtopk_plugin.frameworks.horovod`: transport, compression, optimizer,
+elastic).
 
 Needs Horovod built against the installed torch; without it this import
 raises an ``ImportError`` naming the install command
@@ -8,10 +10,11 @@ raises an ``ImportError`` naming the install command
 from .frameworks.horovod import (  # noqa: F401
     Compression,
     DistributedOptimizer,
+    HorovodDenseReduction,
     HorovodTransport,
     SparseCompression,
     SparseOptimizerStateHandler,
 )
 
 __all__ = ["DistributedOptimizer", "Compression", "SparseCompression", "HorovodTransport",
-           "SparseOptimizerStateHandler"]
+           "SparseOptimizerStateHandler", "HorovodDenseReduction"]

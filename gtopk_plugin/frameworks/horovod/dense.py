@@ -54,14 +54,17 @@ def attach_ring_traffic(opt, compression) -> None:
         return wire_size[dtype]
 
     def after_step(optimizer, args, kwargs):
+        # (torch runs this hook after the wrapper's step and after the
+        # wrapped class's step; the record is the same both times)
         wire = grad = 0
-        for p in optimizer._requires_update:
+        ps = optimizer.process_set
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        for p in params if ps.included() else ():
             if p.grad is not None and p.grad.is_sparse and not optimizer.sparse_as_dense:
                 continue  # allgathered by Horovod, not part of the dense allreduce
             wire += p.numel() * element_bytes(p.dtype)
             grad += p.numel() * p.element_size()
-        optimizer.last_step_traffic = StepTraffic.ring_allreduce(
-            optimizer.process_set.size(), wire, grad).as_dict()
+        optimizer.last_step_traffic = StepTraffic.ring_allreduce(ps.size(), wire, grad).as_dict()
 
     opt.last_step_traffic = None
     opt.register_step_post_hook(after_step)
