@@ -7,6 +7,9 @@ from typing import Optional, Tuple
 
 import torch
 
+# bit masks (the butterfly's survivor mask): defined below this layer
+from ..compress.bits import bitmask_bytes, pack_bits, unpack_bits  # noqa: F401
+
 Tensor = torch.Tensor
 
 
@@ -81,24 +84,6 @@ def unpack(blob: Tensor, idx_dtype: torch.dtype, val_dtype: torch.dtype,
 def unpack_values(blob: Tensor, val_dtype: torch.dtype) -> Tensor:
     """A blob of bare values (no indices) as ``val_dtype``."""
     return _view(blob, 0, blob.numel(), val_dtype)
-
-
-def pack_bits(mask: Tensor) -> Tensor:
-    """Bool tensor -> uint8 bitmask (little-endian within a byte)."""
-    n = mask.numel()
-    pad = (-n) % 8
-    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=mask.device)])
-    weights = (2 ** torch.arange(8, dtype=torch.uint8, device=mask.device))
-    return (m.view(-1, 8) * weights).sum(1).to(torch.uint8)
-
-
-def unpack_bits(bits: Tensor, n: int) -> Tensor:
-    weights = (2 ** torch.arange(8, dtype=torch.uint8, device=bits.device))
-    return ((bits.view(-1, 1) & weights) != 0).view(-1)[:n]
-
-
-def bitmask_bytes(n: int) -> int:
-    return (n + 7) // 8
 
 
 def pack_tensors(tensors) -> Tensor:

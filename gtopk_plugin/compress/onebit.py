@@ -26,7 +26,7 @@ from typing import List, Sequence
 
 import torch
 
-from ..collectives.wire import pack_bits, unpack_bits
+from .bits import pack_bits, unpack_bits
 from .base import Codec
 from .registry import register
 

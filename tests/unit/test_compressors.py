@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin import registry
 from gtopk_plugin.compress import Codec, HyperParam, Selector, register, unregister
 from gtopk_plugin.compress.base import SelectionContext
 from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, CompressionNames
