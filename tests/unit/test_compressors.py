@@ -249,3 +249,17 @@ def test_register_rejects_bad_names_and_clashes():
         register("fp16", Fp16Codec)
     with pytest.raises(ValueError, match="already registered"):
         register("topk", StridedK)
+
+
+def test_onebit_with_momentum_correction_conserves_the_velocity_mass():
+    # DESIGN.md §3 momentum correction, for a codec: Σ_steps u_t = Σ_steps result_t + v
+    red = make(method="onebit", op="sum", momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    tot_u = torch.zeros(50, dtype=torch.float64)
+    tot_o = torch.zeros(50, dtype=torch.float64)
+    for _ in range(20):
+        out = red.reduce({"w": torch.randn(50, generator=g)})
+        tot_u += red.momentum.velocities["w"].double()  # u_t, the increment (no Nesterov)
+        tot_o += out["w"].double()
+    v = red.state_dict()["residuals"]["w"].double()
+    torch.testing.assert_close(tot_u, tot_o + v, atol=1e-4, rtol=0)
