@@ -116,7 +116,7 @@ def stop_all(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
 
 
 # --------------------------------------------------------------------------
-# parent side
+# the launcher (the worker side is launch_worker.py)
 # --------------------------------------------------------------------------
 def run(P: int, target: Union[str, Callable], *args: Any, engine: str = "torch",
         timeout: float = 600.0, pg_timeout: Optional[float] = None,
@@ -171,8 +171,8 @@ def run(P: int, target: Union[str, Callable], *args: Any, engine: str = "torch",
                              "RANK": str(r), "WORLD_SIZE": str(P)}
                 child_env.update(env(r) if env is not None else {})
                 cmd = list(prefix(r) if prefix else []) + [
-                    sys.executable, "-u", "-c", _BOOTSTRAP, json.dumps(child_env), _PACKAGE_PARENT, spec_path,
-                    str(r)]
+                    sys.executable, "-u", "-c", _BOOTSTRAP, json.dumps(child_env), _PACKAGE_PARENT,
+                    spec_path, str(r)]
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else None,
                                      stderr=subprocess.STDOUT if capture else None,
                                      start_new_session=True, preexec_fn=die_with_parent)
