@@ -6,7 +6,7 @@ than ``max_staleness`` steps behind.
 
 Framework-neutral (DESIGN.md §2): this package imports no framework; the
 framework layers provide :class:`AsyncReduction` back ends
-(``gtopk_plugin.frameworks.elastic_torch``, ``.elastic_horovod``,
+(``gtopk_plugin.frameworks.elastic_torch``, ``.horovod.elastic``,
 ``.byteps``).  See docs/elastic.md.
 """
 from .backend import AsyncReduction, UnitSpec, register_default, register_transport
