@@ -6,6 +6,7 @@
     python -m benchmarks.cluster replay --workers 2 4 8 --models resnet50,vgg16 --selection paper
     python -m benchmarks.cluster model --comm C.json --replay R.json
     python -m benchmarks.cluster reproduce          # all three, the issue's settings
+    python -m benchmarks.cluster ddp [--quick]      # DDP: PyTorch's hooks vs ours (benchmarks/cluster/ddp.py)
     python -m benchmarks.cluster cleanup [--all]    # leftovers of killed runs (also: --cleanup)
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gtopk_plugin.compress import available
 
 from .. import launch
 from ..record import write_json
-from . import harness, measure, model as abm, netns, report
+from . import ddp, harness, measure, model as abm, netns, report
 from . import shapes as S
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -458,7 +459,7 @@ def _main(argv=None) -> int:
     if "--cleanup" in argv:
         argv.remove("--cleanup")
         argv = ["cleanup"] + argv
-    cmd = argv[0] if argv and argv[0] in ("comm", "replay", "model", "reproduce", "cleanup") else "comm"
+    cmd = argv[0] if argv and argv[0] in ("comm", "replay", "model", "reproduce", "cleanup", "ddp") else "comm"
     if argv and argv[0] == cmd:
         argv = argv[1:]
     ap = argparse.ArgumentParser(prog=f"gtopk-bench cluster {cmd}", description=__doc__,
@@ -473,6 +474,16 @@ def _main(argv=None) -> int:
         _write(res, args.json, "comm")
         report.print_comm(res)
         png = report.plot_comm(res, os.path.splitext(args.json)[0] + ".png")
+        print(f"wrote {args.json}" + (f" and {png}" if png else ""))
+        return 0
+    if cmd == "ddp":
+        ddp.add_arguments(ap, RESULTS)
+        _net_args(ap)
+        args = ap.parse_args(argv)
+        res = ddp.run(args)
+        _write(res, args.json, "ddp")
+        print(ddp.report(res))
+        png = ddp.plot(res, os.path.splitext(args.json)[0] + ".png")
         print(f"wrote {args.json}" + (f" and {png}" if png else ""))
         return 0
     if cmd == "replay":
