@@ -1,0 +1,128 @@
+"""The registry drives the TensorFlow layer (issue #16): compressors the
+layer has no code of its own for run through ``gtopk_plugin.tensorflow``
+under real ``horovodrun -np 3 --gloo`` (tests/jobs/hvd_tf_registry_job.py),
+eagerly and inside ``tf.function``: the built-in ``onebit`` codec, and a
+selector and a codec registered from user code
+(tests/support/tf_user_compressors.py).
+
+Checked against the PyTorch side, bit for bit on every rank: the user
+selector against ``gtopk_plugin.testing.Oracle`` (sparse allgather and the
+gTop-k butterfly), the codecs against the codec contract run with the torch
+compressor objects (result = Σ_ranks, in rank order, decode(encode(acc_r));
+residual_r = acc_r − decode(encode(acc_r)), as
+collectives/payloads.PayloadAllGather and error feedback compute it); mass
+conservation; bytes as the PyTorch transport counts them ((P−1)·payload
+each way for the payload allgather, no headers).
+"""
+import os
+import pickle
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_launch import JOBS, horovodrun  # noqa: E402
+
+try:
+    import horovod.tensorflow  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
+                f"({type(e).__name__}: {e}); run `GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh`",
+                allow_module_level=True)
+
+import tf_user_compressors  # noqa: E402,F401  (registers the user compressors here too)
+
+from gtopk_plugin import registry  # noqa: E402
+from gtopk_plugin.compress import SelectionContext  # noqa: E402
+from gtopk_plugin.testing import Oracle  # noqa: E402
+
+P = 3
+_RES = []
+
+
+def results():
+    if not _RES:
+        with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-reg-") as d:
+            rc, out = horovodrun(P, [os.path.join(JOBS, "hvd_tf_registry_job.py"), d], timeout=400,
+                                 gloo_timeout=90)
+            assert rc == 0, f"horovodrun -np {P} failed (rc {rc}):\n{out[-6000:]}"
+            for r in range(P):
+                with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+                    _RES.append(pickle.load(f))
+    return _RES
+
+
+def ok(res, key):
+    status, val = res[key]
+    if status != "ok":
+        raise AssertionError(f"rank {res['rank']} {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
+    return val
+
+
+def _flat(arrays):
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
+def _check_mass(runs):
+    steps = len(runs[0]["out"])
+    grads = sum(_flat(run["raw"][s]).astype(np.float64) for run in runs for s in range(steps))
+    outs = sum(_flat(runs[0]["out"][s]).astype(np.float64) for s in range(steps))
+    resid = sum(_flat([run["residuals"][k] for k in sorted(run["residuals"])]).astype(np.float64)
+                for run in runs)
+    assert np.abs(grads - outs - resid).max() < 1e-4, "mass not conserved"
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", ["onebit", "onebit_graph", "half_tf_user_graph"])
+def test_codecs_match_the_codec_contract_bit_for_bit(name):
+    runs = [ok(res, name) for res in results()]
+    method = "half_tf_user" if name.startswith("half") else "onebit"
+    comp = registry.get(method)()
+    sizes = [a.size for a in runs[0]["raw"][0]]
+    offsets = torch.tensor(np.cumsum([0] + sizes), dtype=torch.int64)
+    N = sum(sizes)
+    names = [f"t{i:04d}" for i in range(len(sizes))]
+    residual = [torch.zeros(N) for _ in range(P)]
+    for s in range(len(runs[0]["out"])):
+        want = torch.zeros(N)
+        blob_bytes = 0
+        for r in range(P):  # rank order, as every rank sums
+            acc = torch.from_numpy(_flat(runs[r]["raw"][s])) + residual[r]
+            ctx = SelectionContext(step=s, segment_names=names, seed=0, rank=r, kernels="reference")
+            payload = comp.encode(acc, offsets, ctx)
+            blob_bytes = sum(t.numel() * t.element_size() for t in payload)
+            mine = comp.decode(payload, offsets, N, acc.dtype).reshape(-1)
+            residual[r] = acc - mine
+            want = want + mine
+        for r in range(P):
+            got = _flat(runs[r]["out"][s])
+            assert got.tobytes() == want.numpy().tobytes(), \
+                f"{name} step {s} rank {r}: max diff {np.abs(got - want.numpy()).max():.3g} vs the codec contract"
+    for r in range(P):
+        got = _flat([runs[r]["residuals"][k] for k in sorted(runs[r]["residuals"])])
+        assert got.tobytes() == residual[r].numpy().tobytes(), f"{name}: residual of rank {r}"
+        t = runs[r]["traffic"]
+        assert t["header_bytes_sent"] == 0 and t["numel"] == N and t["rounds"] == P - 1, t
+        assert t["payload_bytes_sent"] == t["payload_bytes_received"] == (P - 1) * blob_bytes, (t, blob_bytes)
+        assert runs[r]["step"] == len(runs[r]["out"])
+    _check_mass(runs)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name,merge", [("firstk_user", None), ("firstk_user_butterfly_graph", "gtopk")])
+def test_user_selector_matches_the_pytorch_oracle_bit_for_bit(name, merge):
+    runs = [ok(res, name) for res in results()]
+    names = [f"t{i:04d}" for i in range(len(runs[0]["raw"][0]))]
+    oracle = Oracle(P, method="firstk_user", density=0.1, merge=merge, op="sum")
+    for s in range(len(runs[0]["out"])):
+        expect = oracle.step([{n: torch.from_numpy(g) for n, g in zip(names, runs[r]["raw"][s])}
+                              for r in range(P)])
+        for r in range(P):
+            for n, got in zip(names, runs[r]["out"][s]):
+                assert got.tobytes() == expect[n].numpy().tobytes(), f"{name} step {s} rank {r} {n}"
+    for r in range(P):
+        for i, n in enumerate(names):
+            assert np.array_equal(runs[r]["residuals"][f"r{i:04d}"], oracle.residuals[r][n].numpy()), (name, r, n)
+    assert runs[0]["repr"].startswith("Compression.firstk_user(0.1")
+    _check_mass(runs)
