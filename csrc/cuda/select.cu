@@ -30,52 +30,23 @@
 // was selected is ever dropped, and the count is known only after the
 // kernels (the host reads it once).
 #include "radix.cuh"
+#include "sample.cuh"
 
 namespace gtopk {
 
-#define GTOPK_SAMPLE 4096  // reference.THRESHOLD_SAMPLE
-#define GTOPK_RUN 128      // reference.THRESHOLD_RUN
+// Keys of a dense segment of x (the sample's key_at).
+template <class V>
+struct DenseKey {
+  const typename V::bits_t* x;
+  __device__ __forceinline__ gtopk_u64 operator()(gtopk_i64 i) const { return V::key(x[i]); }
+};
 
 template <class V>
 __device__ __forceinline__ void thr_sample(const typename V::bits_t* x, const gtopk_i64* seg,
                                            const gtopk_i64* tpar, gtopk_u64* thr) {
-  __shared__ gtopk_u64 keys[GTOPK_SAMPLE];
-  const int s = blockIdx.x;
-  const gtopk_i64 ks = tpar[s];
-  if (ks <= 0) {  // decided on the host: 0 -> take everything, -1 -> nothing
-    if (threadIdx.x == 0) thr[s] = ks == 0 ? 0ull : ~0ull;
-    return;
-  }
-  const gtopk_i64 lo = seg[s], n = seg[s + 1] - seg[s];
-  const gtopk_i64 m = n <= GTOPK_SAMPLE ? n : GTOPK_SAMPLE;
-  const gtopk_i64 step = n / (GTOPK_SAMPLE / GTOPK_RUN);
-  for (int p = threadIdx.x; p < GTOPK_SAMPLE; p += blockDim.x) {
-    gtopk_u64 kk = 0ull;  // padding ranks below every real key (keys are >= 0)
-    if (p < m) {
-      const gtopk_i64 pos = n <= GTOPK_SAMPLE ? p : (p / GTOPK_RUN) * step + (p % GTOPK_RUN);
-      kk = V::key(x[lo + pos]);
-    }
-    keys[p] = kk;
-  }
-  // Bitonic sort, descending.
-  for (int size = 2; size <= GTOPK_SAMPLE; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int i = threadIdx.x; i < GTOPK_SAMPLE; i += blockDim.x) {
-        const int l = i ^ stride;
-        if (l > i) {
-          const gtopk_u64 a = keys[i], b = keys[l];
-          const bool desc = (i & size) == 0;
-          if (desc ? (a < b) : (a > b)) {
-            keys[i] = b;
-            keys[l] = a;
-          }
-        }
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) thr[s] = keys[ks - 1];
+  DenseKey<V> key_at;
+  key_at.x = x;
+  sample_threshold(key_at, seg, tpar, thr);
 }
 
 // Positions of the entries with key >= thr[s]: counter[s] counts them all,

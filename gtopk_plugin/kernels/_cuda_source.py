@@ -15,7 +15,7 @@ from typing import Dict, List
 from . import _build
 from ._cuda_layout import _INDEX, _VALUES
 
-FILES = ("select.cu", "merge.cu", "scatter.cu")
+FILES = ("select.cu", "merge.cu", "scatter.cu", "compensate.cu")
 
 _sources: Dict[str, str] = {}
 
@@ -66,4 +66,8 @@ def kernel_names() -> Dict[str, List[str]]:
                      + [f"gtopk_merge_{op}_{v}_{i}" for op in ("union", "finish")
                         for v in vals for i in idxs]),
         "scatter.cu": [f"gtopk_scatter_{v}_{i}" for v in vals for i in idxs],
+        "compensate.cu": ([f"gtopk_{op}_{v}" for op in ("compensate", "comp_sample", "comp_collect",
+                                                       "div_count") for v in vals]
+                          + [f"gtopk_{op}_{v}_{i}" for op in ("subtract_at", "zero_at")
+                             for v in vals for i in idxs]),
     }

@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import reference
+from . import _cuda_fused, reference
 from ._cuda_layout import (  # noqa: F401  (re-exported: tests model the kernels with them)
     _IMAX, _INDEX, _VALUES, BINS, CHUNK, DIGIT, KERNEL_RUN, KERNEL_SAMPLE, ST_N, SUPPORTED, THREADS,
     _bound_rank, _cand_capacity, _Layout, _make_layout, _passes, _threshold_params, _work,
@@ -371,30 +371,26 @@ def scatter_update(numel, idx, vals, divisor, dtype):
     return out
 
 
+# The reducer's fused and in-place kernels (csrc/cuda/compensate.cu): host
+# code in _cuda_fused.py, which launches through this module.
+_rt = sys.modules[__name__]
+
+
 def compensate(out, grad, residual):
-    # torch's own CUDA elementwise kernels (two launches: the sum and the
-    # finiteness reduction); a fused csrc/cuda kernel is future work.
-    return reference.compensate(out, grad, residual)
-
-
-def subtract_at_(acc, idx, sent):
-    return reference.subtract_at_(acc, idx, sent)
-
-
-def scatter_reset_(out, prev, idx, vals, divisor):
-    return reference.scatter_reset_(out, prev, idx, vals, divisor)
+    return _cuda_fused.compensate(_rt, out, grad, residual)
 
 
 def compensate_select_topk(acc, grads, residual, offsets, k):
-    # unfused on CUDA for now: compensate, then the radix select
-    finite, o = [], 0
-    for g in grads:
-        n = g.numel()
-        finite.append(compensate(acc[o:o + n], g, None if residual is None else residual[o:o + n]))
-        o += n
-    idx, vals = select_topk(acc, offsets, k)
-    return idx, vals, torch.tensor(finite, dtype=torch.bool)
+    return _cuda_fused.compensate_select_topk(_rt, acc, grads, residual, offsets, k)
+
+
+def subtract_at_(acc, idx, sent):
+    return _cuda_fused.subtract_at_(_rt, acc, idx, sent)
+
+
+def scatter_reset_(out, prev, idx, vals, divisor):
+    return _cuda_fused.scatter_reset_(_rt, out, prev, idx, vals, divisor)
 
 
 def div_count_(x, divisor):
-    return reference.div_count_(x, divisor)
+    return _cuda_fused.div_count_(_rt, x, divisor)

@@ -686,7 +686,9 @@ class _Emu:
         self._radix(load, lay, lay, S, j, kbits, wbits, st, hist, ctr, cand0, cand1, out)
 
     def thr_sample(self, x, seg, tpar, thr):
-        keys = keys_np(self.T(x))
+        self._sample(keys_np(self.T(x)), seg, tpar, thr)
+
+    def _sample(self, keys, seg, tpar, thr):
         seg, tpar, thr = self.T(seg).numpy(), self.T(tpar).numpy(), self.T(thr).numpy().view(np.uint64)
         for s in range(tpar.size):
             ks = tpar[s]
@@ -755,6 +757,66 @@ class _Emu:
         for s in range(int(S)):
             if stn[s * 8 + 4] != -1:
                 o[outo[s]:outo[s + 1]] = torch.iinfo(o.dtype).max
+
+    # -- compensate.cu -------------------------------------------------------
+    def _opt(self, p):
+        return None if int(p) == 0 else self.T(p)
+
+    @staticmethod
+    def _comp(g, r):
+        if r is None:
+            return g.clone()
+        op = _OPMATH[g.dtype]
+        return (g.to(op) + r.to(op)).to(g.dtype)
+
+    def compensate(self, g, r, n, out, bad):
+        n, g, r = int(n), self.T(g), self._opt(r)
+        self.T(out)[:n] = self._comp(g[:n], None if r is None else r[:n])
+        if not bool(torch.isfinite(g[:n]).all()):
+            self.T(bad)[0] = 1
+
+    def _grads(self, gptr, goff, T):
+        off = self.T(goff).tolist()
+        ptrs = self.T(gptr).tolist()
+        assert len(ptrs) == int(T) and len(off) == int(T) + 1
+        return [self.T(p)[:off[t + 1] - off[t]] if off[t + 1] > off[t] else None
+                for t, p in enumerate(ptrs)], off
+
+    def _compensated(self, gptr, goff, T, r):
+        grads, off = self._grads(gptr, goff, T)
+        r = self._opt(r)
+        parts = [self._comp(g, None if r is None else r[off[t]:off[t + 1]])
+                 for t, g in enumerate(grads) if g is not None]
+        return torch.cat(parts), grads
+
+    def comp_sample(self, gptr, goff, T, r, seg, tpar, thr):
+        acc, _ = self._compensated(gptr, goff, T, r)
+        self._sample(keys_np(acc), seg, tpar, thr)
+
+    def comp_collect(self, gptr, goff, T, r, acc, lay, S, thr, ctr, cand0, bad):
+        vals, grads = self._compensated(gptr, goff, T, r)
+        a = self.T(acc)
+        assert a.numel() == vals.numel() == self.T(lay)[int(S)]  # the segments cover acc
+        a.copy_(vals)
+        b = self.T(bad)
+        for t, g in enumerate(grads):
+            if g is not None and not bool(torch.isfinite(g).all()):
+                b[t] = 1
+        if int(thr) != 0:
+            self._collect_ge(acc, lay, S, thr, ctr, cand0, 2)
+
+    def subtract_at(self, acc, idx, sent, n, numel):
+        a, i, v = self.T(acc), self.T(idx).long()[:int(n)], self.T(sent)[:int(n)]
+        op = _OPMATH[a.dtype]
+        a[i] = (a[i].to(op) - v.to(op)).to(a.dtype)
+
+    def zero_at(self, idx, n, out, numel):
+        self.T(out)[self.T(idx).long()[:int(n)]] = 0
+
+    def div_count(self, x, n, divisor, count):
+        x = self.T(x)[:int(n)]
+        x.copy_(self._divide(x, int(divisor)))
+        self.T(count)[0] += int((keys_np(x) != 0).sum())
 
     # -- merge.cu ------------------------------------------------------------
     def merge_bounds(self, ia, na, ib, nb, offsets, S, bnd):
@@ -974,6 +1036,162 @@ def test_host_side_scatter_against_emulated_kernels(emulated, dtype, divisor):
                           reference.scatter_update(n, idx, vals, divisor, dtype))
         _assert_same_bits(cuda.scatter_update(n, idx.flip(0), vals, divisor, dtype),
                           reference.scatter_update(n, idx.flip(0), vals, divisor, dtype))
+
+
+# The reducer's fused and in-place kernels (compensate.cu, _cuda_fused.py)
+
+def _grads(dtype, sizes, g, bad=()):
+    """Separate gradient tensors (ties, -0.0, denormals where the dtype has
+    them); NaN/Inf in the gradients listed in ``bad``."""
+    out = []
+    for t, n in enumerate(sizes):
+        x = torch.randn(n, generator=g).to(dtype)
+        if n > 50:
+            x[10:30] = 0.5
+            x[30:40] = -0.0
+        if t in bad and n:
+            x[n // 2] = float("nan") if t % 2 else -float("inf")
+        out.append(x)
+    return out
+
+
+def _residual(dtype, n, g):
+    r = (torch.randn(n, generator=g) * 0.5).to(dtype)
+    r[::7] = 0.0
+    return r
+
+
+def _check_compensate_select(fn, grads, residual, offsets, k):
+    """fn's compensate_select_topk against the reference: idx, vals, finite
+    flags and every bit of acc."""
+    N = sum(x.numel() for x in grads)
+    dt = grads[0].dtype
+    acc = torch.full((N,), 7.0, dtype=dt)
+    ref_acc = acc.clone()
+    got = fn(acc, grads, residual, offsets, k)
+    ref = reference.compensate_select_topk(ref_acc, grads, residual, offsets, k)
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+    assert_same(acc, ref_acc)
+    return got
+
+
+def _cum_list(sizes):
+    return [0] + np.cumsum(sizes).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_side_compensate_against_emulated_kernels(emulated, dtype):
+    g = torch.Generator().manual_seed(13)
+    for n, bad in ((5000, False), (3, False), (20_001, True), (0, False)):
+        grad = _grads(dtype, [n], g, bad=(0,) if bad else ())[0]
+        for r in (None, _residual(dtype, n, g)):
+            out, ref_out = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            assert cuda.compensate(out, grad, r) == reference.compensate(ref_out, grad, r) == (not bad)
+            assert_same(out, ref_out)
+    # a 2-D gradient is flattened; another dtype goes to the reference
+    grad2 = torch.randn(40, 50, generator=g).to(dtype).t()
+    out, ref_out = torch.empty(2000, dtype=dtype), torch.empty(2000, dtype=dtype)
+    assert cuda.compensate(out, grad2, None) and reference.compensate(ref_out, grad2, None)
+    assert_same(out, ref_out)
+    assert "gtopk_compensate_" + cuda._VALUES[dtype][0] in emulated.launches
+    if dtype != torch.float64:
+        n0 = len(emulated.launches)
+        out = torch.empty(10, dtype=dtype)
+        assert cuda.compensate(out, torch.randn(10, dtype=torch.float64), None)
+        assert len(emulated.launches) == n0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_side_compensate_select_topk_against_emulated_kernels(emulated, dtype):
+    g = torch.Generator().manual_seed(14)
+    sizes = [0, 3, 700, 20_000, 60_000]
+    N = sum(sizes)
+    layer = torch.tensor(_cum_list(sizes))
+    whole = torch.tensor([0, N])
+    cases = [(layer, [1, 1, 50, 300, 1900]), (layer, [0, 3, 700, 1, 30_000]),
+             (layer, [0, 0, 0, 0, 0]), (whole, [80]), (whole, [8000]),
+             (torch.tensor([0, 700, 50_000, N]), [7, 0, 30_000])]
+    for bad, with_residual in (((), False), ((3,), True), ((1, 4), True)):
+        grads = _grads(dtype, sizes, g, bad=bad)
+        residual = _residual(dtype, N, g) if with_residual else None
+        for offsets, ks in cases:
+            got = _check_compensate_select(cuda.compensate_select_topk, grads, residual,
+                                           offsets, torch.tensor(ks))
+            assert got[2].tolist() == [t not in bad for t in range(len(sizes))]
+    vs = cuda._VALUES[dtype][0]
+    assert f"gtopk_comp_collect_{vs}" in emulated.launches
+    assert f"gtopk_comp_sample_{vs}" in emulated.launches
+    assert emulated.bound_used > 0  # the fused pass fed the radix select's candidates
+
+
+def test_host_side_compensate_select_topk_paths(emulated):
+    """Heavy ties (the sampled bound fails: the passes read acc), 2-D
+    gradients, segments that do not cover acc (unfused), mixed dtypes (the
+    reference), a length mismatch (the reference's error)."""
+    g = torch.Generator().manual_seed(15)
+    zeros = [torch.zeros(40_000), torch.zeros(30_000)]
+    zeros[0][[5, 17, 30_000]] = torch.tensor([1.0, -2.0, 0.5])
+    off = torch.tensor([0, 40_000, 70_000])
+    _check_compensate_select(cuda.compensate_select_topk, zeros, None, off, torch.tensor([100, 5]))
+    _check_compensate_select(cuda.compensate_select_topk, zeros, None, torch.tensor([0, 70_000]),
+                             torch.tensor([3000]))
+    mats = [torch.randn(100, 300, generator=g), torch.randn(50, generator=g)]
+    _check_compensate_select(cuda.compensate_select_topk, mats, _residual(torch.float32, 30_050, g),
+                             torch.tensor([0, 30_000, 30_050]), torch.tensor([300, 5]))
+    before = emulated.launches.count("gtopk_comp_collect_f32")
+    _check_compensate_select(cuda.compensate_select_topk, mats, None, torch.tensor([0, 20_000]),
+                             torch.tensor([50]))
+    assert emulated.launches.count("gtopk_comp_collect_f32") == before
+    assert "gtopk_compensate_f32" in emulated.launches
+    with pytest.raises(ValueError, match="gradients hold"):
+        cuda.compensate_select_topk(torch.empty(10), [torch.randn(9)], None, torch.tensor([0, 10]),
+                                    torch.tensor([1]))
+    mixed = [torch.randn(100, generator=g), torch.randn(50, generator=g).double()]
+    n0 = len(emulated.launches)
+    _check_compensate_select(cuda.compensate_select_topk, mixed[:1], None, torch.tensor([0, 100]),
+                             torch.tensor([3]))
+    assert len(emulated.launches) > n0
+    n0 = len(emulated.launches)
+    acc = torch.empty(150)
+    got = cuda.compensate_select_topk(acc, mixed, None, torch.tensor([0, 150]), torch.tensor([4]))
+    ref = reference.compensate_select_topk(torch.empty(150), mixed, None, torch.tensor([0, 150]),
+                                           torch.tensor([4]))
+    assert len(emulated.launches) == n0
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1, 2, 4])
+def test_host_side_in_place_updates_against_emulated_kernels(emulated, dtype, divisor):
+    """subtract_at_, scatter_reset_ and div_count_ (exact reciprocals, as
+    for scatter_update above: other divisors are a GPU check)."""
+    g = torch.Generator().manual_seed(16)
+    n = 30_000
+    for itype in (torch.int32, torch.int64):
+        base = torch.randn(n, generator=g).to(dtype)
+        base[:5] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 0.5]).to(dtype)
+        idx = torch.sort(torch.randperm(n, generator=g)[:900]).values.to(itype)
+        sent = torch.randn(900, generator=g).to(dtype)
+        a, b = base.clone(), base.clone()
+        assert cuda.subtract_at_(a, idx, sent) is a
+        assert_same(a, reference.subtract_at_(b, idx, sent))
+        prev = torch.sort(torch.randperm(n, generator=g)[:700]).values.to(itype)
+        prev[:100] = idx[:100]  # written by both results: the new value wins
+        for p in (prev, prev[:0]):
+            a, b = base.clone(), base.clone()
+            assert cuda.scatter_reset_(a, p, idx, sent, divisor) is a
+            assert_same(a, reference.scatter_reset_(b, p, idx, sent, divisor))
+        a, b = base.clone(), base.clone()
+        a[100:3000] = 0.0
+        b[100:3000] = 0.0
+        assert cuda.div_count_(a, divisor) == reference.div_count_(b, divisor)
+        assert_same(a, b)
+    vs = cuda._VALUES[dtype][0]
+    for name in (f"gtopk_subtract_at_{vs}_i32", f"gtopk_zero_at_{vs}_i64", f"gtopk_div_count_{vs}"):
+        assert name in emulated.launches
+    assert cuda.div_count_(torch.empty(0, dtype=dtype), divisor) == 0
 
 
 # ---------------------------------------------------------------------------
