@@ -13,7 +13,8 @@ cupy_cuda12x-*.whl``).
    CuPy; the time is printed).  If it cannot load, the checks are skipped and
    the timing table still reports torch.topk and the floor.
 2. **Checks**: every kernel (select_topk, select_threshold, merge_select,
-   scatter_update) against the
+   scatter_update, and the reducer's compensate, compensate_select_topk,
+   subtract_at_, scatter_reset_, div_count_) against the
    reference run on the same GPU, bit for bit (any NaN equals any NaN), on
    fresh random data (the seed is printed) with ties, -0.0, NaN/Inf,
    denormals, k = 0, 1, n, tiny/empty segments, all four dtypes and both index
@@ -26,7 +27,9 @@ cupy_cuda12x-*.whl``).
    segmented exact top-k and threshold selection vs a torch.topk (of |x|)
    loop vs the one-read floor (x.sum()) for N in {2^24, 25M, 100M} x density
    in {0.1%, 1%}, and the ResNet-50 layout (161 tensors, 25.6M elements, one
-   call vs a per-layer torch.topk loop).
+   call vs a per-layer torch.topk loop); for single tensors also the
+   reducer's fused compensation + exact top-k (compensate_select_topk, one
+   gradient plus a residual) against the reference's unfused torch ops.
 
 Prints the table last and writes benchmarks/results/gpu_check.json.
 """
@@ -237,7 +240,94 @@ def run_checks(mod, device: str, seed: int, quick: bool, log=print) -> List[dict
                             return f"{name}: {e}"
                 return None
             check(f"scatter/residual {str(dtype)[6:]} divisor={divisor}", f)
+    run_fused_checks(mod, device, g, dtypes, quick, check)
     return results
+
+
+def _first_diff(pairs) -> Optional[str]:
+    for what, a, b in pairs:
+        e = same(a, b) if isinstance(a, torch.Tensor) else (None if a == b else f"{a} vs {b}")
+        if e:
+            return f"{what}: {e}"
+    return None
+
+
+def run_fused_checks(mod, device: str, g, dtypes, quick: bool, check) -> None:
+    """The reducer's kernels (issue #15): compensate, compensate_select_topk
+    (acc, flags and the top-k; layer and global segments, NaN/Inf
+    gradients, heavy ties), subtract_at_, scatter_reset_, div_count_."""
+    sizes = [0, 3, 700, 20_000, 30_000 if quick else 3_000_000]
+    N = sum(sizes)
+    layer = torch.tensor([0] + sizes).cumsum(0)
+    for dtype in dtypes:
+        for bad, resid in (((), False), ((3,), True), ((1, 4), True)):
+            def f(dtype=dtype, bad=bad, resid=resid):
+                grads = [_data(n, dtype, g, device) for n in sizes]
+                for t, n in enumerate(sizes):
+                    if t in bad and n:
+                        grads[t][n // 2] = float("nan")
+                    elif n > 502:
+                        grads[t][500:503] = 0.25  # _data put NaN/Inf there
+                r = _data(N, dtype, g, device) * 0.5 if resid else None
+                if r is not None:
+                    r[torch.isfinite(r).logical_not()] = 0.0
+                cases = [(layer, [1, 1, 50, 300, sizes[-1] // 100]),
+                         (layer, [0, 3, 700, 1, sizes[-1] // 2]), (torch.tensor([0, N]), [N // 1000])]
+                if device == "cuda":  # segments short of acc (the CPU kernel refuses them)
+                    cases.append((torch.tensor([0, 5000]), [9]))
+                for offsets, ks in cases:
+                    k = torch.tensor(ks)
+                    acc = torch.empty(N, dtype=dtype, device=device)
+                    ref_acc = acc.clone()
+                    ref = reference.compensate_select_topk(ref_acc, grads, r, offsets, k)
+                    poison(device)
+                    got = mod.compensate_select_topk(acc, grads, r, offsets, k)
+                    e = _first_diff(zip(("idx", "vals", "finite"), got, ref)) or same(acc, ref_acc)
+                    if e:
+                        return f"compensate_select_topk k={ks}: {e}"
+                    if got[2].tolist() != [t not in bad for t in range(len(sizes))]:
+                        return f"finite flags {got[2].tolist()} for bad={bad}"
+                for t, x in enumerate(grads):
+                    rr = None if r is None else r[int(layer[t]):int(layer[t + 1])]
+                    out, ref_out = torch.empty_like(x), torch.empty_like(x)
+                    e = _first_diff([("finite", mod.compensate(out, x, rr),
+                                      reference.compensate(ref_out, x, rr)), ("out", out, ref_out)])
+                    if e:
+                        return f"compensate grad {t}: {e}"
+                z = [torch.zeros(200_000, dtype=dtype, device=device)]
+                z[0][[5, 77, 100_000]] = torch.tensor([1.0, -2.0, 0.5], dtype=dtype, device=device)
+                for ks in ([2], [3000]):  # heavy ties: the sampled bound fails
+                    off, k = torch.tensor([0, 200_000]), torch.tensor(ks)
+                    acc, ref_acc = z[0].clone(), z[0].clone()
+                    e = _first_diff(zip(("idx", "vals", "finite"),
+                                        mod.compensate_select_topk(acc, z, None, off, k),
+                                        reference.compensate_select_topk(ref_acc, z, None, off, k)))
+                    if e:
+                        return f"heavy ties k={ks}: {e}"
+                return None
+            check(f"compensate(_select_topk) {str(dtype)[6:]} bad={bad} residual={resid}", f)
+        for divisor in (1, 3, 7):
+            def f(dtype=dtype, divisor=divisor):
+                n = 1_000_000
+                base = _data(n, dtype, g, device)
+                base[1000:30_000] = 0.0
+                for itype in (torch.int32, torch.int64):
+                    idx = torch.sort(torch.randperm(n, generator=g)[:10_000]).values.to(itype).to(device)
+                    sent = _data(10_000, dtype, g, device)
+                    prev = torch.sort(torch.randperm(n, generator=g)[:8000]).values.to(itype).to(device)
+                    prev[:100] = idx[:100]
+                    a, b = base.clone(), base.clone()
+                    e = _first_diff([("subtract_at_", mod.subtract_at_(a, idx, sent),
+                                      reference.subtract_at_(b, idx, sent))])
+                    a, b = base.clone(), base.clone()
+                    e = e or _first_diff([("scatter_reset_", mod.scatter_reset_(a, prev, idx, sent, divisor),
+                                           reference.scatter_reset_(b, prev, idx, sent, divisor))])
+                    if e:
+                        return f"{str(itype)[6:]} {e}"
+                a, b = base.clone(), base.clone()
+                return _first_diff([("div_count_ count", mod.div_count_(a, divisor),
+                                     reference.div_count_(b, divisor)), ("div_count_ x", a, b)])
+            check(f"subtract_at_/scatter_reset_/div_count_ {str(dtype)[6:]} divisor={divisor}", f)
 
 
 # ---------------------------------------------------------------------------
@@ -304,6 +394,18 @@ def run_timing(mod, device: str, quick: bool, log=print) -> List[dict]:
                     row[f"{name}_ms"] = None
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"
                     log(f"  FAIL timing {name} N={n} d={d}: {e}")
+            # the reducer's step front: acc = grad + residual, flags, exact top-k
+            # (grad = xs[i], residual = the next input), fused vs the reference
+            acc = torch.empty(n, device=device)
+            for name, m in (("fused", mod), ("fused_ref", reference)):
+                try:
+                    row[f"{name}_ms"] = (timer(lambda i: m.compensate_select_topk(
+                        acc, [xs[i % nsets]], xs[(i + 1) % nsets], offsets, k), reps)
+                        if m is not None else None)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_ms"] = None
+                    log(f"  FAIL timing {name} N={n} d={d}: {e}")
+            del acc
             rows.append(row)
             log("  " + _fmt(row))
         del xs
@@ -357,7 +459,10 @@ def _fmt(r: dict) -> str:
             f"exact {_f(r.get('exact_ms'))} | thr {_f(r.get('threshold_ms'))} ms | "
             f"topk/exact {_f(_ratio(r['topk_ms'], r.get('exact_ms')), '.1f', 5)}x | "
             f"exact/floor {_f(_ratio(r.get('exact_ms'), r['floor_ms']), '.1f', 5)}x | "
-            f"thr/floor {_f(_ratio(r.get('threshold_ms'), r['floor_ms']), '.1f', 5)}x")
+            f"thr/floor {_f(_ratio(r.get('threshold_ms'), r['floor_ms']), '.1f', 5)}x"
+            + (f" | comp+exact {_f(r.get('fused_ms'))} (ref {_f(r.get('fused_ref_ms'))}) ms, "
+               f"{_f(_ratio(r.get('fused_ms'), r['floor_ms']), '.1f', 5)}x floor"
+               if "fused_ms" in r else ""))
 
 
 def markdown(rows: List[dict]) -> str:

@@ -24,6 +24,9 @@ sorted here with ``torch.sort`` (segments occupy ascending index ranges, so
 one sort orders every segment); values are gathered with ``index_select``
 (the stored bits, NaN payloads and -0.0 included).
 
+The reducer's kernels (compensate.cu) have their host code in
+:mod:`._cuda_fused`, which launches through this module.
+
 Inputs the kernels do not take (other dtypes, unsorted merge operands,
 non-integer divisors, non-1-D buffers, CPU tensors) go to the reference.
 """

@@ -1335,3 +1335,67 @@ def test_dispatch_uses_cuda_kernels(device):
     x = torch.randn(10_000, device=device)
     idx, vals = kernels.select_topk(x, torch.tensor([0, 10_000]), torch.tensor([100]))
     assert idx.device.type == "cuda" and idx.numel() == 100
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_compensation_matches_reference(device, dtype):
+    """compensate and compensate_select_topk on the GPU against the reference
+    on the same GPU: acc bit for bit, flags, the exact top-k (layer and
+    global segments, sampled start taken and failed, NaN/Inf gradients)."""
+    g = torch.Generator().manual_seed(17)
+    sizes = [0, 3, 700, 20_000, 300_000]
+    N = sum(sizes)
+    layer = torch.tensor(_cum_list(sizes))
+    for bad, with_residual in (((), False), ((3,), True), ((1, 4), True)):
+        grads = [x.to(device) for x in _grads(dtype, sizes, g, bad=bad)]
+        residual = _residual(dtype, N, g).to(device) if with_residual else None
+        for offsets, ks in ((layer, [1, 1, 50, 300, 3000]), (layer, [0, 3, 700, 1, 150_000]),
+                            (torch.tensor([0, N]), [3200]), (torch.tensor([0, 5000]), [9])):
+            k = torch.tensor(ks)
+            acc = torch.full((N,), 7.0, dtype=dtype, device=device)
+            ref_acc = acc.clone()
+            got = cuda.compensate_select_topk(acc, grads, residual, offsets, k)
+            ref = reference.compensate_select_topk(ref_acc, grads, residual, offsets, k)
+            for a, b in zip(got, ref):
+                assert_same(a, b)
+            assert_same(acc, ref_acc)
+            assert got[2].tolist() == [t not in bad for t in range(len(sizes))]
+        for t, x in enumerate(grads):
+            r = None if residual is None else residual[layer[t]:layer[t + 1]]
+            out, ref_out = torch.empty_like(x), torch.empty_like(x)
+            assert cuda.compensate(out, x, r) == reference.compensate(ref_out, x, r) == (t not in bad)
+            assert_same(out, ref_out)
+    zeros = [torch.zeros(200_000, dtype=dtype, device=device)]
+    zeros[0][[5, 77, 100_000]] = torch.tensor([1.0, -2.0, 0.5], dtype=dtype, device=device)
+    for ks in ([2], [3000]):  # heavy ties: the bound fails, the passes read acc
+        acc, ref_acc = (torch.empty(200_000, dtype=dtype, device=device) for _ in range(2))
+        off, k = torch.tensor([0, 200_000]), torch.tensor(ks)
+        for a, b in zip(cuda.compensate_select_topk(acc, zeros, None, off, k),
+                        reference.compensate_select_topk(ref_acc, zeros, None, off, k)):
+            assert_same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1, 3, 7])
+def test_in_place_updates_match_reference(device, dtype, divisor):
+    g = torch.Generator().manual_seed(18)
+    n = 100_000
+    base = torch.randn(n, generator=g).to(dtype)
+    base[:5] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 0.5]).to(dtype)
+    base[100:3000] = 0.0
+    base = base.to(device)
+    for itype in (torch.int32, torch.int64):
+        idx = torch.sort(torch.randperm(n, generator=g)[:1000]).values.to(itype).to(device)
+        sent = torch.randn(1000, generator=g).to(dtype).to(device)
+        prev = torch.sort(torch.randperm(n, generator=g)[:800]).values.to(itype).to(device)
+        prev[:100] = idx[:100]
+        a, b = base.clone(), base.clone()
+        assert_same(cuda.subtract_at_(a, idx, sent), reference.subtract_at_(b, idx, sent))
+        a, b = base.clone(), base.clone()
+        assert_same(cuda.scatter_reset_(a, prev, idx, sent, divisor),
+                    reference.scatter_reset_(b, prev, idx, sent, divisor))
+    a, b = base.clone(), base.clone()
+    assert cuda.div_count_(a, divisor) == reference.div_count_(b, divisor)
+    assert_same(a, b)
