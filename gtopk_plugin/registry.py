@@ -168,8 +168,9 @@ def table() -> str:
     for n in available():
         d = describe(n)
         hp = ", ".join(f"`{p['name']}={p['default']!r}`" for p in d["hyperparams"]) or "—"
+        doc = d["doc"].replace("|", "\\|")  # a "|" in the text would end the cell
         rows.append(f"| `{n}` | {d['kind']} | {d['aggregation']} | {', '.join(d['merges']) or '—'} | "
-                    f"{hp} | {d['doc']} |")
+                    f"{hp} | {doc} |")
     return "\n".join(rows)
 
 

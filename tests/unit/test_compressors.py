@@ -263,3 +263,12 @@ def test_onebit_with_momentum_correction_conserves_the_velocity_mass():
         tot_o += out["w"].double()
     v = red.state_dict()["residuals"]["w"].double()
     torch.testing.assert_close(tot_u, tot_o + v, atol=1e-4, rtol=0)
+
+
+def test_docs_table_is_the_registry_table():
+    # docs/compressors.md shows gp.compress.table() for the built-in methods
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compressors.md")
+    with open(path, encoding="utf-8") as f:
+        assert gp.compress.table() in f.read(), "regenerate the table in docs/compressors.md"
