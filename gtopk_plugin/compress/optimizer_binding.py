@@ -23,7 +23,7 @@ docs/momentum.md), and binding them is a clear ``ValueError``.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
