@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 #: name -> (module relative to this package, entry point, one-line description)
 BENCHMARKS = {
-    "cluster": (".cluster.cli", "main", "emulated 1 GbE cluster: comm grid, model replay, α-β model"),
+    "cluster": (".cluster.cli", "main", "emulated 1 GbE cluster: comm grid, model replay, α-β model, DDP hooks"),
     "convergence": (".convergence.cli", "main", "convergence study of every method on offline tasks"),
     "selection": (".selection", "main", "CPU selection kernels vs torch.topk and the one-read floor"),
     "bytes_per_step": (".bytes_per_step", "main", "bytes and time per method on loopback gloo"),
