@@ -39,6 +39,17 @@ def _wire_name(value_dtype) -> Optional[str]:
     raise ValueError(f"value_dtype must be None, tf.float16 or tf.bfloat16; got {value_dtype!r}")
 
 
+class _Untracked:
+    """Holds a variable out of checkpoints: a ``tf.Module`` tracks
+    (checkpoints) every variable among its attributes, but the last step's
+    traffic record is a report, not state -- and leaving it out keeps
+    checkpoints written before the record grew (8 entries, now 12)
+    restorable."""
+
+    def __init__(self, var):
+        self.var = var
+
+
 class SparseCompression(tf.Module):
     """A compressor of the registry as a Horovod-TF ``compression=``; made by
     ``Compression.topk/gtopk/rtopk/randomk/threshold(density, ...)`` (or any
@@ -136,8 +147,8 @@ class SparseCompression(tf.Module):
         # (momentum_correction=True); None: the config's momentum.
         self._momentum_from = None
         with tf.init_scope():  # the last step's StepTraffic fields (TRAFFIC_FIELDS)
-            self._traffic = tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64), trainable=False,
-                                        name="last_step_traffic")
+            self._traffic_box = _Untracked(tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64),
+                                                       trainable=False, name="last_step_traffic"))
 
     @property
     def method(self) -> str:
@@ -203,6 +214,10 @@ class SparseCompression(tf.Module):
                 return spec
         c = self.config
         return None if c.momentum is None else (c.momentum, c.nesterov, c.dampening)
+
+    @property
+    def _traffic(self):
+        return self._traffic_box.var
 
     @property
     def last_step_traffic(self) -> dict:

@@ -29,7 +29,7 @@ from ... import consistency
 from ...config import DensityWarmup
 from ...kernels.reference import INT32_LIMIT
 from ...layout import global_segment_name, segment_ks
-from ...traffic import STATS_FIELDS
+from ...traffic import STATS_FIELDS, StepTraffic
 from . import selection
 from ._guard import hvd, tf
 from .collectives import Contribution, aggregate
@@ -192,7 +192,8 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     else:
         update, residual, traffic, reached, sent, rounds = run()
     k_sum = sum(ks) if isinstance(ks, list) else tf.reduce_sum(tf.cast(ks, tf.int64))
-    stats = {"dense_bytes": 2 * (P - 1) * N * dtype.size // P, "numel": N, "k": k_sum,
+    dense_bytes = StepTraffic.ring_allreduce(P, 0, N * dtype.size).dense_bytes  # the ring model
+    stats = {"dense_bytes": dense_bytes, "numel": N, "k": k_sum,
              "sent_entries": sent, "rounds": rounds}
     comp._traffic.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
                                     tf.reshape(tf.cast(skip, tf.int64), [1])], 0))
