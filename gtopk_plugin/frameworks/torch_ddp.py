@@ -155,6 +155,8 @@ class SparseState:
             self.reducer.correct_momentum(optimizer, named_parameters)
         # buckets of the current step held back for clipping (see sparse_hook)
         self._pending: List[tuple] = []
+        # GradScaler.get_scale() of the current step (read at its first bucket)
+        self._step_scale: Optional[float] = None
         # -- parameter naming --
         # id(param) -> name as given by the user (holds the parameter too, so
         # that its id cannot be reused by another object while we map it).
@@ -313,6 +315,7 @@ class SparseState:
         self._named = False
         self._traffic_acc = StepTraffic()
         self._pending = []
+        self._step_scale = None
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
         # the optimizer does not travel with the state: correction stays off
@@ -370,20 +373,28 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 def _reduce_bucket(state: SparseState, item, last: bool, grad_norm) -> None:
     names, grads, buffer, index, fut = item
-    scale = None if state.grad_scaler is None else float(state.grad_scaler.get_scale())
-    # Several buckets make up one training step; only the last one advances
-    # the step counter, so that the warm-up density and random-k draws are
-    # per step, not per bucket.
-    updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=last,
-                                   grad_norm=grad_norm, loss_scale=scale)
+    # The loss scale changes only in scaler.update(), after the step: read it
+    # once per step (get_scale() synchronises with the device), not per bucket.
+    if state.grad_scaler is not None and state._step_scale is None:
+        state._step_scale = float(state.grad_scaler.get_scale())
+    try:  # only the step's last bucket advances the step (warm-up, random-k draws)
+        updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=last,
+                                       grad_norm=grad_norm, loss_scale=state._step_scale)
+    except BaseException:
+        state._step_scale = None  # a failed step: read the scale afresh next time
+        raise
+    state._step_scale = None if last else state._step_scale
     state._record_traffic(last)
-    flat = torch.cat([updates[n].reshape(-1) for n in names]) if names else buffer.new_zeros(0)
-    if flat.numel() != buffer.numel():
+    total = sum(g.numel() for g in grads)
+    if total != buffer.numel():
         raise RuntimeError(f"DDP bucket {index} buffer has {buffer.numel()} elements but "
-                           f"its gradients have {flat.numel()}; unsupported bucket layout")
-    # The reducer already divided by the world size (op="average"); DDP
-    # copies the future's value into the gradients as is.  Writing into the
-    # buffer in place (the reducer has consumed the gradients) avoids another
-    # bucket-sized allocation, as torch's own compression hooks do.
-    buffer.copy_(flat.view_as(buffer))
+                           f"its gradients have {total}; unsupported bucket layout")
+    # Already divided by P (op="average"); DDP copies the future's value into
+    # the gradients as is.  Each update goes straight into its slice of the
+    # bucket buffer (the gradients are consumed): no bucket-sized allocation
+    # (issue #15), and the reducer's update buffer is free for its next call.
+    off = 0
+    for n, g in zip(names, grads):
+        buffer.narrow(0, off, g.numel()).copy_(updates[n].reshape(-1))
+        off += g.numel()
     fut.set_result(buffer)
