@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,8 @@ class _ThreadedBase(AsyncReduction):
         self._worker: Optional[_Worker] = None
         self._slots = 2
         self._units: List[UnitSpec] = []
+        # (layer, slot) -> (copies of the gradients, the future that read them)
+        self._inputs: Dict[Tuple[int, int], Tuple[List[Tensor], concurrent.futures.Future]] = {}
 
     @property
     def rank(self):
@@ -77,12 +79,29 @@ class _ThreadedBase(AsyncReduction):
         self._slots = max(1, int(max_in_flight))
 
     def launch(self, unit, step, names, tensors, last_of_step):
-        # Copies: the training loop may zero or overwrite p.grad while the
-        # thread still reads the gradients.
-        grads = [t.detach().clone() for t in tensors]
+        grads = self._copies(unit, step, tensors)
         if self._worker is None:
             self._worker = _Worker(f"gtopk-elastic-{self.kind}")
-        return self._worker.submit(self._run, unit, step, list(names), grads, last_of_step)
+        fut = self._worker.submit(self._run, unit, step, list(names), grads, last_of_step)
+        self._inputs[(unit, step % self._slots)] = (grads, fut)
+        return fut
+
+    def _copies(self, unit, step, tensors) -> List[Tensor]:
+        """Copies of the gradients (the training loop may zero or overwrite
+        ``p.grad`` while the thread still reads them), in persistent buffers
+        per (layer, in-flight slot): no layer-sized allocation per step in
+        steady state (issue #15).  A slot's buffers are reused once the
+        reduction that read them has finished (the reducer never hands its
+        input back as a result); else, or when the layer's shapes changed,
+        fresh copies."""
+        held = self._inputs.get((unit, step % self._slots))
+        if held is not None and held[1].done() and len(held[0]) == len(tensors) and all(
+                b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
+                for b, t in zip(held[0], tensors)):
+            for b, t in zip(held[0], tensors):
+                b.copy_(t.detach())
+            return held[0]
+        return [t.detach().clone() for t in tensors]
 
     def _run(self, unit, step, names, grads, last_of_step):
         scope = getattr(self.transport, "set_scope", None)
@@ -110,6 +129,7 @@ class _ThreadedBase(AsyncReduction):
         agree_by_transport(self.transport, list(layout) + [("backend", self.kind)], bad_input)
 
     def close(self):
+        self._inputs.clear()
         if self._worker is not None:
             self._worker.close()
             self._worker = None

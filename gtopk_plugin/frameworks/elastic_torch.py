@@ -9,7 +9,7 @@ and as the native dense reduction of
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import config
 from ..elastic.backend import (AsyncReduction, FlatHandle, agree_by_transport, flatten, register_default,
                                register_transport)
+from ..update_buffers import _storage_refs
 from .torch_distributed import TorchDistributedTransport
 
 Tensor = torch.Tensor
@@ -59,6 +60,10 @@ class TorchDenseReduction(AsyncReduction):
         self._dedicated = bool(dedicated_group)
         self.group = None
         self.transport: Optional[TorchDistributedTransport] = None
+        self._slots = 2
+        # (layer, in-flight slot) -> (flat buffer, its storage use count when
+        # only we held it, the handle that reduced it last)
+        self._flats: Dict[Tuple[int, int], tuple] = {}
 
     def _require(self):
         if self.transport is None:
@@ -81,14 +86,45 @@ class TorchDenseReduction(AsyncReduction):
 
     def setup(self, units, max_in_flight):
         self._require()
+        self._slots = max(1, int(max_in_flight))
 
     def launch(self, unit, step, names, tensors, last_of_step):
         t = self._require()
-        flat = flatten(tensors).to(t.comm_device(tensors[0].device))
+        flat = self._flat(unit, step, tensors, t.comm_device(tensors[0].device))
         work = None
         if t.size > 1:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return FlatHandle(work, flat, tensors, unit, step)
+        h = FlatHandle(work, flat, tensors, unit, step)
+        held = self._flats.get((unit, step % self._slots))
+        if held is not None and held[0] is flat:
+            self._flats[(unit, step % self._slots)] = (flat, held[1], h)
+        return h
+
+    def _flat(self, unit, step, tensors, comm_device) -> Tensor:
+        """The layer's gradients copied into one flat buffer (``p.grad`` may
+        change while the reduction is in flight), persistent per (layer,
+        in-flight slot): no layer-sized allocation per step in steady state
+        (issue #15).  A slot's buffer is reused only when nothing outside
+        this back end refers to its storage any more -- neither the
+        collective in flight nor the reduced gradients handed out by
+        ``wait``, which the scheduler holds until it has applied them -- else
+        a fresh one is made (mixed dtypes or another comm device: always)."""
+        dtype, device = tensors[0].dtype, tensors[0].device
+        if any(g.dtype != dtype for g in tensors) or torch.device(comm_device) != device:
+            return flatten(tensors).to(comm_device)
+        n = sum(g.numel() for g in tensors)
+        key = (unit, step % self._slots)
+        held = self._flats.get(key)
+        if held is not None:
+            buf, base, h = held
+            refs = _storage_refs(buf)
+            # h.flat is None once wait() has read the result (the collective is over)
+            if (buf.numel() == n and buf.dtype == dtype and buf.device == device and h is not None
+                    and h.flat is None and base is not None and refs is not None and refs <= base):
+                return torch.cat([g.detach().reshape(-1) for g in tensors], out=buf)
+        buf = flatten(tensors)
+        self._flats[key] = (buf, _storage_refs(buf), None)
+        return buf
 
     def ready(self, h):
         return h.work is None or h.work.is_completed()
