@@ -171,7 +171,7 @@ def test_compression_qsgd_generated():
     assert _Namespace.qsgd(levels=15, bucket_size=128) == \
         ("sparse", "qsgd", 1.0, {"levels": 15, "bucket_size": 128})
     assert _Namespace.from_name("qsgd") == ("sparse", "qsgd", 1.0, {})
-    assert signature("qsgd") == "qsgd(levels=7, bucket_size=512)"
+    assert signature("qsgd") == "qsgd(levels=7, bucket_size=32)"
     with pytest.raises(ValueError, match="levels must be"):
         _Namespace.qsgd(levels=-1)
     with pytest.raises(TypeError, match="takes no density"):
