@@ -36,6 +36,9 @@ MODELS = {  # name -> layer widths of an MLP
 }
 # Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
 COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
+# also timed with every exchange step as a Horovod collective (exchange="horovod",
+# the layer before issue #15), next to the default gloo side channel
+HOROVOD_EXCHANGE = ["topk", "gtopk"]
 
 
 def _mlp(widths, seed):
@@ -73,7 +76,7 @@ def worker(args):
         opt.step()
         return time.perf_counter() - t0
 
-    for mname, widths in MODELS.items():
+    for mname, widths in (MODELS.items() if args.rounds > 0 else ()):
         runs = {}
         for kind in ("stock", "ours"):
             model = _mlp(widths, seed=0)
@@ -118,19 +121,91 @@ def worker(args):
         out["models"][mname]["max_param_diff"] = diff
 
     if args.bytes:
-        widths = MODELS["mlp-1.1M"]
-        for cname in COMPRESSIONS:
-            model = _mlp(widths, seed=0)
-            opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       named_parameters=model.named_parameters(),
-                                       compression=Compression.from_name(cname, args.density))
-            ts = [one_step(model, opt, widths, s) for s in range(args.bytes_steps)]
-            t = dict(opt.last_step_traffic)
-            t["median_step_s"] = statistics.median(ts[1:] or ts)
-            out["bytes"][cname] = t
+        out["bytes"] = compare_compressions(args, rank, _mlp, batch, one_step)
     if rank == 0:
         dump(args.out, out, digits=None)  # to the launcher, exact
     hvd.shutdown()
+
+
+def _counting_ops():
+    """Count the Horovod ops our sparse layer issues (alltoall, allgather,
+    allreduce), by wrapping the module its two files call."""
+    from gtopk_plugin.frameworks.horovod import sparse as sp
+    from gtopk_plugin.frameworks.horovod import transport as tr
+
+    counts = {"n": 0}
+    real = tr._ops
+
+    class _Counting:
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            if name.endswith("_async") or name.endswith("_async_"):
+                def counted(*a, **k):
+                    counts["n"] += 1
+                    return f(*a, **k)
+                return counted
+            return f
+
+    tr._ops = sp._ops = _Counting()
+    return counts
+
+
+def compare_compressions(args, rank, mlp, batch, one_step):
+    """Every compression on its own copy of mlp-1.1M, side by side: each
+    round steps every compression once (the order rotates), so the ratios
+    to ``none`` see the same machine load.  Records the exact bytes of the
+    last step, the median step time, the median of the per-round ratios to
+    ``none``, the reducer's phase seconds and the Horovod collectives per
+    step (Horovod's, and all the transport's incl. the side channel)."""
+    import statistics as st
+
+    import torch
+
+    from gtopk_plugin.horovod import Compression, DistributedOptimizer
+
+    counts = _counting_ops()
+    widths = MODELS["mlp-1.1M"]
+    runs = {}
+    for label in COMPRESSIONS + [f"{c}/horovod" for c in HOROVOD_EXCHANGE]:
+        cname, _, exchange = label.partition("/")
+        kw = {"exchange": exchange} if exchange else {}
+        model = mlp(widths, seed=0)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=Compression.from_name(cname, args.density, **kw))
+        runs[label] = (model, opt)
+    times = {c: [] for c in runs}
+    ops = {c: [] for c in runs}
+    allops = {c: [] for c in runs}
+    phases = {c: {} for c in runs}
+    names = list(runs)
+    for r in range(args.warmup + args.bytes_steps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        step_t = {}
+        for c in order:
+            n0 = counts["n"]
+            tr = getattr(runs[c][1], "_transport", None)
+            a0 = tr.collectives if tr is not None else 0
+            step_t[c] = one_step(*runs[c], widths, r)
+            if r >= args.warmup:
+                ops[c].append(counts["n"] - n0)
+                allops[c].append(tr.collectives - a0 if tr is not None else 0)
+                stats = getattr(runs[c][1], "last_stats", None)
+                for k, v in ((stats.seconds or {}) if stats is not None else {}).items():
+                    phases[c].setdefault(k, []).append(v)
+        if r >= args.warmup:
+            for c in names:
+                times[c].append(step_t[c])
+    res = {}
+    for c, (model, opt) in runs.items():
+        t = dict(opt.last_step_traffic)
+        t["median_step_s"] = st.median(times[c])
+        t["ratio_to_none"] = st.median(a / b for a, b in zip(times[c], times["none"]))
+        t["horovod_ops_per_step"] = st.median(ops[c])
+        t["transport_ops_per_step"] = st.median(allops[c])
+        t["phase_s"] = {k: st.median(v) for k, v in phases[c].items()}
+        res[c] = t
+    return res
 
 
 def run_job(P, args, out):
@@ -155,9 +230,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=32, help="per worker")
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--bytes-steps", type=int, default=4)
+    p.add_argument("--bytes-steps", type=int, default=20,
+                   help="timed side-by-side rounds of every compression at the largest P")
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--json", default=os.path.join(RESULTS, "horovod_overhead.json"))
+    p.add_argument("--before", help="a results JSON of an earlier run to keep next to this one")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bytes", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -184,15 +261,20 @@ def main(argv=None):
     if results[Pmax]["bytes"]:
         print(f"\nBytes per worker per step at P = {Pmax}, model mlp-1.1M, density {args.density} "
               "(payload + size headers; control = per-step consistency check)")
-        print(f"{'compression':<11} {'sent B':>10} {'received B':>11} {'dense B':>10} {'dense/sent':>10} "
-              f"{'control B':>9} {'step ms':>8}")
+        print(f"{'compression':<15} {'sent B':>10} {'received B':>11} {'dense B':>10} {'dense/sent':>10} "
+              f"{'control B':>9} {'step ms':>8} {'vs none':>8} {'hvd ops':>7} {'all ops':>7}")
         for c, t in results[Pmax]["bytes"].items():
             ratio = t["dense_bytes"] / t["bytes_sent"] if t["bytes_sent"] else float("nan")
-            print(f"{c:<11} {t['bytes_sent']:>10,} {t['bytes_received']:>11,} {t['dense_bytes']:>10,} "
-                  f"{ratio:>9.1f}x {t['control_bytes']:>9} {1e3 * t['median_step_s']:8.1f}")
+            print(f"{c:<15} {t['bytes_sent']:>10,} {t['bytes_received']:>11,} {t['dense_bytes']:>10,} "
+                  f"{ratio:>9.1f}x {t['control_bytes']:>9} {1e3 * t['median_step_s']:8.1f} "
+                  f"{t['ratio_to_none']:7.2f}x {t['horovod_ops_per_step']:7g} {t['transport_ops_per_step']:7g}")
+    results = {str(P): r for P, r in results.items()}
+    if args.before:  # an earlier run (e.g. before a change), kept side by side
+        with open(args.before) as f:
+            results["before"] = json.load(f)
     write_json(args.json, "horovod_overhead",
-               {k: v for k, v in vars(args).items() if k not in ("worker", "bytes", "out")},
-               {str(P): r for P, r in results.items()}, packages=("horovod", "torch"))
+               {k: v for k, v in vars(args).items() if k not in ("worker", "bytes", "out", "before")},
+               results, packages=("horovod", "torch"))
     print(f"\nwrote {args.json}")
 
 

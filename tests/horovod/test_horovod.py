@@ -26,6 +26,7 @@ from hvd_launch import require_horovod  # noqa: E402
 
 require_horovod()
 
+from gtopk_plugin.collectives.schedule import message_rounds  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
 from hvd_launch import JOBS, elastic_hosts, horovodrun  # noqa: E402
 
@@ -100,6 +101,7 @@ SPARSE = {  # name in horovod_jobs -> (oracle kwargs, exact)
     "randomk": (dict(method="randomk", density=0.1, seed=3), False),
     "threshold": (dict(method="threshold", density=0.1), True),
     "gtopk_buckets": (dict(method="gtopk", density=0.1), True),
+    "gtopk_hvd_exchange": (dict(method="gtopk", density=0.1), True),
     "gtopk_fp16wire": (dict(method="gtopk", density=0.1, value_dtype=torch.float16), True),
     "topk_warmup": (dict(method="topk", density=0.05, warmup=[0.5, 0.2]), True),
     "threshold_butterfly": (dict(method="threshold", density=0.1, merge="gtopk"), True),
@@ -184,10 +186,24 @@ def test_sparse_traffic_matches_design(P):
         for t in ok(res, "sparse/gtopk_fp16wire")["traffic"]:
             if P == Pp:
                 assert t["payload_bytes_sent"] == int(math.log2(P)) * K * 6
+    # collectives per step (issue #15): the exchange on the gloo side channel
+    # is one op per butterfly round per bucket plus the consistency check;
+    # Horovod sees one op per step (join detection, which also runs on the
+    # transport's count).  Exchange "horovod": every op a Horovod op, no join
+    # op.  Step 0 also agrees on the step counter (one more op).
+    for r, res in enumerate(results):
+        for name in ("gtopk", "gtopk_buckets", "gtopk_fp16wire", "threshold_butterfly", "gtopk_hvd_exchange"):
+            run = ok(res, f"sparse/{name}")
+            side = name != "gtopk_hvd_exchange"
+            for s, ((hvd_ops, all_ops), t) in enumerate(zip(run["ops"], run["traffic"])):
+                want = (1 if side and P > 1 else 0) + t["buckets"] + t["rounds"] + (s == 0 and P > 1)
+                assert t["rounds"] == t["buckets"] * message_rounds(P), (name, t)
+                assert all_ops == want, (name, r, s, all_ops, want)
+                assert hvd_ops == ((1 if P > 1 else 0) if side else want), (name, r, s, hvd_ops)
     assert len(ok(results[0], "sparse/gtopk_buckets")["buckets"]) > 1
     assert len(ok(results[0], "sparse/gtopk")["buckets"]) == 1
     # every bucket's exchange was started by the gradient hooks, during backward
-    for name in ("gtopk_buckets", "gtopk_bpps2", "gtopk"):
+    for name in ("gtopk_buckets", "gtopk_bpps2", "gtopk", "gtopk_hvd_exchange"):
         run = ok(results[0], f"sparse/{name}")
         assert run["launched_in_backward"] == [len(run["buckets"])] * len(run["out"]), name
 

@@ -31,6 +31,31 @@ R, P = hvd.rank(), hvd.size()
 STEPS = 4
 
 
+class CountingOps:
+    """Counts the Horovod ops the sparse layer issues: wraps the ``mpi_ops``
+    module that its transport and step modules call (issue #15: the test
+    asserts the number per step)."""
+
+    def __init__(self):
+        from gtopk_plugin.frameworks.horovod import sparse, transport
+
+        self.n, self._real = 0, transport._ops
+        transport._ops = sparse._ops = self
+
+    def __getattr__(self, name):
+        f = getattr(self._real, name)
+        if not name.endswith(("_async", "_async_")):
+            return f
+
+        def counted(*a, **k):
+            self.n += 1
+            return f(*a, **k)
+        return counted
+
+
+HVD_OPS = CountingOps()
+
+
 def make_model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 6),
@@ -79,8 +104,9 @@ def run_sparse(comp, op=hvd.Sum, steps=STEPS, bpps=1, lr=0.05, skip_sync=False):
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
                                named_parameters=model.named_parameters(), compression=comp, op=op,
                                backward_passes_per_step=bpps)
-    raws, outs, traffic, stats, launched = [], [], [], [], []
+    raws, outs, traffic, stats, launched, ops = [], [], [], [], [], []
     for s in range(steps):
+        ops0 = (HVD_OPS.n, opt._transport.collectives)
         opt.zero_grad()
         acc = {}
         for k in range(bpps):
@@ -104,9 +130,11 @@ def run_sparse(comp, op=hvd.Sum, steps=STEPS, bpps=1, lr=0.05, skip_sync=False):
             outs.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         traffic.append(dict(opt.last_step_traffic))
         stats.append(opt.last_stats.as_dict())
+        # (Horovod ops, all ops of the transport incl. the gloo side channel)
+        ops.append((HVD_OPS.n - ops0[0], opt._transport.collectives - ops0[1]))
     return {"raw": raws, "out": outs, "params": flat_params(model),
             "state": opt.state_dict()["gtopk_plugin"], "traffic": traffic, "stats": stats,
-            "buckets": opt.buckets, "launched_in_backward": launched}
+            "buckets": opt.buckets, "launched_in_backward": launched, "ops": ops}
 
 
 def run_dense(make_opt, steps=STEPS, bpps=1, momentum=0.9):
@@ -159,6 +187,8 @@ SPARSE_CONFIGS = {
     "threshold": lambda: Compression.threshold(0.1),
     # several buckets (one per ~100 bytes), reduced while backward runs
     "gtopk_buckets": lambda: Compression.gtopk(0.1, fusion_threshold=100),
+    # every exchange step a Horovod collective (no gloo side channel)
+    "gtopk_hvd_exchange": lambda: Compression.gtopk(0.1, fusion_threshold=100, exchange="horovod"),
     "gtopk_fp16wire": lambda: Compression.gtopk(0.1, value_dtype=torch.float16),
     "topk_warmup": lambda: Compression.topk(0.05, warmup=[0.5, 0.2], fusion_threshold=200),
     # variable-size sets through alltoall (sizes not known to receivers)

@@ -70,6 +70,12 @@ class SparseCompression:
         clip_norm: DGC local clipping (threshold × P^-1/2, global norm over
             all buckets of the step: with it, buckets are reduced after
             backward, in ``synchronize()``).
+        exchange: ``"gloo"`` (default): the sparse exchange runs on a gloo
+            side channel made inside the job, leaving one Horovod op per
+            step (join detection); ``"horovod"``: every exchange step is a
+            Horovod collective (alltoall per butterfly round), as before
+            issue #15.  Same results and byte counts; docs/horovod.md has
+            the timings of both.  (With NCCL-built Horovod always "horovod".)
 
     Objects of this class only work with ``gtopk_plugin.horovod.DistributedOptimizer``.
     """
@@ -80,7 +86,8 @@ class SparseCompression:
                  error_feedback: bool = True, kernels: Optional[str] = None,
                  fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
                  momentum: Optional[float] = None, nesterov: bool = False,
-                 momentum_masking: bool = True, clip_norm: Optional[float] = None, **hyper):
+                 momentum_masking: bool = True, clip_norm: Optional[float] = None,
+                 exchange: str = "gloo", **hyper):
         if method == DENSE_METHOD:
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
@@ -90,8 +97,11 @@ class SparseCompression:
             fusion_threshold = config.env_fusion_threshold_bytes()
         if isinstance(fusion_threshold, bool) or not isinstance(fusion_threshold, int) or fusion_threshold < 1:
             raise ValueError(f"fusion_threshold must be a positive number of bytes; got {fusion_threshold!r}")
+        if exchange not in ("gloo", "horovod"):
+            raise ValueError(f"exchange must be 'gloo' or 'horovod'; got {exchange!r}")
         self.nonfinite = nonfinite
         self.fusion_threshold = fusion_threshold
+        self.exchange = exchange
         kw = dict(method=method, density=density, r_factor=r_factor, merge=merge,
                   granularity=granularity, value_dtype=value_dtype, seed=seed, warmup=warmup,
                   nonfinite="skip" if nonfinite == "propagate" else nonfinite,
@@ -123,6 +133,8 @@ class SparseCompression:
                         if k not in ("method", "density") and v != _DEFAULTS.get(k))
         if self.momentum_correction:
             extra += ", momentum_correction=True"
+        if self.exchange != "gloo":
+            extra += f", exchange={self.exchange!r}"
         if not registry.get(self.method).uses_density:  # codecs: Compression.onebit(...)
             return f"Compression.{self.method}({extra[2:]})"
         return f"Compression.{self.method}({self.density!r}{extra})"

@@ -204,6 +204,7 @@ class _OptimizerBody(torch.optim.Optimizer):
         (residuals stay per rank: they are this worker's unsent mass)."""
         if self._reducer is None:
             return
+        self._transport.drop_side_channel()  # the job was re-formed: a new channel
         v = torch.tensor([self._reducer.step], dtype=torch.int64)
         if self.process_set.size() > 1:
             v = _ops.broadcast_(v, root_rank=0, name="gtopk.elastic.step", process_set=self.process_set)

@@ -14,7 +14,14 @@ Why it is shaped this way:
   before the reduction and by f after it, as Horovod does;
 * DGC local clipping (Lin et al. 2018) needs this worker's gradient norm
   over the whole step, so with ``clip_norm`` the buckets are held until
-  ``synchronize()``.
+  ``synchronize()``;
+* the exchange itself runs on a gloo side channel (issue #15: a Horovod op
+  costs a cycle of its background loop, a gloo send/recv a fraction of a
+  millisecond), so one Horovod op per step is left: a 1-element allreduce
+  started by the step's first gradient hook (it overlaps backward), in
+  which a rank inside ``hvd.join()`` answers with zero -- every other rank
+  then raises :class:`JoinedRankError` before any exchange, instead of
+  waiting on a peer that will never come.
 
 Methods of :class:`_SparsePath` are copied into the optimizer class that
 :func:`~.optimizer.DistributedOptimizer` builds (see :mod:`.optimizer`).
@@ -27,13 +34,22 @@ from typing import Dict, List, Optional
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
+from horovod.torch import mpi_ops as _ops
 
 from ...buckets import bucket_scope, make_buckets
+from ...consistency import JoinedRankError
 from ...reducer import GradientReducer, local_grad_norm
 from ...traffic import StepTraffic
 from .transport import HorovodTransport
 
 Tensor = torch.Tensor
+_JOINED = ("gtopk_plugin: a rank has called hvd.join() (it has no more data) while others still "
+           "reduce: sparse compressions exchange index sets, which a joined rank cannot take part "
+           "in.  Give every rank the same number of steps (drop the uneven last batches, e.g. "
+           "DistributedSampler(drop_last=True)), or reduce the remaining steps with "
+           "Compression.none; then call hvd.join() on every rank.  Nothing was applied and "
+           "residuals are unchanged.")
 
 
 def op_name(op) -> str:
@@ -53,7 +69,8 @@ class _SparsePath:
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("sparse compression supports op=hvd.Average or hvd.Sum; got "
                              f"{op_name(op)}")
-        self._transport = HorovodTransport(self.process_set)
+        self._transport = HorovodTransport(self.process_set,
+                                           side_channel=self._spec.exchange == "gloo")
         self._reducer = GradientReducer(transport=self._transport,
                                         op="average" if op == hvd.Average else "sum",
                                         **self._spec.reducer_kwargs())
@@ -88,6 +105,11 @@ class _SparsePath:
         return bool(self._ready)
 
     def _abandon_path(self):
+        if self._join_handle is not None:
+            try:
+                _ops.synchronize(self._join_handle)
+            except BaseException:  # noqa: BLE001 - the step is being discarded
+                pass
         for fut in self._futures:
             if fut is not None:
                 try:
@@ -103,12 +125,19 @@ class _SparsePath:
         self._bucket_left = [len(b) for b in self._buckets]
         self._futures: List[Optional[concurrent.futures.Future]] = [None] * len(self._buckets)
         self._next_bucket = 0
+        self._join_handle = None
+        self._joined = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
 
     def _param_ready(self, p):
         if p in self._ready:
             return
+        if not self._ready and self._transport.side_channel and self._transport.size > 1:
+            # join detection: the step's one Horovod op, overlapping backward
+            self._join_handle = _ops.allreduce_async(
+                torch.ones(1, dtype=torch.int32), op=hvd.Sum, name=f"{self._transport.prefix}.join",
+                process_set=self.process_set)
         self._ready.add(p)
         self._bucket_left[self._bucket_of[p]] -= 1
         self._launch_ready_buckets()
@@ -135,6 +164,19 @@ class _SparsePath:
         """Runs on the worker thread: one GradientReducer call per bucket."""
         t = self._transport
         t.set_scope(bucket_scope(i))
+        try:
+            return self._reduce_bucket_on(t, i, grads)
+        except HorovodInternalError:
+            t.drop_side_channel()  # a lost peer: the next step makes a new channel
+            raise
+
+    def _reduce_bucket_on(self, t: HorovodTransport, i: int, grads: Dict[str, Tensor]):
+        if self._join_handle is not None:
+            h, self._join_handle = self._join_handle, None
+            t.collectives += 1
+            self._joined = int(t._wait(h)[0]) < t.size
+        if self._joined:  # every bucket of the step, on every rank that did not join
+            raise JoinedRankError(_JOINED)
         if i == 0:
             self._step_start = t.counters.copy()
             if self._agree_step:

@@ -6,7 +6,10 @@ on torch.distributed (DESIGN.md §3).
 
 Horovod has no point-to-point send/recv, so every pairwise step of the
 butterfly is one collective ``alltoall`` that every rank of the process set
-walks (:meth:`HorovodTransport.phase`).
+walks (:meth:`HorovodTransport.phase`) -- or, with ``side_channel=True``
+(what the sparse optimizer uses), one gloo send/recv on a
+:class:`~.side_channel.SideChannel` made inside the job (issue #15).  The
+byte counts are the same either way.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ from typing import List, Optional, Tuple
 
 import horovod.torch as hvd
 import torch
+import torch.distributed as dist
 from horovod.torch import mpi_ops as _ops
 
 from ...collectives.transport import Transport
+from .side_channel import SideChannel
 
 __all__ = ["HorovodTransport"]
 
@@ -43,14 +48,42 @@ class HorovodTransport(Transport):
     caller per unit of work (a bucket) and ``n`` counts ops within it, so the
     same op has the same name on every rank and on every step (which also
     lets Horovod's response cache recognise it).
+
+    With ``side_channel=True`` the data moves on a gloo group of the set's
+    ranks instead (:class:`~.side_channel.SideChannel`, created at the first
+    op; CPU tensors, i.e. Horovod without NCCL): a gloo send/recv costs a
+    fraction of a millisecond where a Horovod op costs a cycle of its
+    background loop and a negotiation.  The caller must then detect joined
+    ranks itself before each call (a rank inside ``hvd.join()`` answers only
+    Horovod ops; :mod:`.sparse` does).  ``collectives`` counts the ops this
+    transport issued, on either engine.
     """
 
-    def __init__(self, process_set=None, prefix: str = "gtopk"):
+    def __init__(self, process_set=None, prefix: str = "gtopk", side_channel: bool = False):
         super().__init__()
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self.prefix = prefix
         self._scope = "main"
         self._seq = 0
+        self.side_channel = bool(side_channel) and not hvd.nccl_built()
+        self._side: Optional[SideChannel] = None
+        self._channels = 0  # channels made so far: the same count on every rank
+        self.collectives = 0
+
+    def side(self) -> Optional[SideChannel]:
+        """The gloo side channel (made on first use), or None."""
+        if not self.side_channel or self.size == 1:
+            return None
+        if self._side is None:
+            self._channels += 1
+            self._side = SideChannel(self.process_set, f"{self.prefix}.side{self._channels}")
+        return self._side
+
+    def drop_side_channel(self) -> None:
+        """Forget the side channel (after an elastic reset or a lost peer);
+        the next op makes a new one.  Collective: every rank of the set
+        drops it at the same point (the elastic state handler's sync)."""
+        self._side = None
 
     def set_scope(self, scope: str) -> None:
         """Start a new naming scope (op counter back to 0)."""
@@ -92,11 +125,13 @@ class HorovodTransport(Transport):
         return _ops.synchronize(handle)
 
     def _alltoall(self, t: Tensor, splits: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
+        self.collectives += 1
         h = _ops.alltoall_async(t, splits=splits, name=self._name(kind), process_set=self.process_set)
         out, got = self._wait(h)
         return out, got
 
     def _allgather(self, t: Tensor, kind: str) -> Tensor:
+        self.collectives += 1
         return self._wait(_ops.allgather_async(t, name=self._name(kind), process_set=self.process_set))
 
     # -- counted operations, Horovod style --------------------------------
@@ -107,7 +142,17 @@ class HorovodTransport(Transport):
         splits = torch.zeros(P, dtype=torch.int32)
         if send_to is not None:
             splits[send_to] = send.numel()
-        out, got = self._alltoall(send, splits, "phase")
+        side = self.side()
+        if side is not None:
+            self.collectives += 1
+            out = side.exchange(send_to, send, recv_from, recv_nbytes, headers)
+            if out is None:
+                out = send[:0]
+            got = torch.zeros(P, dtype=torch.int64)
+            if recv_from is not None:
+                got[recv_from] = out.numel()
+        else:
+            out, got = self._alltoall(send, splits, "phase")
         c = self.counters
         if send_to is not None:
             c.payload_bytes_sent += send.numel()
@@ -134,10 +179,22 @@ class HorovodTransport(Transport):
         dev = self.comm_device(blob.device)
         blob = blob.to(dev)
         with_sizes = nbytes is None
-        send = torch.cat([_int64_bytes(blob.numel(), dev), blob]) if with_sizes else blob
-        out = self._allgather(send, "allgather")
+        side = self.side()
+        if side is not None:
+            self.collectives += 1 + with_sizes
+            parts = side.allgather(blob, nbytes)
+            sizes = [p.numel() for p in parts]
+        else:
+            send = torch.cat([_int64_bytes(blob.numel(), dev), blob]) if with_sizes else blob
+            out = self._allgather(send, "allgather")
+            parts, sizes = self._split_gathered(out, nbytes, with_sizes)
+        parts[r] = blob
+        self._count_allgather(sizes, with_sizes)
+        return parts
+
+    def _split_gathered(self, out: Tensor, nbytes, with_sizes: bool):
         parts, sizes, pos = [], [], 0
-        for q in range(P):
+        for q in range(self.size):
             if with_sizes:
                 n = _read_int64(out, pos)
                 pos += _HEADER
@@ -147,9 +204,12 @@ class HorovodTransport(Transport):
             sizes.append(n)
             pos += n
         if pos != out.numel():
-            raise RuntimeError(f"gtopk_plugin: allgather returned {out.numel()} bytes on rank {r}, "
-                               f"expected {pos} (ranks disagree on message sizes)")
-        parts[r] = blob
+            raise RuntimeError(f"gtopk_plugin: allgather returned {out.numel()} bytes on rank "
+                               f"{self.rank}, expected {pos} (ranks disagree on message sizes)")
+        return parts, sizes
+
+    def _count_allgather(self, sizes, with_sizes: bool) -> None:
+        P, r = self.size, self.rank
         c = self.counters
         if with_sizes:
             c.header_bytes_sent += _HEADER * (P - 1)
@@ -160,11 +220,17 @@ class HorovodTransport(Transport):
         c.payload_bytes_sent += total - sizes[(r + 1) % P]
         c.payload_bytes_received += total - sizes[r]
         c.messages_sent += P - 1
-        return parts
 
     # -- raw primitives ----------------------------------------------------
     def _raw_sendrecv(self, dst, send, src, recv):
         # Valid when every rank of the set calls it at once (a ring step).
+        side = self.side()
+        if side is not None:
+            self.collectives += 1
+            got = side.exchange(dst, send.view(-1).view(torch.uint8), src, recv.numel() * recv.element_size(),
+                                False)
+            recv.view(-1).view(torch.uint8).copy_(got)
+            return
         splits = torch.zeros(self.size, dtype=torch.int32)
         splits[dst] = send.numel()
         out, got = self._alltoall(send, splits, "sendrecv")
@@ -185,15 +251,29 @@ class HorovodTransport(Transport):
             "collective steps through phase()")
 
     def _raw_allreduce_sum_(self, t):
+        self.collectives += 1
+        side = self.side()
+        if side is not None:
+            side.allreduce_(t, dist.ReduceOp.SUM)
+            return
         self._wait(_ops.allreduce_async_(t, name=self._name("sum"), op=hvd.Sum, process_set=self.process_set))
 
     def _raw_allreduce_max_(self, t):
+        self.collectives += 1
+        side = self.side()
+        if side is not None:
+            side.allreduce_(t, dist.ReduceOp.MAX)
+            return
         self._wait(_ops.allreduce_async_(t, name=self._name("max"), op=hvd.Max, process_set=self.process_set))
 
     def _raw_allgather_object(self, obj):
         # hvd.allgather_object has no process_set argument in 0.28.1: pickle
         # into bytes with a size prefix and allgather those.
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        side = self.side()
+        if side is not None:
+            self.collectives += 2
+            return [pickle.loads(b.numpy().tobytes()) for b in side.allgather(data)]
         out = self._allgather(torch.cat([_int64_bytes(data.numel(), data.device), data]), "object")
         objs, pos = [], 0
         for _ in range(self.size):
