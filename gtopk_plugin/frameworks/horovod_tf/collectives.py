@@ -91,8 +91,11 @@ class _Charges:
 
     def survive(self, cur_i):
         """Keep the charges whose index is still in the group's set ``cur_i``."""
-        self.parts = [(tf.boolean_mask(i, m), tf.boolean_mask(v, m))
-                      for i, v in self.parts for m in [member_of(i, cur_i)]]
+        kept = []
+        for i, v in self.parts:
+            m = member_of(i, cur_i)
+            kept.append((tf.boolean_mask(i, m), tf.boolean_mask(v, m)))
+        self.parts = kept
 
     def __call__(self, residual):
         for i, v in self.parts:
@@ -227,7 +230,8 @@ def _allgather_payloads(ops: Ops, c: Contribution) -> Result:
     """Codecs: every rank's payload bytes (sizes fixed by the layout: no
     headers), decoded and summed in rank order (:func:`.selection.decode_sum`)."""
     blobs = [c.blob] if ops.P == 1 else ops.allgather_blobs(c.blob, static_size=True)
-    return Result(None, selection.decode_sum(blobs, c.mine, ops.rank, c.comp, c.spec, c.dtype), rounds=ops.P - 1)
+    out = selection.decode_sum(blobs, c.mine, ops.rank, c.comp, c.spec, c.dtype)
+    return Result(None, out, rounds=ops.P - 1)
 
 
 # aggregation name (as compressors declare it) -> TF implementation
