@@ -1,9 +1,11 @@
 """Horovod-TensorFlow layer (gtopk_plugin.tensorflow).
 
-In this process: the TensorFlow twins of the reference kernels (selection,
-threshold, merge, wire format) against gtopk_plugin.kernels.reference, bit
-for bit, on data with ties, NaN and Inf -- the cross-framework check of the
-selection and merge semantics.
+In this process: the layer's selection (the registry's compressors through
+tf.numpy_function, gtopk_plugin/frameworks/horovod_tf/selection.py) and the
+TensorFlow twins of the reference kernels (merge, wire format, momentum,
+clipping) against gtopk_plugin.kernels.reference, bit for bit, on data with
+ties, NaN and Inf -- the cross-framework check of the selection and merge
+semantics.
 
 Under real ``horovodrun -np N --gloo`` jobs, N = 2 and 3 (one job each, all
 checks batched in tests/jobs/hvd_tf_jobs.py): identical gradients go to the
