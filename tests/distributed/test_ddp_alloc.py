@@ -140,3 +140,44 @@ def test_steady_state_allocations_per_step(reports, case):
             big = [h for h in step if h not in hook] if per_bucket else step
             assert len(big) <= STEP_ALLOWED, (kw, cap, step)
         assert len(rep["hook"]) == MEASURED
+
+
+class _CountingScaler:
+    """A GradScaler stand-in: a fixed scale, counting get_scale() calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get_scale(self):
+        self.calls += 1
+        return 1024.0
+
+
+def _scale_worker(rank, world, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.3)
+    scaler = _CountingScaler()
+    state = gp.torch_ddp.SparseState(method="gtopk", density=0.01, grad_scaler=scaler,
+                                     named_parameters=model.named_parameters())
+    buckets = []
+
+    def hook(st, bucket):
+        buckets.append(bucket.index())
+        return gp.torch_ddp.sparse_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        ddp(torch.randn(8, 256, generator=g)).pow(2).mean().backward()
+    return {"calls": scaler.calls, "hooks": len(buckets), "step": state.step}
+
+
+def test_grad_scaler_scale_read_once_per_step():
+    """GradScaler.get_scale() (a device sync on CUDA) once per step, not per
+    bucket: the scale only changes in scaler.update(), after the step."""
+    for rep in run_workers(2, _scale_worker, 4, timeout=120):
+        assert rep["step"] == 4 and rep["hooks"] > 4, rep
+        assert rep["calls"] == 4, rep
