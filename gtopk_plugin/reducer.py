@@ -27,7 +27,8 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from . import collectives, consistency, kernels
-from .collectives import Encoded, Selection, Transport, wire
+from .collectives import Selection, Transport, wire
+from .collectives.rounds import codec_contribution
 from .collectives.torch_distributed import TorchDistributedTransport
 from .compress import ErrorFeedback, SelectionContext, registry
 from .compress.momentum import MomentumCorrection, MomentumSpec
@@ -229,15 +230,12 @@ class GradientReducer:
         numel = sum(sizes)
         offsets, k, seg_names = self._segments(names, sizes, density)
         ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
-                               rank=self.transport.rank, kernels=cfg.kernels)
+                               rank=self.transport.rank, kernels=cfg.kernels,
+                               shapes=[tuple(t.shape) for t in tensors])
         payload = None
-        if self.codec:
-            # a codec's contribution is its payload as decoded: what every
-            # rank will add for this worker, and what error feedback keeps back
-            tensors_out = self.compressor.encode(acc, offsets, ctx)
-            payload = Encoded(tensors_out, lambda ts: self.compressor.decode(ts, offsets, numel, dtype))
-            idx, vals = None, payload.decode(list(tensors_out)).to(dtype)
-            wire_vals = vals
+        if self.codec:  # its payload as decoded (rounds codecs: filled by the aggregation)
+            payload, vals = codec_contribution(self.compressor, acc, offsets, numel, dtype, ctx)
+            idx, wire_vals = None, vals
         else:
             idx, vals = picked if picked is not None else self.compressor.select(acc, offsets, k, ctx)
             wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype)
@@ -360,7 +358,8 @@ class GradientReducer:
         draws are keyed by (seed, step, name), so the step is the RNG state)."""
         return {"version": 1, "method": self.config.method, "seed": self.config.seed,
                 "step": self.step, "residuals": self.memory.state_dict(),
-                "velocities": self.momentum.state_dict(), "loss_scale": self.loss_scale}
+                "velocities": self.momentum.state_dict(), "loss_scale": self.loss_scale,
+                "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != 1:
@@ -372,6 +371,7 @@ class GradientReducer:
         self.memory.load_state_dict(sd["residuals"])
         self.momentum.load_state_dict(sd.get("velocities", {}))
         self.loss_scale = sd.get("loss_scale")
+        self.compressor.load_state_dict(sd.get("compressor", {}))
 
     # ------------------------------------------------------------ internals
     def _layout(self, names, tensors, density):

@@ -26,6 +26,16 @@ Two kinds:
   Every rank decodes the same bytes with the same code, so every rank gets
   the same bits, and mass is conserved: Σ_r acc_r = result + Σ_r residual_r.
 
+  A codec whose messages *sum* across workers and that needs several
+  exchanges (low rank: PowerSGD) declares ``aggregation =
+  "allreduce_rounds"`` and implements ``rounds(acc, offsets, ctx,
+  world_size)`` instead: a generator that yields each flat tensor to be
+  summed over the workers and receives the sum back (``s = yield msg``),
+  then returns ``(result, contribution)``: the dense sum over workers and
+  what error feedback subtracts from ``acc`` (residual = acc −
+  contribution).  It still never communicates: ``collectives/rounds.py``
+  drives the generator with allreduces.
+
 Error feedback is not part of a compressor: it is the same wrapper around
 either kind (``compress/error_feedback.py``): residual = acc − what this
 worker's contribution was, as it travelled (selected values as rounded to
@@ -45,7 +55,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Generator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,6 +77,9 @@ class SelectionContext:
     seed: int
     rank: int = 0
     kernels: Optional[str] = None
+    # the call's tensor shapes in segment order (granularity "layer"; a
+    # low-rank codec views each segment as a matrix)
+    shapes: Optional[Sequence[Tuple[int, ...]]] = None
 
 
 def seeded_generator(seed: int, step: int, name: str, rank: Optional[int] = None) -> torch.Generator:
@@ -126,6 +139,15 @@ class Compressor:
         """This instance's hyper-parameter values."""
         return {p.name: getattr(self, p.name) for p in self.hyperparams}
 
+    # State a compressor carries across steps (PowerSGD's warm-start
+    # factors); random draws are keyed by (seed, step, name), so most have none.
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd:
+            raise ValueError(f"method {self.name!r} keeps no state; got {sorted(sd)}")
+
 
 class Selector(Compressor):
     """A compressor that picks entries.
@@ -169,4 +191,11 @@ class Codec(Compressor):
 
     def decode(self, payload: Sequence[Tensor], offsets: Tensor, numel: int,
                dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def rounds(self, acc: Tensor, offsets: Tensor, ctx: SelectionContext,
+               world_size: int) -> Generator[Tensor, Tensor, Tuple[Tensor, Tensor]]:
+        """Codecs with ``aggregation = "allreduce_rounds"`` (see the module
+        docstring): yield messages to sum over workers, return ``(result,
+        contribution)``."""
         raise NotImplementedError
