@@ -70,7 +70,7 @@ def worker(ctx, args):
     import gtopk_plugin as gp
 
     torch.set_num_threads(1)
-    runs = {}
+    runs, phases = {}, {}
     for name, kw in VARIANTS.items():
         model = _mlp(WIDTHS)
         ddp = DDP(model, bucket_cap_mb=25)  # as benchmarks/cluster/ddp.py: no 1 MiB first bucket
@@ -78,7 +78,8 @@ def worker(ctx, args):
             kw = dict(kw)
             cat = kw.pop("cat", False)
             state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), **kw)
-            ddp.register_comm_hook(state, _cat_hook if cat else gp.torch_ddp.sparse_hook)
+            ddp.register_comm_hook(state, _timed(_cat_hook if cat else gp.torch_ddp.sparse_hook,
+                                                 phases.setdefault(name, [])))
         runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), [])
     n_params = sum(p.numel() for p in _mlp(WIDTHS).parameters())
     g = torch.Generator().manual_seed(ctx.rank)
@@ -95,7 +96,34 @@ def worker(ctx, args):
             opt.step()
             if rnd >= args.warmup:
                 times.append(time.perf_counter() - t0)
-    return {"params": n_params, "times": {n: r[2] for n, r in runs.items()}}
+            elif name in phases:
+                del phases[name][:]
+    return {"params": n_params, "times": {n: r[2] for n, r in runs.items()}, "phases": phases}
+
+
+def _timed(hook, out):
+    """``hook`` recording, per bucket, its wall time and the reducer's phases."""
+    def timed(state, bucket):
+        t0 = time.perf_counter()
+        fut = hook(state, bucket)
+        sec = dict(state.reducer.last_stats.seconds)
+        sec["hook"] = time.perf_counter() - t0
+        out.append((bucket.is_last(), sec))
+        return fut
+    return timed
+
+
+def _per_step(records):
+    """Median per step of each phase (buckets of a step summed), in ms."""
+    steps, cur = [], {}
+    for last, sec in records:
+        for k, v in sec.items():
+            cur[k] = cur.get(k, 0.0) + v
+        if last:
+            steps.append(cur)
+            cur = {}
+    keys = steps[0].keys() if steps else ()
+    return {k: statistics.median(s[k] for s in steps) * 1e3 for k in keys}
 
 
 def main(argv=None):
@@ -113,11 +141,16 @@ def main(argv=None):
     med = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
     results = {n: {"median_ms": med[n], "vs_allreduce": med[n] / med["allreduce"], "samples": len(times[n])}
                for n in VARIANTS}
+    for n in VARIANTS:
+        recs = [rec for r in reps for rec in r["phases"].get(n, [])]
+        if recs:  # the hook's wall time and the reducer's phases, per step
+            results[n]["hook_ms"] = _per_step(recs)
     print(f"DDP step, P={args.workers} loopback gloo, {reps[0]['params'] / 1e6:.1f}M-parameter MLP, "
           f"batch {args.batch}, one thread per worker (median over ranks and {args.rounds} rounds)")
-    print(f"{'variant':<16} {'ms':>8} {'x allreduce':>12}")
+    print(f"{'variant':<16} {'ms':>8} {'x allreduce':>12}   in the hook, per step (ms)")
     for n, r in results.items():
-        print(f"{n:<16} {r['median_ms']:8.1f} {r['vs_allreduce']:12.2f}")
+        ph = " ".join(f"{k} {v:.1f}" for k, v in r.get("hook_ms", {}).items())
+        print(f"{n:<16} {r['median_ms']:8.1f} {r['vs_allreduce']:12.2f}   {ph}")
     write_json(args.out, "ddp_step",
                settings={"workers": args.workers, "rounds": args.rounds, "warmup": args.warmup,
                          "batch": args.batch, "widths": WIDTHS, "params": reps[0]["params"],
