@@ -245,6 +245,7 @@ def test_bad_input_raises_clearly_on_every_rank(P):
         "density_high": ("ValueError", "density must be in (0, 1]"),
         "density_zero": ("ValueError", "density must be in (0, 1]"),
         "r_factor": ("ValueError", "r_factor"),
+        "exchange": ("ValueError", "exchange must be 'gloo' or 'horovod'"),
         "missing_param": ("ValueError", "not named in it"),
         "adasum_sparse": ("ValueError", "Adasum"),
         "stock_with_sparse": ("TypeError", "gtopk_plugin.horovod.DistributedOptimizer"),

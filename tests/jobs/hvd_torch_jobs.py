@@ -289,6 +289,7 @@ def bad_inputs():
     expect("density_high", lambda: Compression.gtopk(1.5))
     expect("density_zero", lambda: Compression.topk(0.0))
     expect("r_factor", lambda: Compression.rtopk(0.1, r_factor=0.5))
+    expect("exchange", lambda: Compression.gtopk(0.1, exchange="mpi"))
     expect("missing_param", lambda: DistributedOptimizer(sgd(), list(model.named_parameters())[:-1],
                                                           compression=Compression.gtopk(0.1)))
     expect("adasum_sparse", lambda: DistributedOptimizer(sgd(), model.named_parameters(),

@@ -76,6 +76,8 @@ class SparseCompression:
             Horovod collective (alltoall per butterfly round), as before
             issue #15.  Same results and byte counts; docs/horovod.md has
             the timings of both.  (With NCCL-built Horovod always "horovod".)
+            Like every setting it must be the same on every rank; unlike the
+            others a mismatch here is not detected (Horovod stalls).
 
     Objects of this class only work with ``gtopk_plugin.horovod.DistributedOptimizer``.
     """
