@@ -4,7 +4,7 @@ the allgather of codec payloads, each an :class:`Aggregation` in a registry
 to the :class:`Transport` protocol (never to a framework layer); the
 torch.distributed transport, the reducer's default, lives here too
 (torch.distributed ships with torch)."""
-from . import allgather, dense, gtopk, payloads  # noqa: F401  (register aggregations)
+from . import allgather, dense, gtopk, payloads, rounds  # noqa: F401  (register aggregations)
 from .base import Aggregated, Aggregation, Encoded, Selection, get, register
 from .gtopk import ButterflyResult, gtopk_allreduce
 from .torch_distributed import TorchDistributedTransport

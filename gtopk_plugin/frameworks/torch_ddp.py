@@ -28,6 +28,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import registry
 from ..buckets import named_pairs
 from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
@@ -41,8 +42,8 @@ logger = logging.getLogger(__name__)
 # GradientReducer keywords a SparseState passes through.  ``transport`` is not
 # among them: the state builds its own TorchDistributedTransport on
 # ``process_group`` so that pickling can drop and rebind the group.
-_REDUCER_KWARGS = tuple(n for n in inspect.signature(GradientReducer.__init__).parameters
-                        if n not in ("self", "transport"))
+_REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
+                        if n not in ("self", "transport") and p.kind is not p.VAR_KEYWORD)
 _STATE_VERSION = 1
 
 
@@ -112,11 +113,14 @@ class SparseState:
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
                              "process_group=<torch.distributed group> instead of transport=")
-        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS))
+        # the method's own hyper-parameters (registry) pass through too
+        own = [h["name"] for h in registry.describe(method)["hyperparams"]]
+        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS) - set(own))
         if unknown:
             raise ValueError(f"unknown SparseState keyword(s) {', '.join(map(repr, unknown))}; "
                              f"accepted: method, density, process_group, named_parameters, timeout, "
-                             f"{', '.join(n for n in _REDUCER_KWARGS if n not in ('method', 'density'))}")
+                             f"{', '.join(n for n in _REDUCER_KWARGS if n not in ('method', 'density'))}"
+                             + (f"; {method!r} also takes {', '.join(own)}" if own else ""))
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError("process_group must be None (the default group) or a "
                              "torch.distributed ProcessGroup (e.g. from dist.new_group); got "
