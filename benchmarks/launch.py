@@ -11,8 +11,13 @@ callbacks, the last lines of every rank go into the error), after
 - engine ``torch``: a torch.distributed gloo group (file store on loopback,
   or TCP at ``master_addr:master_port`` across namespaces);
 - engine ``horovod``: ``hvd.init()`` with Horovod's gloo controller, whose
-  rendezvous the caller started (:class:`HorovodEngine`; Horovod is
-  imported here, never in ``gtopk_plugin``'s launcher);
+  rendezvous the caller started, and ``HorovodTransport(side_channel=True)``:
+  the exchange on the gloo side channel, as the Horovod optimizer runs it
+  (:class:`HorovodEngine`; Horovod is imported here, never in
+  ``gtopk_plugin``'s launcher);
+- engine ``horovod-ops``: the same with every exchange step a Horovod
+  collective (``HorovodTransport()``: what ``exchange="horovod"`` and a
+  NCCL-built Horovod use; :class:`HorovodOpsEngine`);
 - engine ``none``: nothing.
 
 A worker's result travels as JSON (what the benchmarks write), so every rank
@@ -47,7 +52,13 @@ stop_all = _launch.stop_all
 class HorovodEngine:
     """Engine ``horovod`` of :func:`gtopk_plugin.launch.run`: ``hvd.init()``
     on Horovod's gloo controller (rendezvous from the environment the caller
-    passes), its barrier, ``HorovodTransport`` and ``hvd.shutdown()``."""
+    passes), its barrier, ``HorovodTransport`` and ``hvd.shutdown()``.
+
+    ``side_channel``: the transport moves the exchange on its gloo side
+    channel (the optimizer's default since issue #15) rather than as Horovod
+    ops; the byte counts are the same either way."""
+
+    side_channel = True
 
     def init(self, ctx) -> None:
         import horovod.torch as hvd
@@ -61,13 +72,24 @@ class HorovodEngine:
     def transport(self):
         from gtopk_plugin.frameworks.horovod import HorovodTransport
 
-        return HorovodTransport()
+        return HorovodTransport(side_channel=self.side_channel)
 
     def barrier(self) -> None:
         self.hvd.barrier()
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
+
+
+class HorovodOpsEngine(HorovodEngine):
+    """Engine ``horovod-ops``: every exchange step a Horovod collective
+    (one ``hvd.alltoall`` per butterfly round, ``hvd.allgather``...)."""
+
+    side_channel = False
+
+
+#: Engine names of :func:`run_workers` that run Horovod.
+HOROVOD_ENGINES = ("horovod", "horovod-ops")
 
 
 def _as_json(ctx, target: str, payload):
@@ -89,7 +111,8 @@ def run_workers(P: int, target: Union[str, Callable], payload, *, engine: str = 
     (index = rank).
 
     Args:
-        engine: "torch", "horovod" or "none" (see the module docstring).
+        engine: "torch", "horovod", "horovod-ops" or "none" (see the module
+            docstring).
         master_addr, master_port: TCP rendezvous of the torch engine (rank 0
             hosts the store; default port: a free one); default: a file store.
         ifname: the interface gloo binds to (``GLOO_SOCKET_IFNAME``).
@@ -99,7 +122,8 @@ def run_workers(P: int, target: Union[str, Callable], payload, *, engine: str = 
         progress: called with (rank, message dict) for each ``ctx.progress``.
         echo: copy workers' output to stderr as it arrives.
     """
-    engines = {"torch": "torch", "none": "none", "horovod": _launch.target_name(HorovodEngine)}
+    engines = {"torch": "torch", "none": "none", "horovod": _launch.target_name(HorovodEngine),
+               "horovod-ops": _launch.target_name(HorovodOpsEngine)}
     if engine not in engines:
         raise ValueError(f"unknown engine {engine!r}; pass one of {', '.join(engines)}")
     return _launch.run(P, _as_json, _launch.target_name(target), payload, engine=engines[engine],

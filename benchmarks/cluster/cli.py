@@ -99,12 +99,23 @@ def _warm_kernels(progress=None):
     return b
 
 
+ENGINES = ("torch",) + launch.HOROVOD_ENGINES
+
+
 def _engines(spec: str, progress) -> List[str]:
+    """``--engines``: torch.distributed gloo (``torch``), Horovod with the
+    exchange on its gloo side channel (``horovod``, the optimizer's
+    default) and Horovod with every exchange step a Horovod op
+    (``horovod-ops``); the Horovod ones are dropped, with a note, where
+    Horovod does not import."""
     want = [e for e in spec.replace(",", " ").split() if e]
+    bad = [e for e in want if e not in ENGINES]
+    if bad:
+        raise SystemExit(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
     ok, why = harness.horovod_status()
     out = []
     for e in want:
-        if e == "horovod" and not ok:
+        if e in launch.HOROVOD_ENGINES and not ok:
             progress.note(f"{why} -> torch.distributed gloo only")
             continue
         out.append(e)
@@ -139,9 +150,7 @@ def cmd_comm(args) -> dict:
     engines = _engines(args.engines, progress)
     def per_job(dts):
         return sum(len(dts) * (1 if m == "dense" else len(_flat(args.density))) for m in methods) * len(numels)
-    progress.total = len(workers) * sum(per_job(args.dtypes if e != "horovod" else
-                                                [d for d in args.dtypes if d in args.horovod_dtypes])
-                                        for e in engines)
+    progress.total = len(workers) * args.repeat * sum(per_job(_engine_dtypes(args, e)) for e in engines)
     if progress._bar is not None:
         progress._bar.total = progress.total
     kern = _warm_kernels(progress)
@@ -159,12 +168,13 @@ def cmd_comm(args) -> dict:
                     progress.note(f"NOT SHAPED: {desc.get('why')}; falling back to loopback, every result "
                                   "is labelled 'unshaped'")
             with net:
-                for ei, engine in enumerate(engines):
-                    dtypes = args.dtypes if engine != "horovod" else [d for d in args.dtypes if d in args.horovod_dtypes]
+                rows_P = []
+                for ei, engine in enumerate(_passes(engines, args.repeat)):
+                    dtypes = _engine_dtypes(args, engine)
                     if not dtypes:
                         continue
-                    t_job = time.time()
-                    payload = dict(numels=numels, densities=_flat(args.density), dtypes=dtypes,
+                    t_job, load_job = time.time(), harness.loadavg()
+                    payload = dict(engine=engine, numels=numels, densities=_flat(args.density), dtypes=dtypes,
                                    methods=methods, steps=steps, warmup=args.warmup)
                     if ei == 0 and args.link_mb > 0:
                         payload["linktest"] = dict(addrs=[net.addr(r) for r in range(P)], port=5201,
@@ -172,14 +182,67 @@ def cmd_comm(args) -> dict:
                                                    nbytes=int(args.link_mb * 1e6), reps=3)
                     per_rank = harness.run_job(net, P, measure.comm_grid, payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
-                    out["rows"] += _merge_comm(per_rank, desc, rate_bps, load)
-                    out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1)})
+                    rows_P = _combine(rows_P, _merge_comm(per_rank, desc, rate_bps, load))
+                    out["elapsed"].append({"P": P, "engine": engine, "seconds": round(time.time() - t_job, 1),
+                                           "loadavg_start": load_job, "loadavg_end": harness.loadavg()})
                     if per_rank[0]["link"] is not None:
                         out["link"].append(_merge_link(P, per_rank, rate_bps, desc))
+                out["rows"] += rows_P
                 out["qdisc"][str(P)] = _summarise_qdisc(net.qdisc_stats())
     progress.close()
     out["meta"]["loadavg_end"] = harness.loadavg()
     return out
+
+
+def _passes(engines: List[str], repeat: int) -> List[str]:
+    """The engines' jobs in order: ``repeat`` passes over ``engines``,
+    every other pass reversed, so a drift in the shared machine's load
+    falls on every engine alike (A B C C B A A B C ...)."""
+    out = []
+    for i in range(max(1, repeat)):
+        out += engines if i % 2 == 0 else engines[::-1]
+    return out
+
+
+_KEY = ("engine", "P", "numel", "dtype", "method", "density")
+
+
+def _combine(rows: List[dict], new: List[dict]) -> List[dict]:
+    """``rows`` with ``new`` added: a configuration measured again (a
+    later pass of ``--repeat``) gets its steps appended and its medians
+    recomputed over all of them; ``passes`` counts the jobs it came from.
+    The machine-load fields (``machine_busy``, ``loadavg``) stay the first
+    pass's; the per-job load is in ``elapsed``."""
+    index = {tuple(r[k] for k in _KEY): r for r in rows}
+    for r in new:
+        old = index.get(tuple(r[k] for k in _KEY))
+        if old is None:
+            r = dict(r, passes=1)
+            rows.append(r)
+            index[tuple(r[k] for k in _KEY)] = r
+            continue
+        old["times"] += r["times"]
+        old["wire_times"] += r["wire_times"]
+        old["time_s"] = statistics.median(old["times"])
+        old["wire_s"] = statistics.median(old["wire_times"])
+        old["passes"] += 1
+        for k in ("bytes_sent", "bytes_received"):
+            if old[k] != r[k]:
+                raise RuntimeError(f"{k} differ between passes of {r['engine']} {r['method']}: "
+                                   f"{old[k]} vs {r[k]}")
+        for k in ("proc_cpu_s", "ops_per_step"):
+            vals = [x for x in (old[k], r[k]) if x is not None]
+            old[k] = max(vals) if vals else None
+        old["achieved_gbit_s"] = old["bytes_sent"] * 8 / old["time_s"] / 1e9
+        if "link_efficiency" in old:  # same bytes: efficiency goes as 1 / time
+            old["link_efficiency"] = r["link_efficiency"] * r["time_s"] / old["time_s"]
+    return rows
+
+
+def _engine_dtypes(args, engine: str) -> List[str]:
+    if engine in launch.HOROVOD_ENGINES:
+        return [d for d in args.dtypes if d in args.horovod_dtypes]
+    return args.dtypes
 
 
 def _merge_comm(per_rank, desc, rate_bps, load):
@@ -193,6 +256,7 @@ def _merge_comm(per_rank, desc, rate_bps, load):
                    bytes_sent=max(r["bytes_sent"] for r in rr),
                    bytes_received=max(r["bytes_received"] for r in rr),
                    proc_cpu_s=max(r["proc_cpu_s"] for r in rr),
+                   ops_per_step=max((r.get("ops_per_step") or 0 for r in rr), default=0) or None,
                    shaped=desc["shaped"], label="shaped" if desc["shaped"] else "unshaped",
                    rate=desc.get("rate"), loadavg=load)
         row["achieved_gbit_s"] = row["bytes_sent"] * 8 / row["time_s"] / 1e9
@@ -268,7 +332,7 @@ def cmd_replay(args) -> dict:
             with net:
                 for engine in engines:
                     t_job = time.time()
-                    payload = dict(models=fit, methods=methods, density=args.density, selection=args.selection,
+                    payload = dict(engine=engine, models=fit, methods=methods, density=args.density, selection=args.selection,
                                    compute=compute, select_s=select, steps=steps, warmup=args.warmup)
                     per_rank = harness.run_job(net, P, measure.replay, payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
@@ -406,7 +470,13 @@ def _parser_comm(ap):
     ap.add_argument("--steps", "-S", type=int, default=6, help=f"timed steps for N < {BIG:,}")
     ap.add_argument("--big-steps", type=int, default=3, help=f"timed steps for N >= {BIG:,}")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--engines", default="torch,horovod", help="torch and/or horovod (when importable)")
+    ap.add_argument("--engines", default="torch,horovod,horovod-ops",
+                    help="any of torch (torch.distributed gloo), horovod (Horovod, the exchange on its gloo side "
+                    "channel: the optimizer's default) and horovod-ops (every exchange step a Horovod op: "
+                    "exchange='horovod'); the Horovod ones when Horovod imports")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="passes over the engines, every other one in reverse order (A B C C B A ...); "
+                    "each configuration's steps are pooled over its passes")
     ap.add_argument("--horovod-dtypes", type=lambda s: s.replace(",", " ").split(), default=["fp32"],
                     help="value dtypes measured with Horovod (default fp32: its CPU fp16 sum is slow and "
                     "the run stays short)")
@@ -511,7 +581,7 @@ def _main(argv=None) -> int:
     # reproduce: the three measurements with the issue's settings
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
-    ap.add_argument("--engines", default="torch,horovod")
+    ap.add_argument("--engines", default="torch,horovod,horovod-ops")
     ap.add_argument("--selection", choices=["paper", "measured", "none"], default="paper")
     ap.add_argument("--models", type=_list(str), nargs="+", default=[DEFAULT_MODELS])
     _net_args(ap)

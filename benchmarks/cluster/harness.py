@@ -172,7 +172,7 @@ def run_job(net, P: int, target: Callable, payload, engine: str, progress: Optio
 
     common = dict(engine=engine, ifname=net.iface, prefix=net.prefix, timeout=timeout,
                   progress=on_progress, echo=echo)
-    if engine == "horovod":
+    if engine in launch.HOROVOD_ENGINES:
         with _hvd_rendezvous(net, P) as envs:
             return launch.run_workers(P, target, payload, env=lambda r: envs[r], **common)
     port = TORCH_PORT if net.prefix(0) else launch.free_port()

@@ -7,6 +7,10 @@
   its top-k once per (N, density) with the library's kernels, then times the
   library's aggregation (dense ring allreduce, sparse allgather, gTop-k
   butterfly) on the engine's transport, after a barrier, step by step.
+  Horovod runs as two engines: ``horovod`` (the exchange on the transport's
+  gloo side channel, the optimizer's default) and ``horovod-ops`` (every
+  exchange step a Horovod collective); ``ops_per_step`` is what the
+  transport issued per step.
   Selection is left out of the timed region on purpose (on 2 cores shared by
   8 workers it would measure CPU contention, not the network); the bytes are
   the real messages of a real top-k selection.
@@ -117,6 +121,20 @@ def _timed_exchange(ctx, agg, sel):
     return dt, tr.counters.copy().minus(before), out.rounds, clock.seconds - w0
 
 
+def _scope(ctx, name: str) -> None:
+    """Horovod transports: restart the op names at each step, as the
+    optimizer does per bucket, so a step's ops carry the same names every
+    step (Horovod's response cache recognises them)."""
+    if hasattr(ctx.transport, "set_scope"):
+        ctx.transport.set_scope(name)
+
+
+def _ops(ctx):
+    """Ops the transport issued so far (Horovod transports count them, on
+    either engine), or None."""
+    return getattr(ctx.transport, "collectives", None)
+
+
 def _cpu_jiffies():
     """Machine-wide CPU time split from /proc/stat (user, system, softirq, idle...)."""
     try:
@@ -145,6 +163,7 @@ def comm_grid(ctx, p):
     from ..bytes_per_step import layer_shapes
 
     link = linktest(ctx, p["linktest"]) if p.get("linktest") else None
+    engine = p.get("engine", ctx.engine)
     rows = []
     todo = [(N, dt, m, d) for N in p["numels"] for dt in p["dtypes"] for m in p["methods"]
             for d in ([None] if _aggregation(m) == "dense" else p["densities"])]
@@ -164,28 +183,30 @@ def comm_grid(ctx, p):
                     k = _k(sizes, d if d is not None else 1.0)
                     sel = _selection(method, acc, offsets, k, dtype, cache)
                     agg = collectives.get(_aggregation(method))
-                    if ctx.engine == "horovod":
-                        ctx.transport.set_scope(f"{N}.{dtype}.{method}.{d}")
-                    times, wire = [], []
+                    times, wire, ops = [], [], []
                     for s in range(p["warmup"] + steps):
+                        _scope(ctx, f"{N}.{dtype}.{method}.{d}")
                         ctx.barrier()
                         if s == p["warmup"]:
                             cpu0, j0 = time.process_time(), _cpu_jiffies()
+                        n0 = _ops(ctx)
                         dt, delta, rounds, w = _timed_exchange(ctx, agg, sel)
                         if s >= p["warmup"]:
                             times.append(dt)
                             wire.append(w)
+                            ops.append(None if n0 is None else _ops(ctx) - n0)
                     busy, softirq = _busy(j0, _cpu_jiffies())
                     proc_cpu = (time.process_time() - cpu0) / steps
-                    rows.append(dict(engine=ctx.engine, P=ctx.size, numel=N, dtype=dtype, method=method,
+                    rows.append(dict(engine=engine, P=ctx.size, numel=N, dtype=dtype, method=method,
                                      density=d, k=int(k.sum()) if d is not None else None,
-                                     times=times, wire_times=wire, bytes_sent=delta.payload_bytes_sent + delta.header_bytes_sent,
+                                     times=times, wire_times=wire, ops_per_step=ops[-1] if ops else None,
+                                     bytes_sent=delta.payload_bytes_sent + delta.header_bytes_sent,
                                      bytes_received=delta.payload_bytes_received + delta.header_bytes_received,
                                      messages=delta.messages_sent, rounds=rounds,
                                      proc_cpu_s=proc_cpu, machine_busy=busy, machine_softirq=softirq))
                     del sel
                     done += 1
-                    ctx.progress(done=done, total=len(todo), what=f"P={ctx.size} {ctx.engine} N={N:,} "
+                    ctx.progress(done=done, total=len(todo), what=f"P={ctx.size} {engine} N={N:,} "
                                  f"{dtype} {method}" + (f" d={d:g}" if d else ""))
         del acc, cache
     return {"link": link, "rows": rows}
@@ -219,10 +240,9 @@ def replay(ctx, p):
             else:
                 sel = _selection(method, acc, offsets, k, "fp32", cache)
                 agg = collectives.get(_aggregation(method))
-            if ctx.engine == "horovod":
-                ctx.transport.set_scope(f"{model}.{method}")
             its, comms, sels, wires = [], [], [], []
             for s in range(p["warmup"] + steps):
+                _scope(ctx, f"{model}.{method}")
                 ctx.barrier()
                 t0 = time.perf_counter()
                 time.sleep(compute)
@@ -243,7 +263,7 @@ def replay(ctx, p):
                     comms.append(comm)
                     sels.append(sel_t)
                     wires.append(wire)
-            rows.append(dict(engine=ctx.engine, P=ctx.size, model=model, numel=N, method=method,
+            rows.append(dict(engine=p.get("engine", ctx.engine), P=ctx.size, model=model, numel=N, method=method,
                              density=None if dense else p["density"], k=None if dense else int(k.sum()),
                              selection=p["selection"], compute_s=compute, iter_times=its, comm_times=comms,
                              select_times=sels, wire_times=wires,

@@ -2,7 +2,7 @@
 lives in a namespace of its own, every link shaped with ``tc``.
 
     with NetCluster(4, rate="1gbit") as net:
-        net.prefix(r)      # ["ip", "netns", "exec", <worker r's namespace>]
+        net.prefix(r)      # ip netns exec <worker r's namespace>, host name "w<r>"
         net.addr(r)        # 10.213.0.(r+1), on interface "eth0" inside it
 
 Topology (nothing is created in the caller's namespace)::
@@ -18,6 +18,14 @@ its rate (incast) as they would at a real switch port.  With ``delay`` (and
 ``jitter``), a ``netem`` sits above the worker-side ``tbf``: one-way
 worker-to-worker latency ``delay``, round trip 2·delay.  The addresses exist
 only inside these namespaces, so the traffic cannot reach anything else.
+
+Each worker is a host of its own name too: :meth:`NetCluster.prefix` runs
+the command in a UTS namespace of its own whose host name is ``w<r>``, and
+every worker's ``/etc/hosts`` resolves ``w0 .. w<P-1>`` to the workers'
+addresses, as a cluster's DNS would.  Software that tells its peers where
+to connect by host name (the Horovod transport's gloo side channel sends
+rank 0's ``gethostname()``) then reaches the right worker; with one shared
+host name every worker would resolve it to its own address.
 
 Besides the namespaces, the only thing written is ``/etc/netns/<ns>/hosts``
 (see :meth:`NetCluster._hosts_file`), removed with its namespace.
@@ -195,8 +203,15 @@ class NetCluster:
     def addr(self, rank: int) -> str:
         return f"{self.subnet}.{rank + 1}"
 
+    def hostname(self, rank: int) -> str:
+        return f"w{rank}"
+
     def prefix(self, rank: int) -> List[str]:
-        return ["ip", "netns", "exec", self.worker_ns[rank]]
+        """Command prefix: worker ``rank``'s network namespace, and a UTS
+        namespace whose host name is :meth:`hostname` (``unshare`` and
+        ``sh`` exec, so the command keeps the process id the caller sees)."""
+        return ["ip", "netns", "exec", self.worker_ns[rank], "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.hostname(rank)]
 
     @property
     def iface(self) -> str:
@@ -222,15 +237,20 @@ class NetCluster:
 
     def _hosts_file(self, ns: str, rank: int) -> None:
         """/etc/netns/<ns>/hosts, which ``ip netns exec`` mounts over
-        /etc/hosts: this machine's hostname resolves to the worker's own
-        address inside its namespace.  Needed by Horovod 0.28.1, whose
-        process-set gloo contexts ignore HOROVOD_GLOO_IFACE and bind to the
-        hostname's address (127.0.0.1 here, unreachable from the peers)."""
+        /etc/hosts: every worker's host name ``w<q>`` resolves to its
+        address, and this machine's own host name to the worker's own
+        address.  The worker's host name must resolve to its own address
+        for Horovod 0.28.1, whose process-set gloo contexts ignore
+        HOROVOD_GLOO_IFACE and bind to the hostname's address (127.0.0.1
+        otherwise, unreachable from the peers)."""
         d = _etc_dir(ns)
         os.makedirs(d, exist_ok=True)
         host = socket.gethostname()
+        lines = ["127.0.0.1\tlocalhost"]
+        for q in range(self.P):
+            lines.append(f"{self.addr(q)}\t{self.hostname(q)}" + (f" {host}" if q == rank else ""))
         with open(os.path.join(d, "hosts"), "w") as f:
-            f.write(f"127.0.0.1\tlocalhost\n{self.addr(rank)}\t{host} w{rank}\n")
+            f.write("\n".join(lines) + "\n")
 
     def up(self) -> "NetCluster":
         if (self.delay or self.jitter):

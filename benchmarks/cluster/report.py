@@ -124,12 +124,65 @@ def goal1(res) -> List[str]:
     return out
 
 
+ENGINE_NAMES = {"torch": "torch.distributed (gloo)", "horovod": "Horovod, gloo side channel",
+                "horovod-ops": "Horovod ops (`exchange=\"horovod\"`)"}
+LINE_STYLES = {"torch": "-", "horovod": "--", "horovod-ops": ":"}
+FILL = {"torch": "full", "horovod": "none", "horovod-ops": "left"}  # tells engines apart at a single P
+
+
+def engines_table(res) -> List[str]:
+    """Markdown: the engines side by side for every sparse configuration
+    measured on more than one engine, each against torch.distributed (the
+    same bytes on every engine: the transports count by the same rules)."""
+    idx = comm_index(res["rows"])
+    order = [e for e in ENGINE_NAMES if any(r["engine"] == e for r in res["rows"])]
+    keys = sorted({(r["P"], r["numel"], r["dtype"], r["method"], r["density"]) for r in res["rows"]
+                   if r["density"] is not None}, key=lambda k: (k[3], k[1], k[4], k[0], k[2]))
+    out = ["| method | N | density | P | dtype | engine | exchange ms (wire) | / torch.distributed | bytes sent "
+           "per step | ops per step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for P, N, dtype, m, d in keys:
+        rows = [(e, idx.get((e, P, N, dtype, m, d))) for e in order]
+        rows = [(e, r) for e, r in rows if r]
+        if len(rows) < 2:
+            continue
+        base = idx.get(("torch", P, N, dtype, m, d))
+        for e, r in rows:
+            ratio = f"{r['time_s'] / base['time_s']:.2f}×" if base else "–"
+            ops = r.get("ops_per_step")
+            out.append(f"| {m} | {N:,} | {d:g} | {P} | {dtype} | {ENGINE_NAMES.get(e, e)} | {_ms(r['time_s'])} "
+                       f"({_ms(r['wire_s'])}) | {ratio} | {r['bytes_sent']:,} | {ops if ops is not None else '–'} |")
+    return out if len(out) > 2 else []
+
+
+def goal_horovod(res) -> List[str]:
+    """Issue #15: at 25M, density 0.001, P = 8, Horovod's gTop-k exchange
+    ≤ 1.3× the torch.distributed one (fp32)."""
+    idx = comm_index(res["rows"])
+    base = idx.get(("torch", 8, 25_000_000, "fp32", "gtopk", 0.001))
+    out = []
+    for e in ("horovod", "horovod-ops"):
+        r = idx.get((e, 8, 25_000_000, "fp32", "gtopk", 0.001))
+        if not (base and r):
+            continue
+        q = r["time_s"] / base["time_s"]
+        same = "same bytes" if r["bytes_sent"] == base["bytes_sent"] else "BYTES DIFFER"
+        out.append(f"- {ENGINE_NAMES[e]}: gTop-k {_ms(r['time_s'])} ms vs torch.distributed "
+                   f"{_ms(base['time_s'])} ms → {q:.2f}× (goal ≤ 1.3×: {'met' if q <= 1.3 else 'NOT met'}; "
+                   f"{same}, {r['bytes_sent']:,} B)")
+    return out
+
+
 def print_comm(res):
     print(f"\n{_label(res['meta'])}")
     for line in link_table(res) + comm_tables(res):
         print(line)
     for line in goal1(res):
         print(line)
+    side = engines_table(res)
+    if side:
+        print("\nEngines side by side:\n")
+        for line in side + [""] + goal_horovod(res):
+            print(line)
 
 
 def plot_comm(res, path) -> Optional[str]:
@@ -143,14 +196,14 @@ def plot_comm(res, path) -> Optional[str]:
     for i, N in enumerate(numels):
         for j, d in enumerate(dens or [None]):
             ax = axes[i][j]
-            for engine, ls in (("torch", "-"), ("horovod", "--")):
+            for engine, ls in LINE_STYLES.items():
                 for m in METHODS:
                     pts = sorted((r["P"], r["time_s"]) for r in res["rows"]
                                  if r["engine"] == engine and r["numel"] == N and r["dtype"] == "fp32"
                                  and r["method"] == m and (r["density"] == d or m == "dense"))
                     if pts:
                         ax.plot([p for p, _ in pts], [t * 1e3 for _, t in pts], ls, marker=MARKERS[m],
-                                color=COLORS[m], label=f"{m} ({engine})")
+                                fillstyle=FILL[engine], markersize=8, color=COLORS[m], label=f"{m} ({engine})")
             ax.set_yscale("log")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("workers P")
@@ -344,6 +397,8 @@ def summary(comm, replay, mres) -> str:
     lines += ["## 1. Communication only", "", "Link efficiency (dense ring allreduce of the largest N; "
               "raw TCP: every worker sends to its ring neighbour at once):", ""]
     lines += link_table(comm) + comm_tables(comm) + ["", "Goal (25M, density 0.001, P=8):", ""] + goal1(comm)
+    if engines_table(comm):
+        lines += ["", "Engines side by side:", ""] + engines_table(comm) + [""] + goal_horovod(comm)
     if replay:
         st = replay["settings"]
         lines += ["", "## 2. Model replay", "",

@@ -178,14 +178,17 @@ def test_cleanup_removes_only_dead_runs():
 # smoke run: the three measurements, tiny
 # ---------------------------------------------------------------------------
 def test_smoke_run(tmp_path, monkeypatch):
-    """P=2, small N, a few steps: measurement 1 (torch, and Horovod when it
-    imports), a ResNet-20 replay, the α-β model and the summary.  Shaped
-    when namespaces work, else on loopback labelled 'unshaped'."""
+    """P=2, small N, a few steps: measurement 1 (torch, and when Horovod
+    imports both of its exchange paths: ``horovod`` on the transport's gloo
+    side channel, which across namespaces needs the workers' own host
+    names, and ``horovod-ops``), a ResNet-20 replay, the α-β model and the
+    summary.  Shaped when namespaces work, else on loopback labelled
+    'unshaped'."""
     monkeypatch.setenv("GTOPK_KERNELS", "reference")  # the harness, not the kernels, is under test
     before = _ours() if NETNS_OK else set()
     comm_json, rep_json = str(tmp_path / "comm.json"), str(tmp_path / "replay.json")
     hvd_ok, _ = harness.horovod_status()
-    engines = "torch,horovod" if hvd_ok else "torch"
+    engines = "torch,horovod,horovod-ops" if hvd_ok else "torch"
     assert cli.main(["comm", "--workers", "2", "--numel", "20000", "--density", "0.01", "--dtypes", "fp32,fp16",
                      "--steps", "2", "--warmup", "1", "--engines", engines, "--horovod-dtypes", "fp32",
                      "--link-mb", "2", "--quiet",
@@ -194,9 +197,16 @@ def test_smoke_run(tmp_path, monkeypatch):
     shaped = comm["meta"]["network"]["shaped"]
     assert shaped == NETNS_OK
     assert {r["label"] for r in comm["rows"]} == {"shaped" if shaped else "unshaped"}
-    # torch: fp32 and fp16; Horovod: fp32 only (--horovod-dtypes)
-    assert len(comm["rows"]) == 2 * 3 + (3 if hvd_ok else 0)
-    assert {r["dtype"] for r in comm["rows"] if r["engine"] == "horovod"} <= {"fp32"}
+    # torch: fp32 and fp16; each Horovod engine: fp32 only (--horovod-dtypes)
+    assert len(comm["rows"]) == 2 * 3 + (2 * 3 if hvd_ok else 0)
+    hvd_rows = [r for r in comm["rows"] if r["engine"] != "torch"]
+    assert {r["engine"] for r in hvd_rows} == ({"horovod", "horovod-ops"} if hvd_ok else set())
+    assert {r["dtype"] for r in hvd_rows} <= {"fp32"}
+    for r in hvd_rows:
+        assert r["ops_per_step"] >= 1, r  # the transport's ops, counted on either path
+        twin = [t for t in comm["rows"] if t["engine"] == "torch" and t["dtype"] == "fp32"
+                and t["method"] == r["method"]]
+        assert [t["bytes_sent"] for t in twin] == [r["bytes_sent"]]  # same bytes on every engine
     for r in comm["rows"]:
         eb, sb = (6, 2) if r["dtype"] == "fp16" else (8, 4)
         want = abm.traffic(r["method"], 2, 20000, r["k"], eb, sb)
