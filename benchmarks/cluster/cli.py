@@ -332,7 +332,8 @@ def cmd_replay(args) -> dict:
             with net:
                 for engine in engines:
                     t_job = time.time()
-                    payload = dict(engine=engine, models=fit, methods=methods, density=args.density, selection=args.selection,
+                    payload = dict(engine=engine, models=fit, methods=methods, density=args.density,
+                                   selection=args.selection,
                                    compute=compute, select_s=select, steps=steps, warmup=args.warmup)
                     per_rank = harness.run_job(net, P, measure.replay, payload, engine,
                                                progress, timeout=args.timeout, echo=args.echo)
