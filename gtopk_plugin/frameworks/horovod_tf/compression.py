@@ -27,7 +27,8 @@ _TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # last_step_traffic's int64 vector: the transport's fields, the statistics', skipped
 TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
-                 nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=())
+                 nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=(),
+                 exchange="gloo")
 
 
 def _wire_name(value_dtype) -> Optional[str]:
@@ -97,6 +98,12 @@ class SparseCompression(tf.Module):
         clip_norm: DGC local gradient clipping: each worker scales its
             gradient so that its L2 norm over all tensors of the call is at
             most ``clip_norm · P^-1/2``, before the velocity and residual.
+        exchange: ``"gloo"`` (default): the step's exchanges on a gloo
+            side channel made inside the job at the first step (one
+            Horovod broadcast; issue #15: a Horovod op costs a cycle of its
+            background loop), ``"horovod"``: as Horovod ops (what
+            ``SparseElasticState`` sets: elastic recovery needs Horovod's
+            errors).  Same bytes, same results either way.
         name: prefix of the Horovod op names (distinct per object when
             several compressions reduce in the same step).
 
@@ -110,7 +117,7 @@ class SparseCompression(tf.Module):
                  nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
                  momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
                  dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
-                 name: Optional[str] = None, **method_hyper):
+                 name: Optional[str] = None, exchange: str = "gloo", **method_hyper):
         # the method's own hyper-parameters may come as keywords (as
         # Compression.<name>(density, **kwargs) passes them) or as hyper=
         hyper = {**dict(hyper or {}), **method_hyper}
@@ -135,6 +142,9 @@ class SparseCompression(tf.Module):
             raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
         super().__init__(name=prefix)
         self.prefix = prefix
+        if exchange not in ("gloo", "horovod"):
+            raise ValueError(f"exchange must be 'gloo' or 'horovod'; got {exchange!r}")
+        self.exchange = exchange
         self.wire_dtype = _TF_WIRE[wire]
         # the registry's compressor: selection / encoding (see .selection)
         self.compressor = selection.compressor(method, **self.config.method_hyper)
@@ -165,7 +175,8 @@ class SparseCompression(tf.Module):
                                                      ("nonfinite", c.nonfinite), ("momentum", c.momentum),
                                                      ("nesterov", c.nesterov), ("dampening", c.dampening),
                                                      ("momentum_masking", c.momentum_masking),
-                                                     ("clip_norm", c.clip_norm))
+                                                     ("clip_norm", c.clip_norm),
+                                                     ("exchange", self.exchange))
                         if v != _DEFAULTS[k])
         if c.hyper:
             extra += f", hyper={dict(c.hyper)!r}"

@@ -54,6 +54,7 @@ class SparseKerasState(TensorFlowKerasState):
             if not isinstance(c, SparseCompression):
                 raise ValueError(f"compressions must be gtopk_plugin sparse compressions "
                                  f"(Compression.topk/gtopk/...(density)); got {c!r}")
+            c.exchange = "horovod"  # a lost peer must surface as Horovod's error (reset, not abort)
             comps.append(c)
         self._compressions = comps
         self._saved_sparse = [self._snapshot(c) for c in comps]

@@ -22,6 +22,9 @@ from ._guard import hvd, tf
 
 __all__ = ["Ops", "TRANSPORT_FIELDS"]
 
+# what the gloo side channel reduces (bfloat16 has no numpy twin torch reads)
+_GLOO_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
 
 class Ops:
     """Named Horovod-TF collectives of one reduce call.  Names are
@@ -29,8 +32,9 @@ class Ops:
     same op has the same name on every rank (Horovod pairs ops by name) and
     on every step."""
 
-    def __init__(self, process_set, prefix):
+    def __init__(self, process_set, prefix, side=None):
         self.ps = process_set
+        self.side = side      # a .side.TFSideChannel: the exchanges go there, not to Horovod
         self.prefix = prefix
         self.n = 0
         self.P = process_set.size()
@@ -52,6 +56,11 @@ class Ops:
         return f"{self.prefix}.{kind}.{self.n}"
 
     def allgather(self, t, kind="allgather"):
+        if self.side is not None:  # as bytes, rank order; sizes travel inside the channel
+            esz = t.dtype.size
+            out, _ = self.side.tf_allgather(tf.reshape(tf.bitcast(t, tf.uint8), [-1]), static_size=False)
+            out = tf.bitcast(tf.reshape(out, [-1, esz]), t.dtype) if esz > 1 else tf.bitcast(out, t.dtype)
+            return tf.reshape(out, tf.concat([[-1], tf.shape(t)[1:]], 0))
         return hvd.allgather(t, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
 
     def allgather_blobs(self, blob, static_size: bool):
@@ -64,14 +73,19 @@ class Ops:
         own = tf.size(blob, out_type=tf.int64)
         self.add("messages_sent", P - 1)
         if static_size:
-            blobs = tf.split(self.allgather(blob), P)
+            blobs = tf.split(self.side.tf_allgather(blob, True)[0] if self.side is not None
+                             else self.allgather(blob), P)
             self.add("payload_bytes_sent", (P - 1) * own)
             self.add("payload_bytes_received", (P - 1) * own)
             return blobs
-        sizes = self.allgather(tf.reshape(tf.size(blob), [1]), "sizes")
+        if self.side is not None:  # one call: the channel exchanges the sizes first
+            gathered, sizes = self.side.tf_allgather(blob, False)
+        else:
+            sizes = self.allgather(tf.reshape(tf.size(blob), [1]), "sizes")
+            gathered = self.allgather(blob)
         self.add("header_bytes_sent", 4 * (P - 1))  # int32 sizes
         self.add("header_bytes_received", 4 * (P - 1))
-        blobs = tf.split(self.allgather(blob), sizes, num=P)
+        blobs = tf.split(gathered, sizes, num=P)
         total = tf.reduce_sum(tf.cast(sizes, tf.int64))
         self.add("payload_bytes_sent", total - tf.cast(sizes[(r + 1) % P], tf.int64))
         self.add("payload_bytes_received", total - own)
@@ -81,8 +95,11 @@ class Ops:
         """``hvd.alltoall`` with ``splits`` (int32, one per rank): the
         received pieces concatenated in source-rank order.  Counted as
         point-to-point sends (the piece to oneself travels nowhere)."""
-        out, _ = hvd.alltoall(t, splits=splits, name=self._name(kind), ignore_name_scope=True,
-                              process_set=self.ps)
+        if self.side is not None:
+            out = self.side.tf_alltoall(t, splits)
+        else:
+            out, _ = hvd.alltoall(t, splits=splits, name=self._name(kind), ignore_name_scope=True,
+                                  process_set=self.ps)
         esz = t.dtype.size
         own = tf.cast(splits[self.rank], tf.int64)
         self.add("payload_bytes_sent", (tf.cast(tf.reduce_sum(splits), tf.int64) - own) * esz)
@@ -91,7 +108,10 @@ class Ops:
         return out
 
     def allreduce(self, t, op, kind):
-        out = hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
+        if self.side is not None and t.dtype in _GLOO_DTYPES and op in (hvd.Max, hvd.Sum):
+            out = self.side.tf_allreduce(t, "max" if op == hvd.Max else "sum")
+        else:  # bfloat16 (numpy has none), other ops: Horovod's own
+            out = hvd.allreduce(t, op=op, name=self._name(kind), ignore_name_scope=True, process_set=self.ps)
         nbytes = tf.size(t, out_type=tf.int64) * t.dtype.size  # run-time k with a warm-up
         if kind == "check":
             self.add("control_bytes", nbytes)
@@ -107,6 +127,15 @@ class Ops:
         non-zero split goes to ``send_to`` (idle ranks send nothing but
         still take part, as Horovod's collectives require).  ``blob``: this
         rank's current set, packed (only its type is used when idle)."""
+        if self.side is not None:  # gloo send/recv; stateful: never pruned, run in order
+            out = self.side.tf_phase(send_to, blob, recv_from)
+            if send_to is not None:
+                self.add("payload_bytes_sent", tf.size(blob, out_type=tf.int64))
+                self.add("messages_sent", 1)
+            if recv_from is None:
+                return None
+            self.add("payload_bytes_received", tf.size(out, out_type=tf.int64))
+            return out
         if send_to is None:
             # Nothing to send, but never a constant: Horovod's ops are not
             # marked stateful, so TF (shape inference while tracing, Grappler's

@@ -16,6 +16,11 @@ From the core, not re-derived: segments and k (``layout.segment_ks``,
 (``collectives/schedule.py``), the traffic record (``traffic.StepTraffic``)
 and the selection itself (the compressor objects).
 
+Exchanges (issue #15): on the gloo side channel of :mod:`.side` by default
+(``exchange="gloo"``: no Horovod op in the step), or as Horovod ops
+(``exchange="horovod"``; elastic jobs, whose recovery needs Horovod's
+errors).  The same bytes in the same order either way.
+
 Consistency: one MAX-allreduce of ``[non-finite, fingerprint, -fingerprint,
 step]`` tells every rank at once about NaN/Inf anywhere and about ranks that
 disagree on the layout, and agrees on the step counter (the largest: a
@@ -36,6 +41,7 @@ from .collectives import Contribution, aggregate
 from .kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
 from .momentum import momentum_key
 from .ops import Ops
+from .side import channel_for
 
 __all__ = ["reduce"]
 
@@ -113,7 +119,8 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     pre = 1.0 / gradient_predivide_factor if average else 1.0
     post = gradient_predivide_factor if average else 1.0
     cfg, cmp = comp.config, comp.compressor
-    ops = Ops(ps, comp.prefix)
+    # the exchanges on the gloo side channel (made at the first step), or Horovod's ops
+    ops = Ops(ps, comp.prefix, channel_for(comp, ps, comp.prefix) if comp.exchange == "gloo" else None)
     P = ops.P
 
     pos, tensors = _inputs(grads, pre)
