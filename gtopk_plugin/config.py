@@ -119,6 +119,9 @@ class ReducerConfig:
     # the method's own hyper-parameters (declared by its compressor class in
     # the registry), as sorted (name, value) pairs; a dict is accepted
     hyper: Any = ()
+    # tensors with fewer entries go dense (exact allreduce) in the same step;
+    # 0 = off (gtopk_plugin/small_tensors.py)
+    dense_below: int = 0
 
     def __post_init__(self):
         # Method, hyper-parameters and merge are validated against the
@@ -179,6 +182,10 @@ class ReducerConfig:
             if not (c > 0.0) or math.isinf(c):
                 raise ValueError(f"clip_norm must be a positive finite number or None; got {self.clip_norm!r}")
             object.__setattr__(self, "clip_norm", c)
+        db = self.dense_below
+        if isinstance(db, bool) or not hasattr(db, "__index__") or db.__index__() < 0:
+            raise ValueError(f"dense_below must be an int >= 0 (entries; 0 = off); got {db!r}")
+        object.__setattr__(self, "dense_below", int(db.__index__()))
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"unknown kernels back end {self.kernels!r}; pass one of {', '.join(KERNEL_BACKENDS)}")
         w = self.warmup

@@ -26,7 +26,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from . import collectives, consistency, kernels
+from . import collectives, consistency, kernels, small_tensors
 from .collectives import Selection, Transport, wire
 from .collectives.rounds import codec_contribution
 from .collectives.torch_distributed import TorchDistributedTransport
@@ -34,6 +34,7 @@ from .compress import ErrorFeedback, SelectionContext, registry
 from .compress.momentum import MomentumCorrection, MomentumSpec
 from .compress.topk import GTopKSelector, TopKSelector
 from .config import ReducerConfig
+from .reducer_state import ReducerState
 from .layout import (Segments, all_finite, clip_scale, flat_dtype, global_segment_name,  # noqa: F401
                      k_for, local_grad_norm, segment_ks, validate_grads)
 from .stats import ReduceStats
@@ -50,7 +51,7 @@ __all__ = ["GradientReducer", "k_for", "global_segment_name", "local_grad_norm",
 _FUSED_TOPK = (TopKSelector, GTopKSelector)
 
 
-class GradientReducer:
+class GradientReducer(ReducerState):
     """Reduce a dict of named gradients across workers.
 
     Example::
@@ -97,6 +98,8 @@ class GradientReducer:
         clip_norm: DGC local gradient clipping: each worker scales its
             gradient so that its L2 norm over the step's tensors is at most
             ``clip_norm · P^-1/2`` before it enters the velocity/accumulator.
+        dense_below: tensors with fewer entries go dense (exact allreduce, no
+            residual) in the same call; 0 = off (:mod:`.small_tensors`).
 
     ``nonfinite="propagate"`` (for AMP loss scalers) returns updates filled
     with +inf on every rank, residuals and velocities untouched, so every
@@ -110,7 +113,7 @@ class GradientReducer:
                  nonfinite: str = "raise", error_feedback: bool = True,
                  kernels: Optional[str] = None, momentum: Optional[float] = None,
                  nesterov: bool = False, dampening: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: Optional[float] = None, **hyper):
+                 clip_norm: Optional[float] = None, dense_below: int = 0, **hyper):
         kw = {} if kernels is None else {"kernels": kernels}
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=value_dtype, op=op,
@@ -118,7 +121,7 @@ class GradientReducer:
                                     error_feedback=bool(error_feedback), momentum=momentum,
                                     nesterov=bool(nesterov), dampening=dampening,
                                     momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
-                                    hyper=hyper, **kw)
+                                    hyper=hyper, dense_below=dense_below, **kw)
         if transport is None:
             transport = TorchDistributedTransport()
         if not isinstance(transport, Transport):
@@ -143,6 +146,8 @@ class GradientReducer:
         # persistent dense update buffers per layout (see reduce(): lifetime)
         self._updates = UpdateBuffers()
         self._segments = Segments(cfg.granularity, full=self.codec)
+        self._also = None  # the small tensors' part of the check (small_tensors.py)
+        self._small = small_tensors.SmallTensors(self) if cfg.dense_below else None
 
     @property
     def selector(self):
@@ -177,6 +182,11 @@ class GradientReducer:
         but do not write into them (a later step may reuse the storage once
         they are gone).  Dense results are fresh tensors of their own.
         """
+        parts = self._small and small_tensors.split(grads, self._small.threshold)
+        kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale)
+        return self._small.reduce(self, *parts, **kw) if parts else self._reduce(grads, **kw)
+
+    def _reduce(self, grads, *, advance_step, grad_norm, loss_scale):
         t0 = time.perf_counter()
         cfg = self.config
         bad, names, tensors = validate_grads(grads)
@@ -214,7 +224,9 @@ class GradientReducer:
             t_comp = time.perf_counter() - tc
         else:
             nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)]
-        any_nonfinite, where = consistency.check(self.transport, layout, bad, nonfinite)
+        extra, extra_nonfinite, extra_bad = self._also or ((), (), None)
+        any_nonfinite, where = consistency.check(self.transport, layout + list(extra), bad or extra_bad,
+                                                 nonfinite + list(extra_nonfinite))
         t1 = time.perf_counter()  # the select phase includes compensation: phases tile the call
         seconds = {"check": t1 - t0 - t_comp}
         if any_nonfinite:
@@ -336,42 +348,8 @@ class GradientReducer:
         self.memory.reset()
         self.momentum.reset()
         self._updates.clear()
-
-    # ------------------------------------------------- clipping, loss scale
-    def _follow_loss_scale(self, loss_scale: Optional[float]) -> None:
-        """Keep residuals and velocities in the units of the incoming
-        gradients: when the AMP loss scale changed since the last call,
-        multiply them by new/old (a power of two for GradScaler: exact)."""
-        if loss_scale is None:
-            return
-        s = float(loss_scale)
-        if not (s > 0.0) or math.isinf(s):
-            raise ValueError(f"loss_scale must be a positive finite number; got {loss_scale!r}")
-        if self.loss_scale is not None and s != self.loss_scale:
-            f = s / self.loss_scale
-            self.memory.rescale_(f)
-            self.momentum.rescale_(f)
-        self.loss_scale = s
-
-    def state_dict(self) -> dict:
-        """Residuals and step: everything a bit-exact resume needs (random
-        draws are keyed by (seed, step, name), so the step is the RNG state)."""
-        return {"version": 1, "method": self.config.method, "seed": self.config.seed,
-                "step": self.step, "residuals": self.memory.state_dict(),
-                "velocities": self.momentum.state_dict(), "loss_scale": self.loss_scale,
-                "compressor": self.compressor.state_dict()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("version") != 1:
-            raise ValueError(f"unsupported GradientReducer state version {sd.get('version')!r}")
-        if sd.get("method") != self.config.method:
-            raise ValueError(f"state was saved by method {sd.get('method')!r}, this reducer runs "
-                             f"{self.config.method!r}")
-        self.step = int(sd["step"])
-        self.memory.load_state_dict(sd["residuals"])
-        self.momentum.load_state_dict(sd.get("velocities", {}))
-        self.loss_scale = sd.get("loss_scale")
-        self.compressor.load_state_dict(sd.get("compressor", {}))
+        if self._small is not None:
+            self._small.reset()
 
     # ------------------------------------------------------------ internals
     def _layout(self, names, tensors, density):
