@@ -27,7 +27,6 @@ import statistics
 import tempfile
 import time
 
-from gtopk_plugin import registry
 from gtopk_plugin.compress import available
 
 from .launch import horovodrun
@@ -36,9 +35,10 @@ from .record import dump, write_json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WIDTHS = [784, 1024, 256, 10]  # mlp-1.1M of benchmarks/horovod_overhead.py
 # Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
-# (the TF layer has no driver for allreduce_rounds codecs, powersgd, yet: issue #17)
-COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"
-                                   and registry.describe(m)["aggregation"] != "allreduce_rounds"]
+COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
+# "<method>@horovod": the same compression with its exchanges as Horovod ops
+# (exchange="horovod", the layer's path before the gloo side channel)
+CHOICES = COMPRESSIONS + [f"{m}@horovod" for m in COMPRESSIONS[2:]]
 
 
 def worker(args):
@@ -64,7 +64,10 @@ def worker(args):
     for cname in args.compressions:
         model = make_model()
         opt = tf.keras.optimizers.SGD(0.01)
-        comp = Compression.from_name(cname, args.density)
+        method, _, exchange = cname.partition("@")
+        comp = Compression.from_name(method, args.density,
+                                     **({"exchange": exchange, "name": f"bench_{method}_{exchange}"}
+                                        if exchange else {}))
 
         def step_fn(x, y, model=model, opt=opt, comp=comp):
             with tf.GradientTape() as tape:
@@ -118,11 +121,12 @@ def run_job(P, args, out):
     argv = ["-m", __spec__.name, "--worker", "--out", out, "--rounds", str(args.rounds),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
             "--density", str(args.density), "--compressions"] + list(args.compressions)
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     horovodrun(P, argv, timeout=args.timeout)
     with open(out) as f:
         res = json.load(f)
     res["job_seconds"] = time.time() - t0
+    res["loadavg_before"], res["loadavg_after"] = list(load0), list(os.getloadavg())
     return res
 
 
@@ -176,7 +180,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=32, help="per worker")
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--compressions", nargs="+", default=COMPRESSIONS, choices=COMPRESSIONS)
+    p.add_argument("--compressions", nargs="+", default=COMPRESSIONS, choices=CHOICES)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--json", default=os.path.join(RESULTS, "horovod_tf.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -197,7 +201,8 @@ def main(argv=None):
         rows = res["compressions"]
         base = rows.get("none", {}).get("median_step_s")
         print(f"\nP = {P}: mlp-1.1M ({res['numel']:,} parameters), density {args.density}, "
-              f"tf.function tape step, {rows[next(iter(rows))]['steps']} steps each (job {res['job_seconds']:.0f} s)")
+              f"tf.function tape step, {rows[next(iter(rows))]['steps']} steps each (job {res['job_seconds']:.0f} s, "
+              f"loadavg {res['loadavg_before'][0]:.1f} -> {res['loadavg_after'][0]:.1f})")
         print(f"{'compression':<11} {'step ms':>8} {'vs none':>8} {'sent B':>10} {'dense/sent':>10} "
               f"{'control B':>9} {'PyTorch sent B':>14}")
         for c, t in rows.items():

@@ -41,6 +41,7 @@ from .collectives import Contribution, aggregate
 from .kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
 from .momentum import momentum_key
 from .ops import Ops
+from .rounds import run_rounds
 from .side import channel_for
 
 __all__ = ["reduce"]
@@ -186,7 +187,8 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
                                                    [step], tf.int32, stateful=False), [len(seg_sizes)])
 
     def run():
-        return _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average)
+        return _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average,
+                       [t.shape.as_list() for t in tensors])
 
     def skipped():
         zero = tf.constant(0, tf.int64)
@@ -225,7 +227,7 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     return out
 
 
-def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average):
+def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average, shapes):
     """One step on the flat accumulator: ``(dense update, residual, traffic,
     indices of this rank's entries that reached the result, entries sent,
     rounds)``.  ``ks``: per-segment counts, Python ints or a run-time tensor."""
@@ -238,6 +240,12 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
     # P + a run-time zero: in a traced graph Grappler turns a division by a
     # constant into a multiplication by its reciprocal (other bits for P=3)
     divisor = tf.cast(P + ops.zero if average else 1, dtype)
+    if cfg.aggregation == "allreduce_rounds":  # PowerSGD: its rounds on the side channel (.rounds)
+        total, mine, n_msgs = run_rounds(ops, acc, offsets, cmp, shapes if cfg.granularity == "layer" else None,
+                                         step=step, names=seg_names, seed=cfg.seed, kernels=cfg.kernels)
+        update = total / divisor if average else total
+        return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
+                                               n_msgs * (0 if P == 1 else 2 * (P - 1)))
     if getattr(cmp, "kind", "selector") == "codec":
         blob, mine, spec = selection.encode(acc, offsets, cmp, **common)
         res = aggregate(cfg.aggregation, ops, Contribution(N, dtype, None, comp=cmp, blob=blob, mine=mine,
