@@ -99,3 +99,39 @@ def test_dense_none_is_horovods_optimizer_with_ring_traffic():
             assert t["dense_bytes"] == t["bytes_sent"] and t["control_bytes"] == 0
             for n, g in run["out"][s].items():
                 assert torch.equal(g, runs[0]["out"][s][n])
+
+
+@pytest.mark.timeout(400)
+def test_dense_below_sends_small_tensors_dense_and_conserves_mass():
+    # Compression.gtopk(0.1, dense_below=12): the two biases (10 and 3
+    # entries) are summed exactly (dense, no residual), the weights by gTop-k
+    # with error feedback; op=Sum.
+    runs = [ok(res, "gtopk_dense_below") for res in results()]
+    assert "dense_below=12" in runs[0]["repr"]
+    small = [n for n, t in runs[0]["raw"][0].items() if t.numel() < 12]
+    assert len(small) == 2
+    steps = len(runs[0]["out"])
+    for s in range(steps):
+        for r in range(1, P):
+            for n, t in runs[0]["out"][s].items():
+                assert torch.equal(runs[r]["out"][s][n], t), f"step {s}: rank {r} differs on {n}"
+        for n in small:  # the plain sum of the ranks' gradients (ring order: fp32 tolerance)
+            want = sum(run["raw"][s][n].double() for run in runs)
+            assert torch.allclose(runs[0]["out"][s][n].double(), want, rtol=1e-6, atol=1e-7), n
+    for run in runs:
+        for n in small:  # dense sends everything: no residual for the small tensors
+            assert n not in run["residuals"] or not run["residuals"][n].abs().max().item()
+    grads = sum(flat(run["raw"][s]) for run in runs for s in range(steps))
+    outs = sum(flat(runs[0]["out"][s]) for s in range(steps))
+    names = sorted(runs[0]["raw"][0])
+    resid = sum(torch.cat([run["residuals"][n].reshape(-1).double() if n in run["residuals"]
+                           else torch.zeros(runs[0]["raw"][0][n].numel(), dtype=torch.float64)
+                           for n in names]) for run in runs)
+    assert (grads - outs - resid).abs().max().item() < 1e-4, "mass not conserved"
+    big = sum(t.numel() for n, t in runs[0]["raw"][0].items() if n not in small)
+    small_numel = sum(runs[0]["raw"][0][n].numel() for n in small)
+    for run in runs:
+        for t in run["traffic"]:
+            # the small part's ring allreduce is counted in full, the rest is sparse
+            assert t["bytes_sent"] >= 2 * (P - 1) * small_numel * 4 // P
+            assert t["bytes_sent"] < 2 * (P - 1) * (big + small_numel) * 4 // P

@@ -68,7 +68,9 @@ def run(comp):
 def main():
     res = {"rank": R, "size": P}
     for key, comp in (("onebit", Compression.onebit()), ("half_user", Compression.half_user()),
-                      ("none", Compression.none)):
+                      ("none", Compression.none),
+                      # the biases (10 and 3 entries) go dense, the weights gTop-k
+                      ("gtopk_dense_below", Compression.gtopk(0.1, dense_below=12))):
         try:
             res[key] = ("ok", run(comp))
         except BaseException as e:  # noqa: BLE001 - recorded for the parent

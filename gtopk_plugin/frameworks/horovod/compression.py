@@ -70,6 +70,9 @@ class SparseCompression:
         clip_norm: DGC local clipping (threshold × P^-1/2, global norm over
             all buckets of the step: with it, buckets are reduced after
             backward, in ``synchronize()``).
+        dense_below: tensors with fewer entries go dense (exact sum, no
+            residual) in the same step, as GradientReducer(dense_below=)
+            (default 0: off).
         exchange: ``"gloo"`` (default): the sparse exchange runs on a gloo
             side channel made inside the job, leaving one Horovod op per
             step (join detection); ``"horovod"``: every exchange step is a
@@ -89,7 +92,7 @@ class SparseCompression:
                  fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
                  momentum: Optional[float] = None, nesterov: bool = False,
                  momentum_masking: bool = True, clip_norm: Optional[float] = None,
-                 exchange: str = "gloo", **hyper):
+                 exchange: str = "gloo", dense_below: int = 0, **hyper):
         if method == DENSE_METHOD:
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
@@ -108,7 +111,8 @@ class SparseCompression:
                   granularity=granularity, value_dtype=value_dtype, seed=seed, warmup=warmup,
                   nonfinite="skip" if nonfinite == "propagate" else nonfinite,
                   error_feedback=bool(error_feedback), momentum=momentum, nesterov=bool(nesterov),
-                  momentum_masking=bool(momentum_masking), clip_norm=clip_norm)
+                  momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
+                  dense_below=dense_below)
         if momentum_correction and momentum is not None:
             raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
                              "or momentum=<float>, not both")
@@ -151,7 +155,7 @@ class SparseCompression:
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None, seed=0, warmup=None,
                  nonfinite="raise", error_feedback=True, momentum=None, nesterov=False,
-                 momentum_masking=True, clip_norm=None)
+                 momentum_masking=True, clip_norm=None, dense_below=0)
 
 
 class Compression(CompressionNames):
