@@ -213,7 +213,9 @@ def test_gated_variance_policy_estimates_the_variance_unbiased(P):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [3])
 def test_sparse_reducers_compose_identical_on_all_ranks_and_conserve_mass(P):
-    methods = {"gtopk": dict(density=0.3), "rtopk": dict(density=0.3, r_factor=2.0, seed=3)}
+    # selectors and codecs (issue #17: the scheduler works with quantizers too)
+    methods = {"gtopk": dict(density=0.3), "rtopk": dict(density=0.3, r_factor=2.0, seed=3),
+               "onebit": {}, "qsgd": dict(levels=7, bucket_size=32, seed=5)}
     res = run_workers(P, ew.sparse, methods, timeout=200)
     for method in methods:
         runs = [res[r][method] for r in range(P)]
