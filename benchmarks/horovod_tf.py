@@ -65,9 +65,7 @@ def worker(args):
         model = make_model()
         opt = tf.keras.optimizers.SGD(0.01)
         method, _, exchange = cname.partition("@")
-        comp = Compression.from_name(method, args.density,
-                                     **({"exchange": exchange, "name": f"bench_{method}_{exchange}"}
-                                        if exchange else {}))
+        comp = Compression.from_name(method, args.density, **({"exchange": exchange} if exchange else {}))
 
         def step_fn(x, y, model=model, opt=opt, comp=comp):
             with tf.GradientTape() as tape:
