@@ -3,10 +3,11 @@ sparse step's exchanges as ``tf.numpy_function`` calls on a torch gloo
 group of the process set's ranks made inside the job -- the TF twin of
 ``frameworks/horovod/side_channel.py`` -- instead of Horovod ops.
 
-Not that module itself: it imports ``horovod.torch``, and importing
-Horovod's PyTorch layer into a TensorFlow job rebinds the process sets'
-shared back end (``horovod.common.process_sets``) to the uninitialised
-torch one, so ``process_set.size()`` fails afterwards.
+The group itself is :class:`..gloo_channel.GlooChannel`, shared with the
+PyTorch layer; only the broadcast of the store's address is Horovod-TF's
+(importing ``horovod.torch`` into a TensorFlow job rebinds the process sets'
+shared back end, ``horovod.common.process_sets``, to the uninitialised
+torch one, so ``process_set.size()`` fails afterwards).
 
 Why: every Horovod op goes through Horovod's background loop -- a
 negotiation among all ranks, then the data -- and on a loaded loopback job
@@ -25,103 +26,33 @@ by) and never prune one whose output nobody reads.
 """
 from __future__ import annotations
 
-import datetime
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from horovod.common.exceptions import HorovodInternalError
-
-from ... import config
+from ..gloo_channel import GlooChannel, store_host
 from ._guard import hvd, tf
 
 __all__ = ["TFSideChannel", "channel_for"]
 
 
-_SIZE_TAG, _DATA_TAG = 1, 2
-
-
-class TFSideChannel:
+class TFSideChannel(GlooChannel):
     """gloo send/recv/allgather/allreduce among the ranks of ``process_set``
-    (a plain ``ProcessGroupGloo`` on its own ``TCPStore`` hosted by the
-    set's rank 0; ``torch.distributed``'s default group is never touched).
-    The store's port reaches the other ranks by one Horovod-TF broadcast,
+    (:class:`..gloo_channel.GlooChannel`, shared with the PyTorch layer);
+    the store's port reaches the other ranks by one Horovod-TF broadcast,
     run eagerly even while a ``tf.function`` is traced.  Collective to
     create: every rank of the set at the same point of its op sequence."""
 
     def __init__(self, process_set, name: str):
-        self.rank, self.size = process_set.rank(), process_set.size()
-        timeout = datetime.timedelta(seconds=config.env_timeout_seconds())
-        host = "127.0.0.1" if hvd.local_size() == hvd.size() else __import__("socket").gethostname()
-        own, store = host, None
-        if self.rank == 0:
-            store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=timeout, wait_for_workers=False)
-            addr = [store.port] + list(host.encode())
-        else:
-            addr = [0] * 256
-        buf = np.zeros(257, np.int64)
-        buf[0] = len(addr) - 1
-        buf[1:1 + len(addr)] = addr
-        with tf.init_scope():  # eager, also while tracing: every rank traces the step once
-            buf = hvd.broadcast(tf.constant(buf), root_rank=0, name=f"{name}.side_channel",
-                                process_set=process_set).numpy()
-        n, port = int(buf[0]), int(buf[1])
-        if store is None:
-            host = bytes(buf[2:2 + n].tolist()).decode()
-            store = dist.TCPStore(host, port, self.size, is_master=False, timeout=timeout)
-        self._store = store
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.rank, self.size, opts)
+        def broadcast(words):
+            with tf.init_scope():  # eager, also while tracing: every rank traces the step once
+                return hvd.broadcast(tf.constant(np.asarray(words, np.int64)), root_rank=0,
+                                     name=f"{name}.side_channel", process_set=process_set).numpy().tolist()
 
-    # -- torch tensors ---------------------------------------------------------
-    @staticmethod
-    def _wait(works):
-        try:
-            for w in works:
-                w.wait()
-        except RuntimeError as e:  # a lost peer: Horovod's error type, as the PyTorch layer's channel
-            raise HorovodInternalError(f"gtopk_plugin side channel: {e}") from e
-
-    def exchange(self, send_to, send, recv_from):
-        """``send`` (uint8) to ``send_to``, a blob from ``recv_from`` (its
-        size travels first as one int64); either may be None."""
-        works = []
-        if send_to is not None:
-            works.append(self.pg.send([torch.tensor([send.numel()], dtype=torch.int64)], send_to, _SIZE_TAG))
-            if send.numel():
-                works.append(self.pg.send([send.contiguous()], send_to, _DATA_TAG))
-        out = None
-        if recv_from is not None:
-            n = torch.empty(1, dtype=torch.int64)
-            self._wait([self.pg.recv([n], recv_from, _SIZE_TAG)])
-            out = torch.empty(int(n[0]), dtype=torch.uint8)
-            if out.numel():
-                works.append(self.pg.recv([out], recv_from, _DATA_TAG))
-        self._wait(works)
-        return out
-
-    def allgather(self, blob, nbytes=None):
-        """Every rank's uint8 ``blob`` (sizes exchanged first unless
-        ``nbytes`` lists them); blocks travel padded to the largest."""
-        if nbytes is None:
-            sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
-            self._wait([self.pg.allgather([sizes], [torch.tensor([blob.numel()], dtype=torch.int64)])])
-            nbytes = [int(s[0]) for s in sizes]
-        m = max(nbytes)
-        if m == 0:
-            return [blob[:0].clone() for _ in nbytes]
-        send = blob if blob.numel() == m else torch.cat([blob, blob.new_zeros(m - blob.numel())])
-        outs = [torch.empty(m, dtype=torch.uint8) for _ in range(self.size)]
-        self._wait([self.pg.allgather([outs], [send.contiguous()])])
-        return [o[:k] for o, k in zip(outs, nbytes)]
-
-    def allreduce_(self, t, op):
-        self._wait([self.pg.allreduce([t], op)])
-        return t
+        super().__init__(process_set.rank(), process_set.size(), name,
+                         store_host(hvd.local_size(), hvd.size()), broadcast)
 
     # -- TensorFlow ops (stateful numpy functions) ---------------------------
     def tf_allreduce(self, t, op: str):
