@@ -28,6 +28,7 @@ import torch
 
 import gtopk_plugin as gp
 from dist_utils import run_workers
+from ddp_vs_reducer import hook_vs_reducer
 
 # bucket order for torch's hook (the reducer sorts names)
 BUCKET = [("b", (16, 3, 3, 3)), ("a", (24, 20)), ("c", (20,)), ("e", (24, 20)), ("d", (6, 5))]
@@ -230,27 +231,7 @@ def test_bytes_per_step_1m_matrix_p4():
 
 # ------------------------------------------------------------------ DDP hook
 def _ddp_worker(rank, P):
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 3))
-    ref = copy.deepcopy(model)
-    state = gp.torch_ddp.SparseState(method="powersgd", named_parameters=model.named_parameters())
-    ddp = DDP(model, bucket_cap_mb=0.002)
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
-    reducer = gp.GradientReducer(method="powersgd")
-    diffs = []
-    for step in range(4):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
-        ddp.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        ref.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        want = reducer.reduce({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
-        diffs.append(max(float((got[n] - want[n]).abs().max()) for n in got))
+    state, _, diffs = hook_vs_reducer(rank, method="powersgd")
     return dict(diffs=diffs, traffic=state.last_step_traffic,
                 q=sorted(state.state_dict()["reducer"]["compressor"]["q"]))
 

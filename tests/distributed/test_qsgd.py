@@ -18,6 +18,7 @@ import gtopk_plugin as gp
 from gtopk_plugin.compress.base import SelectionContext
 from gtopk_plugin.compress.qsgd import QSGDCodec, code_bits
 from dist_utils import run_workers
+from ddp_vs_reducer import hook_vs_reducer
 
 SHAPES = {"w": (37, 11), "b": (13,), "c": (5, 3, 2)}
 NUMEL = sum(math.prod(s) for s in SHAPES.values())
@@ -94,27 +95,7 @@ def test_qsgd_gloo_bits_residuals_mass_bytes_resume(P):
 
 # ------------------------------------------------------------------ DDP hook
 def _ddp_worker(rank, P, method):
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 3))
-    ref = copy.deepcopy(model)
-    state = gp.torch_ddp.SparseState(method=method, named_parameters=model.named_parameters())
-    ddp = DDP(model, bucket_cap_mb=0.002)
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
-    reducer = gp.GradientReducer(method=method)
-    diffs = []
-    for step in range(4):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
-        ddp.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        ref.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        want = reducer.reduce({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
-        diffs.append(max(float((got[n] - want[n]).abs().max()) for n in got))
+    state, _, diffs = hook_vs_reducer(rank, method=method)
     return dict(diffs=diffs, traffic=state.last_step_traffic)
 
 

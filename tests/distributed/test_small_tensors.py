@@ -18,6 +18,7 @@ import torch
 import gtopk_plugin as gp
 from gtopk_plugin.consistency import NonFiniteGradientError
 from dist_utils import run_workers
+from ddp_vs_reducer import hook_vs_reducer
 
 SHAPES = {"w": (40, 30), "v": (300,), "b": (13,), "c": (5, 3, 2), "s": (99,)}
 THRESHOLD = 100
@@ -117,31 +118,8 @@ def test_dense_below_gloo(P):
 
 # ------------------------------------------------------------------ DDP hook
 def _ddp_worker(rank, P):
-    import copy
-
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 3))
-    ref = copy.deepcopy(model)
-    kw = dict(method="gtopk", density=0.1, dense_below=50)  # the biases (40, 30, 3) go dense
-    state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), **kw)
-    ddp = DDP(model, bucket_cap_mb=0.002)
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
-    reducer = gp.GradientReducer(**kw)
-    diffs = []
-    for step in range(4):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
-        ddp.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        ref.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
-        want = reducer.reduce(grads)
-        diffs.append(max(float((got[n] - want[n]).abs().max()) for n in got))
+    # the biases (40, 30, 3) go dense
+    _, reducer, diffs = hook_vs_reducer(rank, method="gtopk", density=0.1, dense_below=50)
     return dict(diffs=diffs, small_residuals=[n for n in reducer.state_dict()["residuals"] if "bias" in n])
 
 
