@@ -11,7 +11,6 @@ residual is what float16 dropped); bytes are the allgather's
 (P−1)·payload each way and the dense ring model.
 """
 import os
-import tempfile
 
 import pytest
 import torch
@@ -20,26 +19,20 @@ from hvd_launch import require_horovod  # noqa: E402
 
 require_horovod()
 
-from hvd_launch import JOBS, horovodrun  # noqa: E402
+from hvd_launch import job_results, ok  # noqa: E402
 
 P = 3
 _RES = []
 
 
+def _load_torch(d, r):
+    return torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False)
+
+
 def results():
     if not _RES:
-        with tempfile.TemporaryDirectory(prefix="gtopk-hvd-reg-") as d:
-            rc, out = horovodrun(P, [os.path.join(JOBS, "hvd_torch_registry_job.py"), d])
-            assert rc == 0, f"horovodrun -np {P} failed (rc {rc}):\n{out[-6000:]}"
-            _RES.extend(torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(P))
+        _RES.extend(job_results(P, "hvd_torch_registry_job.py", _load_torch))
     return _RES
-
-
-def ok(res, key):
-    status, val = res[key]
-    if status != "ok":
-        raise AssertionError(f"rank {res['rank']} {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
-    return val
 
 
 def flat(d):

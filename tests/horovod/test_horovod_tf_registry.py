@@ -16,13 +16,12 @@ each way for the payload allgather, no headers).
 """
 import os
 import pickle
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
-from hvd_launch import JOBS, horovodrun  # noqa: E402
+from hvd_launch import job_results, ok  # noqa: E402
 
 try:
     import horovod.tensorflow  # noqa: F401
@@ -41,23 +40,15 @@ P = 3
 _RES = []
 
 
+def _load_pickle(d, r):
+    with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
 def results():
     if not _RES:
-        with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-reg-") as d:
-            rc, out = horovodrun(P, [os.path.join(JOBS, "hvd_tf_registry_job.py"), d], timeout=400,
-                                 gloo_timeout=90)
-            assert rc == 0, f"horovodrun -np {P} failed (rc {rc}):\n{out[-6000:]}"
-            for r in range(P):
-                with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                    _RES.append(pickle.load(f))
+        _RES.extend(job_results(P, "hvd_tf_registry_job.py", _load_pickle, timeout=400, gloo_timeout=90))
     return _RES
-
-
-def ok(res, key):
-    status, val = res[key]
-    if status != "ok":
-        raise AssertionError(f"rank {res['rank']} {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
-    return val
 
 
 def _flat(arrays):

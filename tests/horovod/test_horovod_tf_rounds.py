@@ -15,12 +15,11 @@ update; bytes as the PyTorch side counts them; without the side channel
 """
 import os
 import pickle
-import tempfile
 
 import numpy as np
 import pytest
 
-from hvd_launch import JOBS, horovodrun  # noqa: E402
+from hvd_launch import job_results, ok  # noqa: E402
 
 try:
     import horovod.tensorflow  # noqa: F401
@@ -34,23 +33,15 @@ RUNS = ["rank2_sum", "rank1_average_graph", "rank4_cold_graph"]
 _RES = []
 
 
+def _load_pickle(d, r):
+    with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
 def results():
     if not _RES:
-        with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-rounds-") as d:
-            rc, out = horovodrun(P, [os.path.join(JOBS, "hvd_tf_rounds_job.py"), d], timeout=400,
-                                 gloo_timeout=90)
-            assert rc == 0, f"horovodrun -np {P} failed (rc {rc}):\n{out[-6000:]}"
-            for r in range(P):
-                with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                    _RES.append(pickle.load(f))
+        _RES.extend(job_results(P, "hvd_tf_rounds_job.py", _load_pickle, timeout=400, gloo_timeout=90))
     return _RES
-
-
-def ok(res, key):
-    status, val = res[key]
-    if status != "ok":
-        raise AssertionError(f"rank {res['rank']} {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
-    return val
 
 
 @pytest.mark.timeout(500)

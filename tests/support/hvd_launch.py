@@ -67,3 +67,24 @@ def elastic_hosts(tmp_path, np_: int):
     os.chmod(discover, 0o755)
     return ["--min-np", str(np_), "--max-np", str(np_), "--host-discovery-script", discover,
             "--network-interface", "lo"]
+
+
+def job_results(np_: int, script: str, load, timeout: int = 300, gloo_timeout: int = 60) -> list:
+    """Run ``tests/jobs/<script> OUTDIR`` under ``horovodrun -np np_`` and
+    return every rank's ``load(OUTDIR/rank{r}.<ext>)`` (``load`` gets the
+    directory and the rank); a failed job fails the test with its output."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gtopk-hvd-job-") as d:
+        rc, out = horovodrun(np_, [os.path.join(JOBS, script), d], timeout=timeout, gloo_timeout=gloo_timeout)
+        assert rc == 0, f"horovodrun -np {np_} {script} failed (rc {rc}):\n{out[-6000:]}"
+        return [load(d, r) for r in range(np_)]
+
+
+def ok(res: dict, key: str):
+    """The value a job recorded under ``key`` as ``("ok", value)``; its
+    recorded exception (type, message, traceback) fails the test."""
+    status, val = res[key]
+    if status != "ok":
+        raise AssertionError(f"rank {res['rank']} {key!r} raised {val[0]}: {val[1]}\n{val[2]}")
+    return val
