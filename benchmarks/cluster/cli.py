@@ -25,7 +25,7 @@ from gtopk_plugin.compress import available
 
 from .. import launch
 from ..record import write_json
-from . import ddp, harness, measure, model as abm, netns, report
+from . import codecs, ddp, harness, measure, model as abm, netns, report
 from . import shapes as S
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -148,14 +148,17 @@ def cmd_comm(args) -> dict:
     methods = _flat(args.methods)
     progress = harness.Progress(0, "comm", disable=args.quiet)
     engines = _engines(args.engines, progress)
+    hyper = codecs.parse_hyper(args.hyper)
+
     def per_job(dts):
-        return sum(len(dts) * (1 if m == "dense" else len(_flat(args.density))) for m in methods) * len(numels)
+        return sum(len([d for d in dts if d in codecs.CODEC_DTYPES] if codecs.is_codec(m) else dts)
+                   * (len(_flat(args.density)) if codecs.uses_density(m) else 1) for m in methods) * len(numels)
     progress.total = len(workers) * args.repeat * sum(per_job(_engine_dtypes(args, e)) for e in engines)
     if progress._bar is not None:
         progress._bar.total = progress.total
     kern = _warm_kernels(progress)
     rate_bps = None if str(args.rate).lower() in ("none", "0", "off") else harness.parse_rate(args.rate)
-    out = {"meta": None, "link": [], "rows": [], "qdisc": {}, "elapsed": []}
+    out = {"meta": None, "link": [], "rows": [], "qdisc": {}, "elapsed": [], "settings": {"hyper": hyper}}
     with harness.signals_as_exceptions():
         for P in workers:
             load = harness.wait_for_quiet(args.max_load, args.max_wait, progress, args.max_busy)
@@ -175,7 +178,7 @@ def cmd_comm(args) -> dict:
                         continue
                     t_job, load_job = time.time(), harness.loadavg()
                     payload = dict(engine=engine, numels=numels, densities=_flat(args.density), dtypes=dtypes,
-                                   methods=methods, steps=steps, warmup=args.warmup)
+                                   methods=methods, steps=steps, warmup=args.warmup, hyper=hyper)
                     if ei == 0 and args.link_mb > 0:
                         payload["linktest"] = dict(addrs=[net.addr(r) for r in range(P)], port=5201,
                                                    port_per_rank=not desc["shaped"],
@@ -471,6 +474,8 @@ def _parser_comm(ap):
     ap.add_argument("--steps", "-S", type=int, default=6, help=f"timed steps for N < {BIG:,}")
     ap.add_argument("--big-steps", type=int, default=3, help=f"timed steps for N >= {BIG:,}")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--hyper", action="append", default=None, metavar="METHOD.NAME=VALUE",
+                    help="a codec's hyper-parameter (repeatable; default powersgd.rank=4)")
     ap.add_argument("--engines", default="torch,horovod,horovod-ops",
                     help="any of torch (torch.distributed gloo), horovod (Horovod, the exchange on its gloo side "
                     "channel: the optimizer's default) and horovod-ops (every exchange step a Horovod op: "
@@ -541,10 +546,17 @@ def _main(argv=None) -> int:
     if cmd == "comm":
         _parser_comm(ap)
         args = ap.parse_args(argv)
+        if args.hyper is None:
+            args.hyper = list(codecs.DEFAULT_HYPER)
         res = cmd_comm(args)
         _write(res, args.json, "comm")
         report.print_comm(res)
         png = report.plot_comm(res, os.path.splitext(args.json)[0] + ".png")
+        fam = codecs.families_table(res)
+        if fam:
+            print("\nCompressor families side by side (torch, fp32):\n" + "\n".join(fam))
+            fpng = codecs.plot_families(res, os.path.splitext(args.json)[0] + "_families.png")
+            png = f"{png}, {fpng}" if png and fpng else (png or fpng)
         print(f"wrote {args.json}" + (f" and {png}" if png else ""))
         return 0
     if cmd == "ddp":

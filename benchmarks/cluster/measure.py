@@ -38,6 +38,7 @@ from gtopk_plugin.collectives import Selection
 from gtopk_plugin.compress import registry
 from gtopk_plugin.reducer import GradientReducer, k_for
 
+from . import codecs as codec_rows
 from . import shapes as model_shapes
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -165,11 +166,16 @@ def comm_grid(ctx, p):
     link = linktest(ctx, p["linktest"]) if p.get("linktest") else None
     engine = p.get("engine", ctx.engine)
     rows = []
-    todo = [(N, dt, m, d) for N in p["numels"] for dt in p["dtypes"] for m in p["methods"]
-            for d in ([None] if _aggregation(m) == "dense" else p["densities"])]
+    codec_dt = [d for d in p["dtypes"] if d in codec_rows.CODEC_DTYPES]
+    todo = [(N, dt, m, d) for N in p["numels"] for m in p["methods"]
+            for dt in (codec_dt if codec_rows.is_codec(m) else p["dtypes"])
+            for d in (p["densities"] if codec_rows.uses_density(m) else [None])]
     done = 0
     for N in p["numels"]:
-        sizes = [math.prod(s) for s in layer_shapes(N).values()]
+        layers = layer_shapes(N)
+        names = list(layers)
+        sizes = [math.prod(s) for s in layers.values()]
+        shapes = [codec_rows.matrix_shape(n) for n in sizes]  # what a low-rank codec sees
         offsets = _layout(sizes)
         g = torch.Generator().manual_seed(1000 + ctx.rank)
         acc = torch.randn(N, generator=g)
@@ -181,10 +187,17 @@ def comm_grid(ctx, p):
                     if (N, dtype, method, d) not in todo:
                         continue
                     k = _k(sizes, d if d is not None else 1.0)
-                    sel = _selection(method, acc, offsets, k, dtype, cache)
+                    codec = None
+                    if codec_rows.is_codec(method):
+                        codec = codec_rows.CodecRow(method, p.get("hyper") or {}, acc, offsets,
+                                                    shapes, names, ctx.rank)
+                    else:
+                        sel = _selection(method, acc, offsets, k, dtype, cache)
                     agg = collectives.get(_aggregation(method))
                     times, wire, ops = [], [], []
                     for s in range(p["warmup"] + steps):
+                        if codec is not None:
+                            sel = codec.selection(s)  # encoded outside the timed region
                         _scope(ctx, f"{N}.{dtype}.{method}.{d}")
                         ctx.barrier()
                         if s == p["warmup"]:
@@ -199,12 +212,13 @@ def comm_grid(ctx, p):
                     proc_cpu = (time.process_time() - cpu0) / steps
                     rows.append(dict(engine=engine, P=ctx.size, numel=N, dtype=dtype, method=method,
                                      density=d, k=int(k.sum()) if d is not None else None,
+                                     hyper=(p.get("hyper") or {}).get(method) if codec else None,
                                      times=times, wire_times=wire, ops_per_step=ops[-1] if ops else None,
                                      bytes_sent=delta.payload_bytes_sent + delta.header_bytes_sent,
                                      bytes_received=delta.payload_bytes_received + delta.header_bytes_received,
                                      messages=delta.messages_sent, rounds=rounds,
                                      proc_cpu_s=proc_cpu, machine_busy=busy, machine_softirq=softirq))
-                    del sel
+                    del sel, codec
                     done += 1
                     ctx.progress(done=done, total=len(todo), what=f"P={ctx.size} {engine} N={N:,} "
                                  f"{dtype} {method}" + (f" d={d:g}" if d else ""))
