@@ -487,7 +487,16 @@ def _parser_comm(ap):
                     help="value dtypes measured with Horovod (default fp32: its CPU fp16 sum is slow and "
                     "the run stays short)")
     ap.add_argument("--link-mb", type=float, default=50.0, help="MB per raw TCP link test (0: skip)")
-    ap.add_argument("--json", default=os.path.join(RESULTS, "cluster_comm.json"))
+    ap.add_argument("--json", default=None, help="default: results/cluster_comm.json (with --nodes: "
+                    "results/cluster_nodes.json)")
+    g = ap.add_argument_group("nodes (issue #18; benchmarks/cluster/nodes.py, hier.py)")
+    g.add_argument("--nodes", type=_list(int), nargs="+", default=None,
+                   help="emulate nodes: workers of a node share an unshaped bridge, each node one shaped uplink "
+                   "(--rate); P = nodes x --local; rows flat vs hierarchical (--layouts)")
+    g.add_argument("--local", type=int, default=2, help="workers per node (with --nodes)")
+    g.add_argument("--layouts", default="flat,hier", help="flat (GradientReducer over all P) and/or hier "
+                   "(HierarchicalReducer: dense inside a node, the method between nodes)")
+    g.add_argument("--intra-rate", default="none", help="shape the links inside a node too (default none)")
     _net_args(ap)
 
 
@@ -530,6 +539,17 @@ def main(argv=None) -> int:
         return 130
 
 
+def _main_nodes(args) -> int:
+    from . import hier
+    args.json = args.json or os.path.join(RESULTS, "cluster_nodes.json")
+    res = hier.cmd_nodes(args)
+    _write(res, args.json, "nodes")
+    print("\n".join(hier.table(res) + [""] + hier.goals(res)))
+    png = hier.plot(res, os.path.splitext(args.json)[0] + ".png")
+    print(f"wrote {args.json}" + (f" and {png}" if png else ""))
+    return 0
+
+
 def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--cleanup" in argv:
@@ -548,6 +568,9 @@ def _main(argv=None) -> int:
         args = ap.parse_args(argv)
         if args.hyper is None:
             args.hyper = list(codecs.DEFAULT_HYPER)
+        if args.nodes:
+            return _main_nodes(args)
+        args.json = args.json or os.path.join(RESULTS, "cluster_comm.json")
         res = cmd_comm(args)
         _write(res, args.json, "comm")
         report.print_comm(res)

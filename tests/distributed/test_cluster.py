@@ -230,3 +230,90 @@ def test_smoke_run(tmp_path, monkeypatch):
     assert "α-β" in open(tmp_path / "s.md").read()
     if NETNS_OK:
         assert _ours() == before  # every namespace removed
+
+
+# ---------------------------------------------------------------------------
+# codec rows (issue #17) and nodes (issue #18)
+# ---------------------------------------------------------------------------
+def test_codec_rows_bytes(tmp_path, monkeypatch):
+    """onebit, qsgd and powersgd rows beside dense in one job (P = 2, tiny
+    N), each with the bytes its packing and aggregation imply."""
+    from benchmarks.bytes_per_step import layer_shapes
+    from benchmarks.cluster import codecs
+
+    monkeypatch.setenv("GTOPK_KERNELS", "reference")
+    out = str(tmp_path / "c.json")
+    assert cli.main(["comm", "--workers", "2", "--numel", "20000", "--dtypes", "fp32", "--methods",
+                     "dense,onebit,qsgd,powersgd", "--steps", "2", "--warmup", "1", "--engines", "torch",
+                     "--link-mb", "0", "--quiet", "--json", out, "--timeout", "120"]) == 0
+    res = json.load(open(out))
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "onebit", "qsgd", "powersgd"}
+    assert all(r["density"] is None and len(r["times"]) == 2 for r in rows.values())
+    sizes = [math.prod(s) for s in layer_shapes(20000).values()]
+    assert rows["onebit"]["bytes_sent"] == sum(math.ceil(n / 8) for n in [20000]) + 4 * len(sizes)
+    assert rows["powersgd"]["hyper"]["rank"] == 4
+    # one near-square matrix (100 x 100) at rank 4: P (+ the dense vectors) then Q, ring model at P = 2
+    mats = [codecs.matrix_shape(n) for n in sizes]
+    p_msg = sum(a * 4 if len(s) == 2 else n for n, s in zip(sizes, mats) for a in [s[0]])
+    q_msg = sum(s[1] * 4 for s in mats if len(s) == 2)
+    assert rows["powersgd"]["bytes_sent"] == 4 * (p_msg + q_msg)
+    assert 0 < rows["qsgd"]["bytes_sent"] < rows["dense"]["bytes_sent"]
+    assert codecs.families_table(res)  # the side-by-side table renders
+
+
+@needs_netns
+def test_node_cluster_shapes_only_the_uplinks():
+    from benchmarks.cluster.nodes import NodeCluster
+
+    before = _ours()
+    with NodeCluster(2, 2, rate="100mbit", burst="64kb") as net:
+        b = net.bridge_ns
+
+        def qdisc(ns, dev):
+            return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                                  text=True).stdout
+        for j in range(2):
+            assert "tbf" in qdisc(b, f"u{j}") and "100Mbit" in qdisc(b, f"c{j}")
+        for r in range(4):
+            assert "tbf" not in qdisc(b, f"p{r}") and "tbf" not in qdisc(net.worker_ns[r], "eth0")
+            master = subprocess.run(["ip", "-n", b, "-o", "link", "show", f"p{r}"], capture_output=True,
+                                    text=True).stdout
+            assert f"master n{net.node_of(r)} " in master
+        assert net.describe()["node_of_rank"] == [0, 0, 1, 1]
+    assert _ours() == before
+
+
+def test_nodes_smoke(tmp_path, monkeypatch):
+    """``comm --nodes 2 --local 2`` (tiny N, one step): the flat rows and,
+    once gtopk_plugin.hierarchical exists, the hierarchical ones; per node,
+    the bytes its workers sent split into intra + inter and add up to the
+    reducers' accounting; gTop-k's inter-node bytes are the issue's
+    formulas.  Shaped namespaces where possible, else loopback."""
+    from benchmarks.cluster import hier
+
+    monkeypatch.setenv("GTOPK_KERNELS", "reference")
+    before = _ours() if NETNS_OK else set()
+    out = str(tmp_path / "n.json")
+    assert cli.main(["comm", "--nodes", "2", "--local", "2", "--numel", "20000", "--density", "0.01",
+                     "--methods", "gtopk,topk", "--steps", "1", "--warmup", "0", "--quiet", "--json", out,
+                     "--timeout", "120"]) == 0
+    res = json.load(open(out))
+    assert res["meta"]["network"]["shaped"] == NETNS_OK
+    layouts = {"flat", "hier"} if hier.hier_available()[0] else {"flat"}
+    assert {(r["method"], r["layout"]) for r in res["rows"]} == {(m, lay) for m in ("gtopk", "topk")
+                                                                  for lay in layouts}
+    for r in res["rows"]:
+        tally = [a + b for a, b in zip(r["peer_intra_sent_per_node"], r["peer_inter_sent_per_node"])]
+        if r["layout"] == "flat":  # every byte a worker's accounting counts went to some node
+            acc = [sum(st["bytes_sent"] for q, st in enumerate(r["per_rank_stats"]) if q // 2 == j)
+                   for j in range(2)]
+        else:  # the reducer's own split, level by level
+            acc = [a + b for a, b in zip(r["stats_intra_sent_per_node"], r["stats_inter_sent_per_node"])]
+            assert r["stats_inter_sent_per_node"] == r["peer_inter_sent_per_node"]
+        assert tally == acc, r["layout"]
+        if r["method"] == "gtopk":
+            assert r["peer_inter_sent_per_node"] == [hier.expected_inter_per_node(r)] * 2
+        assert len(r["exchange_times"]) == 1
+    if NETNS_OK:
+        assert _ours() == before

@@ -1,0 +1,386 @@
+"""Flat against hierarchical reduction on an emulated cluster of nodes
+(issue #18): ``gtopk-bench cluster comm --nodes 2 4 --local 2``.
+
+Every configuration (``nodes`` × ``local`` workers on a
+:class:`~.nodes.NodeCluster`: unshaped inside a node, one shaped uplink per
+node) runs one worker job.  Each worker holds model-like gradients of N
+elements (``bytes_per_step.layer_shapes``, standard normal draws seeded
+1000 + rank, the same every step) and reduces them step after step with
+the library's reducers, each row a fresh reducer:
+
+* ``flat``: :class:`gtopk_plugin.GradientReducer` over all P workers;
+* ``hier``: :class:`gtopk_plugin.hierarchical.HierarchicalReducer` with
+  ``local_size=local`` (dense inside the node, the method between nodes).
+
+The rows take turns in passes (``--repeat``; every other pass reversed:
+A B C C B A ...), a warm-up step and ``--big-steps`` timed steps per row
+and pass, so a drift in the shared machine's load falls on every row
+alike.  Per step the slowest rank counts; the tables give the median over
+all passes' steps and the spread (min–max over steps, and each pass's
+median).
+
+Times come from the reducers' own phase clocks (``last_stats.seconds``):
+the *exchange* of a flat row is its ``communicate`` phase; of a
+hierarchical row, every phase that communicates (``intra``, ``inter``,
+...; the reducer's phase names are recorded as they are).  ``total`` is
+the whole ``reduce()`` call (selection included).
+
+Bytes: the reducers' accounting (``last_stats``; for hierarchical rows
+also its intra-/inter-node split), and independently a per-peer tally in
+every worker: the transport's point-to-point sends and receives are
+attributed to the peer's node (exact), its allreduces by gloo's ring (each
+rank sends 2(P−1)/P of the buffer to its right neighbour in the group):
+``inter`` = bytes to or from a worker of another node.  The uplinks' own
+counters over each job (``link_bytes``, frames with their headers, every
+row and warm-up step together) are recorded beside them.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Dict, List
+
+from . import harness, nodes as N_
+
+
+
+# ---------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------
+class PeerTally:
+    """Bytes this process sent to / received from workers of its own node
+    (``intra``) and of other nodes (``inter``), over every
+    TorchDistributedTransport in the process (the hierarchical reducer's
+    sub-group transports included): their ``_raw_*`` methods are wrapped."""
+
+    def __init__(self, node_of_rank: List[int], me: int):
+        self.node_of, self.me = node_of_rank, me
+        self.reset()
+
+    def reset(self):
+        self.b = {"intra_sent": 0, "intra_received": 0, "inter_sent": 0, "inter_received": 0}
+
+    def add(self, peer: int, nbytes: int, direction: str):
+        level = "intra" if self.node_of[peer] == self.node_of[self.me] else "inter"
+        self.b[f"{level}_{direction}"] += int(nbytes)
+
+    def install(self):
+        from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport as T
+
+        tally = self
+
+        def nb(t):
+            return t.numel() * t.element_size()
+
+        def wrap(name, fn):
+            setattr(T, name, fn)
+
+        orig = {n: getattr(T, n) for n in ("_raw_sendrecv", "_raw_send", "_raw_recv", "_raw_allreduce_sum_")}
+
+        def sendrecv(self, dst, send, src, recv):
+            tally.add(self._global(dst), nb(send), "sent")
+            tally.add(self._global(src), nb(recv), "received")
+            return orig["_raw_sendrecv"](self, dst, send, src, recv)
+
+        def send(self, peer, t):
+            tally.add(self._global(peer), nb(t), "sent")
+            return orig["_raw_send"](self, peer, t)
+
+        def recv(self, peer, t):
+            tally.add(self._global(peer), nb(t), "received")
+            return orig["_raw_recv"](self, peer, t)
+
+        def allreduce(self, t):
+            P, r = self.size, self.rank
+            if P > 1:  # gloo's ring: 2(P-1)/P of the buffer to the right, as much from the left
+                ring = 2 * (P - 1) * nb(t) // P
+                tally.add(self._global((r + 1) % P), ring, "sent")
+                tally.add(self._global((r - 1) % P), ring, "received")
+            return orig["_raw_allreduce_sum_"](self, t)
+
+        for name, fn in (("_raw_sendrecv", sendrecv), ("_raw_send", send), ("_raw_recv", recv),
+                         ("_raw_allreduce_sum_", allreduce)):
+            wrap(name, fn)
+        return self
+
+
+def _reducer(method, layout, p, ctx):
+    kw = dict(method=method, density=p["density"], **((p.get("hyper") or {}).get(method) or {}))
+    if layout == "flat":
+        from gtopk_plugin import GradientReducer
+        return GradientReducer(transport=ctx.transport, **kw)
+    from gtopk_plugin.hierarchical import HierarchicalReducer
+    return HierarchicalReducer(local_size=p["local"], **kw)  # ranks r // local on node r
+
+
+def _stats(st) -> Dict:
+    out = {k: getattr(st, k) for k in ("bytes_sent", "bytes_received", "k", "rounds", "control_bytes")}
+    for k in ("intra_bytes_sent", "intra_bytes_received", "inter_bytes_sent", "inter_bytes_received"):
+        if hasattr(st, k):
+            out[k] = int(getattr(st, k))
+    out["seconds"] = {k: float(v) for k, v in (st.seconds or {}).items()}
+    return out
+
+
+def nodes_grid(ctx, p):
+    """Worker body: ``p``: numel, density, local, node_of_rank, rows
+    ([method, layout]), steps, warmup, passes, hyper."""
+    import torch
+    from ..bytes_per_step import layer_shapes
+
+    tally = PeerTally(p["node_of_rank"], ctx.rank).install()
+    g = torch.Generator().manual_seed(1000 + ctx.rank)
+    grads = {n: torch.randn(s, generator=g) for n, s in layer_shapes(p["numel"]).items()}
+    out = {tuple(r): [] for r in p["rows"]}
+    job_tally = dict.fromkeys(tally.b, 0)
+    done = 0
+    for pas in range(p["passes"]):
+        order = p["rows"] if pas % 2 == 0 else p["rows"][::-1]
+        for method, layout in order:
+            red = _reducer(method, layout, p, ctx)
+            steps = []
+            for s in range(p["warmup"] + p["steps"]):
+                ctx.barrier()
+                tally.reset()
+                t0 = time.perf_counter()
+                red.reduce(grads)
+                dt = time.perf_counter() - t0
+                for k, v in tally.b.items():
+                    job_tally[k] += v
+                if s >= p["warmup"]:
+                    topo = getattr(red, "topology", None)
+                    steps.append(dict(_stats(red.last_stats), wall_s=dt, peer=dict(tally.b), pass_=pas,
+                                      leader=True if topo is None else bool(topo.is_leader)))
+            out[(method, layout)] += steps
+            del red
+            done += 1
+            ctx.progress(done=done, total=p["passes"] * len(p["rows"]),
+                         what=f"{p['nodes']}x{p['local']} {layout} {method} pass {pas + 1}")
+    return {"rows": [{"method": m, "layout": lay, "steps": v} for (m, lay), v in out.items()],
+            "job_tally": job_tally}
+
+
+# ---------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------
+def exchange_seconds(layout: str, seconds: Dict[str, float]) -> float:
+    """A step's exchange on one rank: the flat reducer's ``communicate``
+    phase; on a node leader of the hierarchical one its ``intra`` phases
+    (the node's dense allreduce and the result's broadcast) plus its inner
+    reducer's ``communicate`` (the exchange between nodes): the same parts
+    as the flat one, selection and bookkeeping left out."""
+    if layout == "flat":
+        return seconds.get("communicate", 0.0)
+    return seconds.get("intra", 0.0) + seconds.get("communicate", 0.0)
+
+
+def hier_available():
+    import importlib
+    try:
+        getattr(importlib.import_module("gtopk_plugin.hierarchical"), "HierarchicalReducer")
+    except Exception as e:  # noqa: BLE001 - any failure: rows not measured, said so
+        return False, f"{type(e).__name__}: {e}"
+    return True, "gtopk_plugin.hierarchical.HierarchicalReducer"
+
+
+def _merge(per_rank, nodes, local, node_of):
+    rows = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        rr = [pr["rows"][i]["steps"] for pr in per_rank]
+        n = len(rr[0])
+        lead = [r for r in rr if r[0]["leader"]]  # the ranks whose phases are the exchange's
+        ex = [max(exchange_seconds(row["layout"], r[s]["seconds"]) for r in lead) for s in range(n)]
+        wall = [max(r[s]["wall_s"] for r in rr) for s in range(n)]
+        phases = sorted({k for r in lead for st in r for k in st["seconds"]})
+        ph = {k: statistics.median([max(r[s]["seconds"].get(k, 0.0) for r in lead) for s in range(n)])
+              for k in phases}
+        others = [r for r in rr if not r[0]["leader"]]
+        if others:  # a non-leader's intra phase includes waiting for its leader's whole inner reduce
+            ph["intra (non-leaders)"] = statistics.median(
+                [max(r[s]["seconds"].get("intra", 0.0) for r in others) for s in range(n)])
+        passes = sorted({st["pass_"] for st in rr[0]})
+        per_pass = [statistics.median([ex[s] for s in range(n) if rr[0][s]["pass_"] == q]) for q in passes]
+        last = [r[-1] for r in rr]  # bytes: the same every step (exact counts)
+
+        def per_node(key, src):
+            tot = [0] * nodes
+            for rank, st in enumerate(last):
+                v = st["peer"][key] if src == "peer" else st.get(key)
+                if v is None:
+                    return None
+                tot[node_of[rank]] += v
+            return tot
+        out = dict(method=row["method"], layout=row["layout"], nodes=nodes, local=local, P=nodes * local,
+                   k=last[0]["k"], exchange_times=ex, exchange_s=statistics.median(ex),
+                   exchange_per_pass=per_pass, wall_times=wall, wall_s=statistics.median(wall),
+                   phases_s=ph, bytes_sent=max(st["bytes_sent"] for st in last),
+                   bytes_received=max(st["bytes_received"] for st in last),
+                   rounds=last[0]["rounds"], per_rank_stats=[{k: v for k, v in st.items() if k != "pass_"}
+                                                             for st in last])
+        for key in ("inter_sent", "inter_received", "intra_sent", "intra_received"):
+            out[f"peer_{key}_per_node"] = per_node(key, "peer")
+            out[f"stats_{key}_per_node"] = per_node(key.replace("_", "_bytes_", 1), "stats")
+        rows.append(out)
+    return rows
+
+
+def expected_inter_per_node(row) -> int:
+    """The issue's formula for gTop-k at power-of-two sizes: hierarchical
+    log2(nodes)·k·8 per node; flat log2(P)·k·8 per *worker*, of which the
+    rounds with a partner on another node, log2(P) − log2(local), cross the
+    uplink, for each of the node's ``local`` workers."""
+    k, n, L = row["k"], row["nodes"], row["local"]
+    if row["layout"] == "hier":
+        return int(math.log2(n)) * k * 8
+    return L * (int(math.log2(n * L)) - int(math.log2(L))) * k * 8
+
+
+def cmd_nodes(args) -> dict:
+    from .cli import _flat, _meta, _warm_kernels, _summarise_qdisc  # the comm command's helpers
+    from . import codecs
+
+    node_counts, local = _flat(args.nodes), int(args.local)
+    methods = _flat(args.methods)
+    layouts = [x for x in args.layouts.replace(",", " ").split() if x]
+    progress = harness.Progress(0, "nodes", disable=args.quiet)
+    ok_h, why_h = hier_available()
+    if "hier" in layouts and not ok_h:
+        progress.note(f"hierarchical rows not measured: {why_h}")
+        layouts = [x for x in layouts if x != "hier"]
+    rows = [[m, lay] for m in methods for lay in layouts if not (lay == "hier" and m == "dense")]
+    progress.total = len(node_counts) * len(rows) * args.repeat
+    if progress._bar is not None:
+        progress._bar.total = progress.total
+    kern = _warm_kernels(progress)
+    hyper = codecs.parse_hyper(args.hyper)
+    N = _flat(args.numel)[0]
+    density = _flat(args.density)[0]
+    steps = args.big_steps if N >= 10_000_000 else args.steps
+    out = {"meta": None, "rows": [], "jobs": [], "qdisc": {},
+           "settings": {"numel": N, "density": density, "local": local, "nodes": node_counts,
+                        "steps": steps, "warmup": args.warmup, "passes": args.repeat, "rows": rows,
+                        "hierarchical": why_h, "seed": "grads: torch.randn, Generator seed 1000 + rank",
+                        "hyper": hyper}}
+    with harness.signals_as_exceptions():
+        for n in node_counts:
+            load = harness.wait_for_quiet(args.max_load, args.max_wait, progress, args.max_busy)
+            net = N_.network(n, local, args)
+            desc = net.describe()
+            if out["meta"] is None:
+                out["meta"] = _meta(args, desc)
+                out["meta"]["kernels"] = kern
+                if not desc["shaped"]:
+                    progress.note(f"NOT SHAPED: {desc.get('why')}; every result is labelled 'unshaped'")
+            node_of = [r // local for r in range(n * local)]
+            with net:
+                lb0 = net.link_bytes() if hasattr(net, "link_bytes") else None
+                t0, load0 = time.time(), harness.loadavg()
+                payload = dict(numel=N, density=density, local=local, nodes=n, node_of_rank=node_of, rows=rows,
+                               steps=steps, warmup=args.warmup, passes=args.repeat, hyper=hyper)
+                per_rank = harness.run_job(net, n * local, nodes_grid, payload, "torch", progress,
+                                           timeout=args.timeout, echo=args.echo)
+                lb1 = net.link_bytes() if lb0 is not None else None
+                for r in _merge(per_rank, n, local, node_of):
+                    out["rows"].append(dict(r, label=desc.get("label"), shaped=desc["shaped"], loadavg=load))
+                tallies = [pr["job_tally"] for pr in per_rank]
+                job = {"nodes": n, "local": local, "seconds": round(time.time() - t0, 1),
+                       "loadavg_start": load0, "loadavg_end": harness.loadavg()}
+                if lb0 is not None:
+                    job["uplink_bytes"] = {d: [b - a for a, b in zip(lb0[d], lb1[d])] for d in lb0}
+                    job["tally_inter_sent_per_node"] = [sum(t["inter_sent"] for r, t in enumerate(tallies)
+                                                            if node_of[r] == j) for j in range(n)]
+                out["jobs"].append(job)
+                out["qdisc"][f"{n}x{local}"] = _summarise_qdisc(net.qdisc_stats())
+    progress.close()
+    out["meta"]["loadavg_end"] = harness.loadavg()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------
+def _ms(t):
+    return f"{t * 1e3:.1f}" if t >= 0.01 else f"{t * 1e3:.2f}"
+
+
+def _nb(v):
+    return "–" if v is None else f"{max(v):,}"
+
+
+def table(res) -> List[str]:
+    out = ["| nodes × local | method | layout | exchange ms: median (min–max) | per pass | reduce() total ms "
+           "| phases ms (median) | bytes sent / worker (accounting) | inter-node B sent / node (tally; "
+           "reducer) | expected | intra-node B sent / node (tally; reducer) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(res["rows"], key=lambda r: (r["P"], r["method"], r["layout"])):
+        exp = f"{expected_inter_per_node(r):,}" if r["method"] == "gtopk" else "–"
+        ph = ", ".join(f"{k} {_ms(v)}" for k, v in r["phases_s"].items() if k != "total")
+        out.append(f"| {r['nodes']} × {r['local']} | {r['method']} | {r['layout']} | {_ms(r['exchange_s'])} "
+                   f"({_ms(min(r['exchange_times']))}–{_ms(max(r['exchange_times']))}) | "
+                   f"{', '.join(_ms(x) for x in r['exchange_per_pass'])} | {_ms(r['wall_s'])} | {ph} | "
+                   f"{r['bytes_sent']:,} | {_nb(r['peer_inter_sent_per_node'])}; "
+                   f"{_nb(r['stats_inter_sent_per_node'])} | {exp} | {_nb(r['peer_intra_sent_per_node'])}; "
+                   f"{_nb(r['stats_intra_sent_per_node'])} |")
+    return out
+
+
+def goals(res) -> List[str]:
+    out = []
+    idx = {(r["P"], r["method"], r["layout"]): r for r in res["rows"]}
+    for (P, m, lay), h in sorted(idx.items()):
+        f = idx.get((P, m, "flat"))
+        if lay != "hier" or f is None:
+            continue
+        q = h["exchange_s"] / f["exchange_s"]
+        qt = h["wall_s"] / f["wall_s"]
+        goal = f" (goal ≤ 0.7: {'met' if q <= 0.7 else 'NOT met'})" if m == "gtopk" else ""
+        out.append(f"- {h['nodes']} × {h['local']} {m}: hierarchical exchange {_ms(h['exchange_s'])} ms vs flat "
+                   f"{_ms(f['exchange_s'])} ms → {q:.2f}×{goal}; whole reduce() {qt:.2f}×")
+    return out
+
+
+def plot(res, path):
+    plt = None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = res["rows"]
+    if not rows:
+        return None
+    confs = sorted({(r["nodes"], r["local"]) for r in rows})
+    series = sorted({(r["method"], r["layout"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    w = 0.8 / len(series)
+    for i, (m, lay) in enumerate(series):
+        xs, ex, lo, hi, inter = [], [], [], [], []
+        for j, (n, L) in enumerate(confs):
+            r = next((r for r in rows if (r["nodes"], r["local"], r["method"], r["layout"]) == (n, L, m, lay)), None)
+            if r is None:
+                continue
+            xs.append(j + (i - (len(series) - 1) / 2) * w)
+            ex.append(r["exchange_s"] * 1e3)
+            lo.append((r["exchange_s"] - min(r["exchange_times"])) * 1e3)
+            hi.append((max(r["exchange_times"]) - r["exchange_s"]) * 1e3)
+            inter.append(max(r["peer_inter_sent_per_node"]) / 1e6)
+        hatch = "//" if lay == "hier" else None
+        axes[0].bar(xs, ex, w, yerr=[lo, hi], capsize=2, label=f"{m} {lay}", hatch=hatch)
+        axes[1].bar(xs, inter, w, label=f"{m} {lay}", hatch=hatch)
+    for ax, yl in ((axes[0], "exchange ms (median, min–max over steps)"),
+                   (axes[1], "MB per node per step over its uplink (tally)")):
+        ax.set_xticks(range(len(confs)))
+        ax.set_xticklabels([f"{n} nodes × {L}" for n, L in confs])
+        ax.set_yscale("log")
+        ax.set_ylabel(yl)
+        ax.grid(True, axis="y", which="both", ls=":")
+    axes[0].legend(fontsize=8)
+    s = res["settings"]
+    fig.suptitle(f"Flat vs hierarchical, N = {s['numel']:,}, density {s['density']:g}, 1 Gbit/s per node uplink, "
+                 "unshaped inside a node (2 shared cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
