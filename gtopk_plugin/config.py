@@ -18,7 +18,10 @@ from . import registry
 OPS = ("average", "sum")
 GRANULARITIES = ("layer", "global")
 NONFINITE = ("raise", "skip", "propagate")
-WIRE_DTYPES = (torch.float16, torch.bfloat16)
+# values on the wire: fp16/bf16 casts, or int8 with a per-message
+# power-of-two scale (collectives/wire.py: 5 bytes per int32-indexed entry)
+WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+WIRE_ROUNDINGS = ("nearest", "stochastic")  # the int8 wire's rounding
 KERNEL_BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 DensitySchedule = Union[None, Sequence[float], Callable[[int], float], "DensityWarmup"]
@@ -122,6 +125,9 @@ class ReducerConfig:
     # tensors with fewer entries go dense (exact allreduce) in the same step;
     # 0 = off (gtopk_plugin/small_tensors.py)
     dense_below: int = 0
+    # the int8 wire's rounding: "nearest" or "stochastic" (unbiased, keyed
+    # by (seed, step, ...) like every random draw)
+    wire_rounding: str = "nearest"
 
     def __post_init__(self):
         # Method, hyper-parameters and merge are validated against the
@@ -159,8 +165,13 @@ class ReducerConfig:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; pass 'layer' or 'global'")
         if self.value_dtype is not None and self.value_dtype not in WIRE_DTYPES:
-            raise ValueError(
-                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {self.value_dtype!r}")
+            raise ValueError(f"value_dtype must be None, torch.float16, torch.bfloat16 or torch.int8; "
+                             f"got {self.value_dtype!r}")
+        if self.wire_rounding not in WIRE_ROUNDINGS:
+            raise ValueError(f"unknown wire_rounding {self.wire_rounding!r}; pass 'nearest' or 'stochastic'")
+        if self.wire_rounding != "nearest" and self.value_dtype != torch.int8:
+            raise ValueError("wire_rounding='stochastic' applies to the int8 wire; pass "
+                             "value_dtype=torch.int8 (fp16/bf16 casts round to nearest)")
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}; pass 'average' or 'sum'")
         if not isinstance(self.seed, int):

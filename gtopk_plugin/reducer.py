@@ -73,8 +73,13 @@ class GradientReducer(ReducerState):
             ``merges`` ("allgather" or "gtopk" for the sparse selectors:
             ``merge="gtopk"`` puts any of them on the butterfly).
         granularity: "layer" (k per tensor) or "global" (k over the bucket).
-        value_dtype: None, torch.float16 or torch.bfloat16: values on the
-            wire (selectors; a codec sets its own wire format).
+        value_dtype: None, torch.float16, torch.bfloat16, or torch.int8 (5
+            bytes per entry: int8 codes with a power-of-two scale per message,
+            the rounding error kept exactly in the residual; docs/api.md):
+            values on the wire (selectors; a codec sets its own wire format).
+        wire_rounding: the int8 wire's rounding, "nearest" (default) or
+            "stochastic" (unbiased; draws keyed by (seed, step), like
+            random-k's).
         op: "average" (divide by P) or "sum".
         transport: a :class:`Transport`; default: torch.distributed's default group.
         seed: seed of random-k's shared draws and rTop-k's per-rank draws
@@ -113,7 +118,8 @@ class GradientReducer(ReducerState):
                  nonfinite: str = "raise", error_feedback: bool = True,
                  kernels: Optional[str] = None, momentum: Optional[float] = None,
                  nesterov: bool = False, dampening: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: Optional[float] = None, dense_below: int = 0, **hyper):
+                 clip_norm: Optional[float] = None, dense_below: int = 0, wire_rounding: str = "nearest",
+                 **hyper):
         kw = {} if kernels is None else {"kernels": kernels}
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=value_dtype, op=op,
@@ -121,7 +127,7 @@ class GradientReducer(ReducerState):
                                     error_feedback=bool(error_feedback), momentum=momentum,
                                     nesterov=bool(nesterov), dampening=dampening,
                                     momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
-                                    hyper=hyper, dense_below=dense_below, **kw)
+                                    hyper=hyper, dense_below=dense_below, wire_rounding=wire_rounding, **kw)
         if transport is None:
             transport = TorchDistributedTransport()
         if not isinstance(transport, Transport):
@@ -250,7 +256,11 @@ class GradientReducer(ReducerState):
             idx, wire_vals = None, vals
         else:
             idx, vals = picked if picked is not None else self.compressor.select(acc, offsets, k, ctx)
-            wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype)
+            draws = None if cfg.wire_rounding == "nearest" else wire.Draws(cfg.seed, self.step, seg_names[0])
+            self._aggregation.draws = draws  # the aggregation's own re-roundings (int8 wire)
+            wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype) if draws is None else \
+                wire.quantize(vals, draws(f"rank{self.transport.rank}",
+                                          torch.arange(numel, device=acc.device) if idx is None else idx))[0]
         seconds["select"] = time.perf_counter() - t1 + t_comp
 
         t2 = time.perf_counter()
@@ -267,10 +277,11 @@ class GradientReducer(ReducerState):
                                            flatres.bufs, cfg.kernels)
         # Residual: acc less what reached the global result, as it travelled
         # (error feedback, the same wrapper for selectors and codecs).
+        sent_vals = wire.values(wire_vals, dtype)  # the int8 wire decoded (exact)
         if idx is not None and agg.reached is not None and not bool(agg.reached.all()):
-            idx, wire_reached = idx[agg.reached], wire_vals[agg.reached]
+            idx, wire_reached = idx[agg.reached], sent_vals[agg.reached]
         else:
-            wire_reached = wire_vals
+            wire_reached = sent_vals
         exact = not self.codec and wire_vals.dtype == dtype
         self.memory.commit_step(flatres, acc, idx, wire_reached, exact, agg.residual_add, cfg.kernels)
         if self.momentum.enabled and idx is not None:
@@ -360,7 +371,7 @@ class GradientReducer(ReducerState):
         ks = segment_ks(sizes, density, cfg.granularity, full=self.codec)
         layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)]
         layout.append(("settings", cfg.method, self.aggregation, cfg.granularity, str(cfg.value_dtype),
-                       cfg.op, self.step, tuple(ks)))
+                       cfg.wire_rounding, cfg.op, self.step, tuple(ks)))
         if self.compressor.hyperparams:
             layout.append(("hyper",) + tuple(sorted(self.compressor.hyper.items())))
         return layout, sizes

@@ -6,10 +6,14 @@ convergence study to simulate many workers quickly and exactly.
 
 Only the selection kernels (the reference back end) and ``k_for`` are
 shared: they are the spec, tested separately against a brute-force oracle.
+The int8 wire (issue #17) is modelled here from its specification (numpy,
+float64; see :func:`_int8_model`), not by calling collectives/wire.py.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence
+import hashlib
+import math
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +68,7 @@ class Oracle:
             dtype = torch.promote_types(dtype, grads_per_rank[0][n].dtype)
         wire = cfg.value_dtype or dtype
         density = cfg.density_at(self.step_count)
+        key = f"{cfg.seed}:{self.step_count}:"  # + the call's salt and the stream (wire.Draws)
         if cfg.granularity == "layer":
             offs = np.cumsum([0] + sizes)
             ks = [k_for(density, s) for s in sizes]
@@ -74,6 +79,16 @@ class Oracle:
             seg_names = [global_segment_name(names)]
         N = int(offs[-1])
         offsets_t, k_t = torch.tensor(offs, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
+        key += f"{seg_names[0]}:"
+
+        def to_wire(v: Tensor, stream: str, pos: Tensor) -> Tensor:
+            """``v`` as the wire carries it (fp16/bf16: a cast; int8: one
+            message quantized, decoded, in ``v``'s dtype); ``pos``: the
+            entries' indices (the stochastic draws' counters)."""
+            if wire != torch.int8:
+                return _round_clamped(v, wire)
+            u = _uniform_model(key + stream, pos.numpy()) if cfg.wire_rounding == "stochastic" else None
+            return _int8_model(v, u)
 
         accs = []
         for r in range(P):
@@ -102,7 +117,7 @@ class Oracle:
                                        rank=r, kernels="reference")
                 i, v = self.selector.select(accs[r], offsets_t, k_t, ctx)
             sel_idx.append(i.long())
-            sel_wire.append(_round_clamped(v, wire))
+            sel_wire.append(to_wire(v, f"rank{r}", i.long()))
 
         # A wire narrower than the gradients: sums in float32 (at least),
         # every re-rounding owned by one rank (DESIGN.md §3, precision);
@@ -111,7 +126,7 @@ class Oracle:
         charges: List[List[Tensor]] = [[] for _ in range(P)]
         reached = [torch.ones(i.numel(), dtype=torch.bool) for i in sel_idx]
         if self.aggregation == "gtopk":
-            result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, wire, acc_dt,
+            result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, to_wire, acc_dt,
                                      charges).to(dtype)
         elif acc_dt is not None and self.aggregation in ("dense", "allreduce_values") and P > 1:
             # every rank's value vector (the same positions everywhere) summed
@@ -120,9 +135,11 @@ class Oracle:
             total = torch.zeros(sel_wire[0].numel(), dtype=acc_dt)
             for r in range(P):
                 total = total + sel_wire[r].to(acc_dt)
-            rounded = _round_clamped(total, wire)
-            err = total - rounded.to(acc_dt)
             n = total.numel()
+            # each shard is rounded by its owner as one message (int8: its own scale)
+            rounded = torch.cat([to_wire(total[n * q // P:n * (q + 1) // P], f"shard{q}",
+                                         torch.arange(n * q // P, n * (q + 1) // P)) for q in range(P)])
+            err = total - rounded.to(acc_dt)
             for q in range(P):
                 e = torch.zeros(N, dtype=acc_dt)
                 pos = torch.arange(n * q // P, n * (q + 1) // P)
@@ -155,7 +172,7 @@ class Oracle:
         self.step_count += 1
         return {n: u.view(s) for n, u, s in zip(names, torch.split(result, sizes), shapes)}
 
-    def _butterfly(self, sel_idx, sel_wire, reached, offs, ks, N, wire, acc_dt, charges) -> Tensor:
+    def _butterfly(self, sel_idx, sel_wire, reached, offs, ks, N, to_wire, acc_dt, charges) -> Tensor:
         """Explicit group simulation: a group's set is a dense (mask, values)
         pair; a merge adds masked values and keeps the per-segment top-k by
         brute force.  Worker m's entry i reached the result iff i is in its
@@ -166,10 +183,11 @@ class Oracle:
         before every butterfly round and once at the end, and the error goes
         to the group's lowest member -- kept only at indices that stay in the
         group's set through every later merge (``charges``, in order).
-        Returns the result in the wire dtype."""
+        ``to_wire(values, stream, indices)`` rounds one message.  Returns the
+        result as the wire carries it."""
         P = self.P
         Pp = 1 << (P.bit_length() - 1)
-        vdt = acc_dt or wire
+        vdt = acc_dt or sel_wire[0].dtype
 
         def own(r):
             m = torch.zeros(N, dtype=torch.bool)
@@ -178,10 +196,12 @@ class Oracle:
             v[sel_idx[r]] = sel_wire[r].to(vdt)
             return {"mask": m, "vals": v, "members": [r], "pending": []}
 
-        def round_set(g):
+        def round_set(g, stream):
             if acc_dt is None:
                 return
-            w = _round_clamped(g["vals"], wire).to(acc_dt)
+            pos = torch.nonzero(g["mask"]).squeeze(1)  # the set's message, ascending indices
+            w = torch.zeros(N, dtype=acc_dt)
+            w[pos] = to_wire(g["vals"][pos], stream, pos).to(acc_dt)
             err = torch.where(g["mask"], g["vals"] - w, torch.zeros((), dtype=acc_dt))
             g["vals"] = w
             if bool((err != 0).any()):
@@ -211,16 +231,16 @@ class Oracle:
         j = 1
         while j < Pp:
             for r in range(0, Pp, j):  # one slot per group (groups are blocks of j)
-                round_set(slots[r])
+                round_set(slots[r], f"round{j.bit_length() - 1}:group{r}")
             for r in range(0, Pp, 2 * j):
                 g = merge(slots[r], slots[r + j])
                 for q in range(r, r + 2 * j):
                     slots[q] = g
             j <<= 1
-        round_set(slots[0])
+        round_set(slots[0], "final")
         for o, e in slots[0]["pending"]:
             charges[o].append(e)
-        return slots[0]["vals"].to(wire)
+        return slots[0]["vals"].to(sel_wire[0].dtype)
 
 
 def _round_clamped(v: Tensor, dtype: torch.dtype) -> Tensor:
@@ -230,3 +250,54 @@ def _round_clamped(v: Tensor, dtype: torch.dtype) -> Tensor:
         big = torch.finfo(dtype).max
         v = v.clamp(-big, big)
     return v.to(dtype)
+
+
+def _uniform_model(key: str, idx: np.ndarray) -> Tensor:
+    """The int8 wire's stochastic draws, from their specification
+    (``wire.uniform``): the 32-bit "lowbias32" hash applied to the index's
+    low word xor the key's low word, then again with the high words; the
+    uniform is the hash times 2^-32.  numpy uint64 arithmetic (wraps)."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    M = np.uint64(0xFFFFFFFF)
+
+    def mix(x):
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(0x7FEB352D)) & M
+        x = x ^ (x >> np.uint64(15))
+        x = (x * np.uint64(0x846CA68B)) & M
+        return x ^ (x >> np.uint64(16))
+
+    i = idx.astype(np.uint64)
+    x = mix((i & M) ^ np.uint64(h & 0xFFFFFFFF))
+    x = mix(x ^ (i >> np.uint64(32)) ^ np.uint64(h >> 32))
+    return torch.from_numpy(x.astype(np.float64) / 2.0 ** 32)
+
+
+def _int8_model(v: Tensor, u: Optional[Tensor]) -> Tensor:
+    """One int8-wire message, decoded, in ``v``'s dtype (DESIGN.md §3 and
+    collectives/wire.py's docstring are the spec): e is the smallest
+    integer with max|v| <= 127·2^e, within [-128, 127] and no finer than
+    ``v``'s dtype's smallest subnormal; q = v/2^e rounded to nearest (ties
+    to even) or, with uniforms ``u``, down/up with probability of the
+    fraction (|x| < 1/2: 0); |q| <= 127 and |q|·2^e finite in ``v``'s dtype."""
+    a = v.detach().double().numpy()
+    fi = torch.finfo(v.dtype)
+    e_min = max(-128, round(math.log2(fi.smallest_normal * fi.eps)))
+    m = float(np.abs(a).max()) if a.size else 0.0
+    e = e_min
+    if m > 0:
+        e = math.ceil(math.log2(m / 127.0))
+        while 127.0 * 2.0 ** e < m:
+            e += 1
+        while 127.0 * 2.0 ** (e - 1) >= m:
+            e -= 1
+        e = min(max(e, e_min), 127)
+    x = a / 2.0 ** e
+    if u is None:
+        q = np.round(x)
+    else:
+        q = np.floor(x) + (u.numpy() < x - np.floor(x))
+        q[np.abs(x) < 0.5] = 0.0
+    cap = min(127, math.floor(fi.max / 2.0 ** e))
+    # + 0.0: an integer code has no signed zero (-0.0 + 0.0 = +0.0)
+    return torch.from_numpy(np.clip(q, -cap, cap) * 2.0 ** e + 0.0).to(v.dtype)

@@ -28,7 +28,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Iterable, Union
 
-__all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS"]
+__all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS", "WIRE_FORMATS", "sparse_message_bytes",
+           "gtopk_bytes", "allgather_bytes", "sharded_allreduce_bytes"]
+
+# Values on the wire (DESIGN.md §3): (bytes per value, bytes per message).
+# int8: one code per value plus one exponent byte per message (the
+# per-message power-of-two scale of collectives/wire.py).
+WIRE_FORMATS = {"fp32": (4, 0), "fp16": (2, 0), "bf16": (2, 0), "int8": (1, 1)}
 
 # Fields a transport counts (as TrafficCounters names them).
 TRANSPORT_FIELDS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sent",
@@ -116,3 +122,52 @@ class StepTraffic:
         d["bytes_sent"] = self.bytes_sent
         d["bytes_received"] = self.bytes_received
         return d
+
+
+# -- exact byte predictions (the collectives' counters equal these) ---------
+def sparse_message_bytes(entries: int, wire: str = "fp32", index_bytes: int = 4) -> int:
+    """One (index, value) message: ``entries·(index + value bytes) + header``
+    (int8: ``5·k + 1`` with int32 indices)."""
+    vb, hb = WIRE_FORMATS[wire]
+    return int(entries) * (index_bytes + vb) + hb
+
+
+def gtopk_bytes(P: int, rank: int, K: int, wire: str = "fp32", index_bytes: int = 4) -> tuple:
+    """``(sent, received)`` payload bytes of ``rank`` in one gTop-k butterfly
+    of exact top-k sets (K entries per message, every message the same size):
+    log2 P' exchanges among ranks < P' = 2^⌊log2 P⌋; with P > P', ranks
+    r >= P' send one message (fold-in) and receive the result plus a
+    ⌈K/8⌉-byte survivor bitmask (fold-out) from r − P'."""
+    P, r = int(P), int(rank)
+    if P == 1:
+        return 0, 0
+    Pp = 1 << (P.bit_length() - 1)
+    m = sparse_message_bytes(K, wire, index_bytes)
+    mask = -(-int(K) // 8)
+    if r >= Pp:
+        return m, m + mask
+    core = (Pp.bit_length() - 1) * m
+    folded = r < P - Pp
+    return core + (m + mask if folded else 0), core + (m if folded else 0)
+
+
+def allgather_bytes(P: int, K: int, wire: str = "fp32", index_bytes: int = 4) -> int:
+    """Sparse allgather of exact top-k sets: (P−1) messages sent and as many
+    received per rank (a ring), each :func:`sparse_message_bytes`."""
+    return (int(P) - 1) * sparse_message_bytes(K, wire, index_bytes)
+
+
+def sharded_allreduce_bytes(P: int, rank: int, n: int, wire: str) -> tuple:
+    """``(sent, received)`` of the reduce-scatter + allgather that sums ``n``
+    values on a wire narrower than the gradients (dense, random-k;
+    collectives/dense.py): shard q is ``[n·q//P, n·(q+1)//P)``; each of the
+    2·(P−1) messages a rank sends (and receives) carries its own header."""
+    P, r, n = int(P), int(rank), int(n)
+    if P == 1:
+        return 0, 0
+    vb, hb = WIRE_FORMATS[wire]
+    size = [n * (q + 1) // P - n * q // P for q in range(P)]
+    own, right = size[r], size[(r + 1) % P]
+    sent = vb * (2 * n - own - right) + 2 * (P - 1) * hb
+    received = vb * ((P - 1) * own + n - own) + 2 * (P - 1) * hb
+    return sent, received

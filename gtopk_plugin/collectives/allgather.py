@@ -1,6 +1,8 @@
 """Sparse allgather (the Top-k S-SGD aggregation, "TopKAllReduce"): every
 worker receives every other worker's (index, value) set, O(kP) traffic, and
-sums them in rank order so every rank gets the same bits (DESIGN.md §3)."""
+sums them in rank order so every rank gets the same bits (DESIGN.md §3).
+With the int8 wire each message carries its sender's own exponent byte
+(``k·(b_idx + 1) + 1`` bytes) and is decoded exactly before the sum."""
 from __future__ import annotations
 
 import torch
@@ -24,5 +26,5 @@ class SparseAllGather(Aggregation):
         out = torch.zeros(sel.numel, dtype=sel.sum_dtype, device=sel.vals.device)
         for b in blobs:  # rank order: identical bits on every rank
             i, v, _ = wire.unpack(b.to(sel.vals.device), sel.idx_dtype, sel.vals.dtype)
-            out.index_add_(0, i.long(), v.to(sel.sum_dtype))
+            out.index_add_(0, i.long(), wire.values(v, sel.sum_dtype).to(sel.sum_dtype))
         return Aggregated(None, out, None, P - 1)

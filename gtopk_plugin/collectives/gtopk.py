@@ -22,11 +22,19 @@ once at the end.  Each such rounding is charged to one rank -- the lowest
 of the group that holds the set -- at the indices that go on to reach the
 result, through ``Aggregated.residual_add``; so mass is conserved to
 float32 rounding with no extra bytes on the wire.
+
+int8 wire (issue #17): the same scheme with :func:`wire.quantize` as the
+rounding -- each message (a rank's own set, a group's merged set before
+each round, the result) is quantized with its own power-of-two scale (one
+exponent byte per message), merges add the exactly decoded values in
+float32, and the owner's residual gets the exact rounding error.  With
+stochastic rounding every member of a group draws the same numbers (keyed
+by the group's lowest rank and the round), so they still agree bit for bit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -42,7 +50,7 @@ Tensor = torch.Tensor
 @dataclass
 class ButterflyResult:
     idx: Tensor        # global indices of the result (ascending)
-    vals: Tensor       # summed values (wire dtype)
+    vals: Tensor       # summed values (wire dtype; int8 wire: decoded, float32)
     sent_mask: Tensor  # bool over the caller's own entries: reached the result
     rounds: int
     # (int64 global idx, values in the accumulation dtype): wire roundings
@@ -95,7 +103,8 @@ class _Charges:
 
 def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, transport: Transport,
                     idx_dtype: torch.dtype, static_count: bool,
-                    kernels_choice=None, sum_dtype: Optional[torch.dtype] = None) -> ButterflyResult:
+                    kernels_choice=None, sum_dtype: Optional[torch.dtype] = None,
+                    draws: Optional[Callable[[str, Tensor], Tensor]] = None) -> ButterflyResult:
     """Run the butterfly on this rank's sparse set ``(idx, vals)``.
 
     ``static_count``: every set in flight has exactly ``sum(k)`` entries (exact
@@ -111,43 +120,50 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     and the rounding errors that reach the result are returned in
     ``residual_add`` of the group's lowest rank (see :class:`_Charges`).
     Messages keep the wire dtype: the bytes are those of a plain wire.
+
+    int8 wire (``vals`` an int8 wire tensor from :func:`wire.quantize`):
+    every rounding is a quantization with the message's own exponent;
+    ``draws(stream, idx)`` (uniforms per index, keyed like every random draw) makes it
+    stochastic, ``None`` rounds to nearest.  Messages are ``n·(b_idx + 1) + 1``
+    bytes; the result's values come back decoded (float32 at least).
     """
     P, r = transport.size, transport.rank
     dev = vals.device
     wdt = vals.dtype
     own_idx = idx.long()
     alive = torch.ones(own_idx.numel(), dtype=torch.bool, device=dev)
+    adt = wire.accumulation_dtype(wdt, wdt if sum_dtype is None else sum_dtype)
     if P == 1:
-        return ButterflyResult(idx, vals, alive, 0)
+        return ButterflyResult(idx, vals if adt is None else wire.values(vals, adt), alive, 0)
 
     sched = butterfly_schedule(P, r)  # who talks to whom (collectives/schedule.py)
-    eb = wire.entry_bytes(idx_dtype, wdt)
     K = int(k.sum())
-    msg_bytes = K * eb if static_count else None
-    adt = wire.accumulation_dtype(wdt, wdt if sum_dtype is None else sum_dtype)
+    msg_bytes = wire.message_bytes(K, idx_dtype, wdt) if static_count else None
     charges = None if adt is None else _Charges(dev, adt)
 
     def merge(a_idx, a_val, b_idx, b_val):
         if adt is not None:
-            b_val = b_val.to(adt)  # exact: the partner's wire values
+            b_val = wire.values(b_val, adt).to(adt)  # exact: the partner's wire values
         return kernels.merge_select(a_idx, a_val, b_idx, b_val, offsets, k, kernels=kernels_choice)
 
     def unpack(blob, extra=0):
         i, v, tail = wire.unpack(blob.to(dev), idx_dtype, wdt, extra)
         return i, v, tail
 
-    def to_wire(cur_idx, cur_val, owner: bool):
+    def to_wire(cur_idx, cur_val, owner: bool, stream: str):
         """(values to send, the set's values from now on): the wire
-        rounding, recorded when this rank owns it."""
+        rounding, recorded when this rank owns it.  ``stream``: the key of
+        stochastic draws, the same on every member of the group."""
         if adt is None:
             return cur_val, cur_val
-        w, err = wire.round_to_wire(cur_val, wdt)
+        u = None if draws is None else draws(stream, cur_idx)
+        w, err = wire.round_to_wire(cur_val, wdt, u)
         if owner:
             charges.record(cur_idx, err)
-        return w, w.to(adt)
+        return w, wire.values(w, adt).to(adt)
 
     cur_idx = idx.to(idx_dtype)
-    cur_val = vals if adt is None else vals.to(adt)
+    cur_val = vals if adt is None else wire.values(vals, adt).to(adt)
     headers = not static_count
     own_mask_bytes = wire.bitmask_bytes(own_idx.numel())
 
@@ -172,7 +188,8 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         peer = rnd.peer
         send = None
         if peer is not None:
-            send, cur_val = to_wire(cur_idx, cur_val, owner=rnd.owns_rounding)
+            low = r & ~((1 << rnd.j) - 1)  # the group's lowest rank (the same on every member)
+            send, cur_val = to_wire(cur_idx, cur_val, rnd.owns_rounding, f"round{rnd.j}:group{low}")
         blob = transport.phase(peer, wire.pack(cur_idx, send, idx_dtype) if peer is not None else None,
                                peer, msg_bytes, dev, headers)
         if peer is None:
@@ -190,8 +207,11 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     # The result travels and is returned in the wire dtype on every rank
     # (folded ranks included): one last rounding, owned by rank 0 (the
     # lowest rank of the final group); every entry of it is in the result.
+    final_w = None
     if sched.in_core:
-        cur_val, _ = to_wire(cur_idx, cur_val, owner=sched.owns_final_rounding)
+        final_w, dec = to_wire(cur_idx, cur_val, sched.owns_final_rounding, "final")
+        # the result's values: the wire dtype's, or the int8 wire decoded
+        cur_val = final_w if final_w.dtype != wire.QUANTIZED else dec
     residual_add = None if charges is None else charges.result()
 
     # Phase 3: the folded ranks get the result plus a bitmask of which of
@@ -201,11 +221,13 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         send_to, recv_from = sched.fold_out.send_to, sched.fold_out.recv_from
         out = None
         if send_to is not None:
-            out = torch.cat([wire.pack(cur_idx, cur_val, idx_dtype), wire.pack_bits(folded_alive)])
+            out = torch.cat([wire.pack(cur_idx, final_w, idx_dtype), wire.pack_bits(folded_alive)])
         blob = transport.phase(send_to, out, recv_from,
                                None if msg_bytes is None else msg_bytes + own_mask_bytes, dev, headers)
         if recv_from is not None:
             res_idx, res_val, bits = unpack(blob, own_mask_bytes)
+            if adt is not None:
+                res_val = wire.values(res_val, adt)
             return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), own_idx.numel()),
                                    message_rounds(P))
     return ButterflyResult(cur_idx, cur_val, alive, message_rounds(P), residual_add)
@@ -213,10 +235,14 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
 
 @register("gtopk")
 class GTopKAllReduce(Aggregation):
-    """The butterfly as an aggregation: the result is the ≤ k global set."""
+    """The butterfly as an aggregation: the result is the ≤ k global set.
+    ``draws``: the int8 wire's stochastic-rounding key of the current call
+    (:class:`wire.Draws`, set by the reducer; ``None``: round to nearest)."""
+
+    draws: Optional[wire.Draws] = None
 
     def __call__(self, sel: Selection, transport: Transport) -> Aggregated:
         br = gtopk_allreduce(sel.idx, sel.vals, sel.offsets, sel.k, transport, sel.idx_dtype,
                              static_count=sel.static_count, kernels_choice=sel.kernels,
-                             sum_dtype=sel.sum_dtype)
+                             sum_dtype=sel.sum_dtype, draws=self.draws)
         return Aggregated(br.idx, br.vals, br.sent_mask, br.rounds, br.residual_add)
