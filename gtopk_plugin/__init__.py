@@ -12,6 +12,7 @@ from .config import DensityWarmup, ReducerConfig
 from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from .collectives.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
+from .hierarchical import HierarchicalReducer
 from .stats import ReduceStats
 from . import elastic  # noqa: E402
 from .elastic import ElasticScheduler
@@ -34,6 +35,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'gtopk_plugin' has no attribute {name!r}")
 
 
-__all__ = ["GradientReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
+__all__ = ["GradientReducer", "HierarchicalReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
            "NonFiniteGradientError", "PeerInputError", "JoinedRankError", "k_for", "ElasticScheduler", "__version__"]

@@ -23,16 +23,17 @@ annotations would fail that check.
 """
 import inspect
 import logging
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import registry
-from ..buckets import named_pairs
+from ..hierarchical import HierarchicalReducer
 from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
 from ..traffic import StepTraffic
+from .ddp_naming import ParameterNaming
 from .torch_distributed import TorchDistributedTransport
 
 __all__ = ["SparseState", "sparse_hook"]
@@ -47,7 +48,7 @@ _REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__
 _STATE_VERSION = 1
 
 
-class SparseState:
+class SparseState(ParameterNaming):
     r"""State of :func:`sparse_hook`: the reducer's settings and memory.
 
     Hyper-parameters the user tunes (validated here; ``ValueError`` on bad
@@ -87,6 +88,14 @@ class SparseState:
             are reduced together when the last one is ready (no overlap of
             communication with the rest of backward).
 
+        hierarchical: two-level reduction (issue #18,
+            :class:`gtopk_plugin.hierarchical.HierarchicalReducer`): dense
+            inside a node, the method between node leaders only.  The nodes:
+            ``local_size`` (rank r on node r // local_size, torchrun's
+            layout) or ``node_of_rank`` (one node id per rank), else
+            ``LOCAL_WORLD_SIZE``.  ``last_step_traffic`` then also holds
+            ``intra_bytes_*`` and ``inter_bytes_*``.
+
     Internal state (checkpointed by :meth:`state_dict` and by pickling):
         the reducer's residuals and step counter (the RNG state), and the
         parameter names in the order the hook first saw them.
@@ -109,6 +118,7 @@ class SparseState:
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  timeout: Optional[float] = None, momentum_correction: bool = False,
                  optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
+                 hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
                  **reducer_kwargs):
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
@@ -151,9 +161,8 @@ class SparseState:
         self.timeout = timeout
         # GradientReducer / ReducerConfig / the transport validate every
         # other value with a ValueError naming the keyword.
-        self.reducer = GradientReducer(
-            transport=TorchDistributedTransport(group=process_group, timeout=timeout),
-            **self._reducer_kwargs)
+        self._hier = _hierarchy(hierarchical, local_size, node_of_rank)
+        self.reducer = _make_reducer(self._reducer_kwargs, self._hier, process_group, timeout)
         self._needs_optimizer = False
         if momentum_correction:
             self.reducer.correct_momentum(optimizer, named_parameters)
@@ -161,22 +170,10 @@ class SparseState:
         self._pending: List[tuple] = []
         # GradScaler.get_scale() of the current step (read at its first bucket)
         self._step_scale: Optional[float] = None
-        # -- parameter naming --
-        # id(param) -> name as given by the user (holds the parameter too, so
-        # that its id cannot be reused by another object while we map it).
-        self._given: Dict[int, Tuple[torch.Tensor, str]] = {}
-        self._named = named_parameters is not None
-        if self._named:
-            self.set_named_parameters(named_parameters)
-        # id(param) -> (param, name) for parameters the hook has seen in this
-        # process, in the order it first saw them.
-        self._seen: Dict[int, Tuple[torch.Tensor, str]] = {}
-        # (name, shape) in first-appearance order: survives pickling and
-        # state_dict(), so that a restarted job names its parameters the same
-        # way even though ids do not survive a process.
-        self._order: List[Tuple[str, Tuple[int, ...]]] = []
+        self._init_naming(named_parameters)  # ddp_naming.ParameterNaming
         # -- per-step traffic (sum over the buckets of one training step) --
         self._traffic_acc = StepTraffic()
+        self._intra = [0, 0]  # hierarchical: node-level bytes sent, received this step
         self.last_step_traffic: Optional[dict] = None
 
     # ------------------------------------------------------------------ API
@@ -189,68 +186,6 @@ class SparseState:
     def step(self) -> int:
         """Training steps completed (advanced once per step, at the last bucket)."""
         return self.reducer.step
-
-    @property
-    def param_names(self) -> List[str]:
-        """Parameter names in the order the hook first saw them."""
-        return [n for n, _ in self._order]
-
-    def name_of(self, param: torch.Tensor) -> str:
-        """The name under which ``param``'s gradient is reduced (assigns the
-        next name the first time a parameter is seen)."""
-        hit = self._seen.get(id(param))
-        if hit is not None:
-            return hit[1]
-        shape = tuple(param.shape)
-        n = len(self._seen)
-        if self._given:
-            g = self._given.get(id(param))
-            if g is None:
-                raise ValueError(
-                    f"DDP bucket holds a parameter of shape {shape} that is not in the "
-                    "named_parameters given to SparseState; pass the named_parameters() of the "
-                    "module wrapped by this DistributedDataParallel")
-            name = g[1]
-            recorded = dict(self._order).get(name)
-            if recorded is None:
-                self._order.append((name, shape))
-            elif recorded != shape:
-                raise RuntimeError(f"parameter {name!r} has shape {shape} but the loaded state "
-                                   f"recorded {recorded}: the model changed")
-        elif n < len(self._order):
-            # Restored state: the n-th parameter seen gets the n-th recorded
-            # name (DDP's first iteration uses the initial bucket layout, so
-            # first-appearance order is the same as before the restart).
-            name, recorded = self._order[n]
-            if recorded != shape:
-                raise RuntimeError(
-                    f"the parameter seen {n}-th by the hook has shape {shape}, but the restored "
-                    f"state recorded {recorded} for {name!r}: the model or its bucket layout "
-                    "changed (register a restored state on a freshly built DDP model, or pass "
-                    "named_parameters / call set_named_parameters)")
-        elif self._named:
-            raise RuntimeError(
-                "this SparseState was unpickled and sees more parameters than it recorded; "
-                "call state.set_named_parameters(model.named_parameters()) before training")
-        else:
-            name = f"param{n}"
-            self._order.append((name, shape))
-        self._seen[id(param)] = (param, name)
-        return name
-
-    def set_named_parameters(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """(Re)bind names to parameters, e.g. after unpickling a state into a
-        process whose model is not fresh."""
-        given: Dict[int, Tuple[torch.Tensor, str]] = {}
-        for name, p in named_pairs(named_parameters):  # ValueError on bad or repeated names
-            # A tied parameter listed under several names keeps its first name,
-            # as nn.Module.named_parameters() does.
-            given.setdefault(id(p), (p, name))
-        if not given:
-            raise ValueError("named_parameters is empty; pass model.named_parameters()")
-        self._given = given
-        self._named = True
-        self._seen = {}
 
     def correct_momentum(self, optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -270,7 +205,9 @@ class SparseState:
             raise ValueError(f"unsupported SparseState state version "
                              f"{sd.get('version') if isinstance(sd, dict) else sd!r}")
         order = [(str(n), tuple(int(d) for d in s)) for n, s in sd["params"]]
-        residual_names = set(sd["reducer"].get("residuals", {}))
+        # a hierarchical state keeps the residuals in its leader's inner reducer
+        residual_names = set(sd["reducer"].get("residuals") or (sd["reducer"].get("inner") or {}).get(
+            "residuals", {}))
         known = {n for n, _ in order}
         if self._given:
             known = {name for _, name in self._given.values()}
@@ -303,7 +240,7 @@ class SparseState:
             logger.warning("NOTE: process group is not serializable and is excluded from the "
                            "saved SparseState.")
         return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
-                "timeout": self.timeout, "state": self.state_dict(),
+                "timeout": self.timeout, "state": self.state_dict(), "hierarchy": self._hier,
                 "momentum_correction": self.reducer.binding is not None,
                 "last_step_traffic": self.last_step_traffic}
 
@@ -313,11 +250,11 @@ class SparseState:
         self._reducer_kwargs = dict(d["reducer_kwargs"])
         self.process_group = None  # the default group, resolved lazily
         self.timeout = d["timeout"]
-        self.reducer = GradientReducer(transport=TorchDistributedTransport(group=None, timeout=self.timeout),
-                                       **self._reducer_kwargs)
+        self._hier = d.get("hierarchy")
+        self.reducer = _make_reducer(self._reducer_kwargs, self._hier, None, self.timeout)
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
-        self._traffic_acc = StepTraffic()
+        self._traffic_acc, self._intra = StepTraffic(), [0, 0]
         self._pending = []
         self._step_scale = None
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
@@ -332,12 +269,36 @@ class SparseState:
         st = self.reducer.last_stats
         if st is not None:
             self._traffic_acc.add(st)  # one bucket
+            if self._hier is not None:  # hierarchical: the node level's bytes apart
+                self._intra = [self._intra[0] + st.intra_bytes_sent, self._intra[1] + st.intra_bytes_received]
         if last:
-            self.last_step_traffic, self._traffic_acc = self._traffic_acc.as_dict(), StepTraffic()
+            d = self._traffic_acc.as_dict()
+            if self._hier is not None:
+                d.update(intra_bytes_sent=self._intra[0], intra_bytes_received=self._intra[1],
+                         inter_bytes_sent=d["bytes_sent"], inter_bytes_received=d["bytes_received"])
+            self.last_step_traffic, self._traffic_acc, self._intra = d, StepTraffic(), [0, 0]
 
     def __repr__(self):
         kw = ", ".join(f"{k}={v!r}" for k, v in sorted(self._reducer_kwargs.items()))
         return f"SparseState({kw}, step={self.step})"
+
+
+def _hierarchy(hierarchical, local_size, node_of_rank) -> Optional[dict]:
+    """The node layout of a hierarchical state (None: flat)."""
+    if not hierarchical:
+        if local_size is not None or node_of_rank is not None:
+            raise ValueError("local_size= / node_of_rank= describe the nodes of a hierarchical "
+                             "reduction: pass hierarchical=True with them")
+        return None
+    return {"local_size": local_size, "node_of_rank": None if node_of_rank is None else list(node_of_rank)}
+
+
+def _make_reducer(kwargs: dict, hier: Optional[dict], group, timeout):
+    """A flat GradientReducer on ``group``, or a HierarchicalReducer
+    splitting it into nodes (issue #18)."""
+    if hier is None:
+        return GradientReducer(transport=TorchDistributedTransport(group=group, timeout=timeout), **kwargs)
+    return HierarchicalReducer(group=group, timeout=timeout, **hier, **kwargs)
 
 
 def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

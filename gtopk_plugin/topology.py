@@ -1,0 +1,297 @@
+"""Node topology of a job for the two-level (hierarchical) reduction of
+issue #18: which node every rank is on, agreed by every rank, and the
+transports of the two levels.
+
+A topology is ``node_of_rank``: one node id per rank of the group (ranks
+numbered as in the group that is split).  Rules, checked on every rank:
+
+- node ids are ``0 .. nodes-1``, numbered in order of first appearance
+  (rank 0 is on node 0, the first rank not on node 0 is on node 1, ...), so
+  node ``n`` is rank ``n`` of the cross-node group of leaders;
+- a node's ranks need not be contiguous, and nodes may differ in size
+  (``[0, 0, 0, 1, 1]``: 3 + 2);
+- the leader of a node is its lowest rank (local rank 0).
+
+``local_size=L`` is torchrun's contiguous layout: rank r on node r // L
+(``L`` must divide the world size).  Every rank must resolve the same list;
+:func:`agree` gathers every rank's request and raises the same
+``ValueError`` on every rank when they disagree or one is invalid -- a
+collective, so no rank is left waiting in an exchange its peers skipped.
+
+An *engine* makes the transports of the two levels once the topology is
+agreed: :class:`TorchEngine` (``torch.distributed`` groups, cached per
+group and topology); the Horovod layer has its own.  The node-level
+broadcast of the leader's result (:func:`node_broadcast`, a binomial tree
+of counted ``Transport.phase`` steps, so it runs on any engine) and its
+blob format live here too.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import kernels
+from .collectives import wire
+
+from .collectives.transport import SingleProcessTransport, Transport
+
+__all__ = ["Topology", "resolve", "agree", "TorchEngine", "node_broadcast", "encode_result", "decode_result"]
+
+Tensor = torch.Tensor
+# status words of the node broadcast (the first int64 of its blob)
+SPARSE, DENSE, SKIP, PROPAGATE, ERROR = range(5)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Agreed node layout, seen from ``rank``."""
+
+    node_of_rank: Tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.node_of_rank)
+
+    @property
+    def nodes(self) -> int:
+        return max(self.node_of_rank) + 1
+
+    @property
+    def node(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    def members(self, node: Optional[int] = None) -> List[int]:
+        """Ranks of ``node`` (default: this rank's), in rank order."""
+        node = self.node if node is None else node
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @property
+    def local_rank(self) -> int:
+        return self.members().index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.members())
+
+    @property
+    def leaders(self) -> List[int]:
+        """The lowest rank of every node, by node id (= rank order)."""
+        return [self.members(n)[0] for n in range(self.nodes)]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0
+
+    def local_sizes(self) -> List[int]:
+        return [len(self.members(n)) for n in range(self.nodes)]
+
+
+def _check_list(node_of_rank, world_size: int) -> Tuple[int, ...]:
+    try:
+        ids = tuple(node_of_rank)
+    except TypeError:
+        raise ValueError(f"node_of_rank must be a list of node ids, one per rank; got {node_of_rank!r}") \
+            from None
+    if len(ids) != world_size:
+        raise ValueError(f"node_of_rank has {len(ids)} entries but the group has {world_size} ranks; "
+                         "give one node id per rank")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in ids):
+        raise ValueError(f"node_of_rank must hold ints >= 0; got {list(ids)}")
+    seen: List[int] = []
+    for n in ids:
+        if n not in seen:
+            seen.append(n)
+    if seen != list(range(len(seen))):
+        raise ValueError(
+            f"node ids must be 0, 1, 2, ... numbered in order of first appearance (rank 0 on node "
+            f"0, the next new node 1, ...); got {list(ids)} (first appearances {seen})")
+    return ids
+
+
+def resolve(world_size: int, local_size=None, node_of_rank=None, own_node: Optional[int] = None,
+            env_local_size: Optional[int] = None) -> Tuple[int, ...]:
+    """This rank's view of ``node_of_rank`` from its arguments, in order of
+    precedence: ``node_of_rank``, ``local_size``, ``own_node`` (to be
+    gathered: returns ``()``, see :func:`agree`), ``env_local_size``
+    (``LOCAL_WORLD_SIZE`` as torchrun sets it).  ``ValueError`` when
+    invalid or missing."""
+    if node_of_rank is not None and local_size is not None:
+        raise ValueError("pass local_size= or node_of_rank=, not both")
+    if node_of_rank is not None:
+        return _check_list(node_of_rank, world_size)
+    if local_size is None and own_node is None:
+        local_size = env_local_size
+        if local_size is None:
+            raise ValueError(
+                "hierarchical reduction needs the node layout: pass local_size=<ranks per node> "
+                "(rank r on node r // local_size, torchrun's layout) or node_of_rank=[node id per "
+                "rank], or run under torchrun (LOCAL_WORLD_SIZE)")
+    if local_size is not None:
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+            raise ValueError(f"local_size must be an int >= 1 (ranks per node); got {local_size!r}")
+        if world_size % local_size:
+            raise ValueError(
+                f"local_size={local_size} does not divide the world size {world_size}; for nodes of "
+                "different sizes pass node_of_rank=[node id per rank] (e.g. [0, 0, 0, 1, 1])")
+        return tuple(r // local_size for r in range(world_size))
+    if isinstance(own_node, bool) or not isinstance(own_node, int) or own_node < 0:
+        raise ValueError(f"this rank's node id must be an int >= 0; got {own_node!r}")
+    return ()
+
+
+def agree(world: Transport, local_size=None, node_of_rank=None, own_node: Optional[int] = None,
+          env_local_size: Optional[int] = None) -> Topology:
+    """Collective over ``world`` (every rank of the group calls it): resolve
+    every rank's view (:func:`resolve`), gather them, and return the one
+    topology -- or raise the same ``ValueError`` on every rank (a rank's
+    invalid arguments, ranks that disagree)."""
+    P, r = world.size, world.rank
+    try:
+        view, err = resolve(P, local_size, node_of_rank, own_node, env_local_size), None
+    except ValueError as e:
+        view, err = None, str(e)
+    mine = (err, view, own_node if view == () else None)
+    views = world.allgather_object(mine) if P > 1 else [mine]
+    errors = [f"rank {q}: {e}" for q, (e, _, _) in enumerate(views) if e is not None]
+    if errors:
+        raise ValueError("gtopk_plugin: invalid node topology -- " + "; ".join(errors))
+    own = [v == () for _, v, _ in views]
+    if all(own):  # every rank gave its own node id (Horovod's cross_rank): assemble the list
+        lists = {_check_list_or_error([o for _, _, o in views], P)}
+    else:
+        lists = {v for _, v, _ in views}
+    if len(lists) != 1 or (any(own) and not all(own)):
+        desc = "; ".join(f"rank {q}: {list(v) if v else f'own node {o}'}" for q, (_, v, o) in enumerate(views))
+        raise ValueError("gtopk_plugin: ranks disagree on the node topology (pass the same local_size= "
+                         f"or node_of_rank= on every rank): {desc}")
+    return Topology(next(iter(lists)), r)
+
+
+def _check_list_or_error(ids, P):
+    try:
+        return _check_list(ids, P)
+    except ValueError as e:
+        raise ValueError(f"gtopk_plugin: invalid node topology from the ranks' own node ids: {e}") from None
+
+
+# ---------------------------------------------------------------- engines
+_TORCH_GROUPS: Dict[tuple, tuple] = {}
+
+
+class TorchEngine:
+    """The two levels on ``torch.distributed``: one group per node (its
+    ranks in rank order, leader first) and one group of the node leaders.
+    Groups are made once per (group, topology) in a process and shared by
+    every reducer on them (making a gloo group costs a store round trip per
+    rank).  A group of one rank is a :class:`SingleProcessTransport`."""
+
+    def __init__(self, group=None, timeout: Optional[float] = None):
+        from .collectives.torch_distributed import TorchDistributedTransport
+
+        self.group = group
+        self._world = TorchDistributedTransport(group=group, timeout=timeout)
+        self.timeout = self._world.timeout
+
+    def world(self) -> Transport:
+        return self._world
+
+    def split(self, topo: Topology) -> Tuple[Transport, Optional[Transport]]:
+        import torch.distributed as dist
+
+        from .collectives.torch_distributed import TorchDistributedTransport
+
+        # keyed by the default group too: a re-initialised job gets new groups
+        key = (id(dist.group.WORLD), id(self.group) if self.group is not None else None,
+               topo.node_of_rank)
+        groups = _TORCH_GROUPS.get(key)
+        if groups is None:
+            ranks = (list(range(topo.size)) if self.group is None
+                     else dist.get_process_group_ranks(self.group))
+            td = datetime.timedelta(seconds=self.timeout)
+            # WORLD: every rank makes every group in the same order
+            # (torch.distributed's rule for new_group).  A subgroup: ranks
+            # outside it never call in, so each rank makes only its own
+            # groups with a group-local rendezvous.  Singletons are skipped.
+            local = self.group is not None
+            intra_pg = lead_pg = None
+            for n in range(topo.nodes):
+                m = topo.members(n)
+                if len(m) > 1 and (not local or n == topo.node):
+                    g = dist.new_group([ranks[q] for q in m], timeout=td, use_local_synchronization=local)
+                    intra_pg = g if n == topo.node else intra_pg
+            if topo.nodes > 1 and (not local or topo.is_leader):
+                g = dist.new_group([ranks[q] for q in topo.leaders], timeout=td,
+                                   use_local_synchronization=local)
+                lead_pg = g if topo.is_leader else None
+            groups = _TORCH_GROUPS[key] = (intra_pg, lead_pg)
+        intra_pg, lead_pg = groups
+        intra = (SingleProcessTransport() if intra_pg is None
+                 else TorchDistributedTransport(group=intra_pg, timeout=self.timeout))
+        inter = None
+        if topo.is_leader:
+            inter = (SingleProcessTransport() if lead_pg is None
+                     else TorchDistributedTransport(group=lead_pg, timeout=self.timeout))
+        return intra, inter
+
+
+# ------------------------------------------------------ the node broadcast
+# One blob from the leader to its node: two int64 words (status, count),
+# then the result -- its non-zeros as wire (index, value) pairs or the dense
+# vector -- or, for the error status, the pickled (exception type, message).
+def status_blob(status: int, payload: bytes = b"") -> Tensor:
+    """A blob with no result: skip, propagate, or an error's payload."""
+    head = torch.tensor([status, len(payload)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]) if payload else head
+
+
+def encode_result(update: Tensor):
+    """``(status, dense update or None, blob)``: the result's non-zeros as
+    (index, value) pairs when that is smaller than the dense vector."""
+    n, esz = update.numel(), update.element_size()
+    idx = torch.nonzero(update).squeeze(1)
+    idt = kernels.index_dtype(n)
+    isz = torch.empty(0, dtype=idt).element_size()
+    if idx.numel() * (isz + esz) < n * esz:
+        body = wire.pack(idx, update[idx], idt)
+        head = torch.tensor([SPARSE, idx.numel()], dtype=torch.int64).view(torch.uint8)
+        return SPARSE, None, torch.cat([head.to(body.device), body])
+    head = torch.tensor([DENSE, n], dtype=torch.int64).view(torch.uint8)
+    return DENSE, update, torch.cat([head.to(update.device), update.contiguous().view(torch.uint8)])
+
+
+def decode_result(blob: Tensor, n: int, dtype, device):
+    """``(status, update)``; for an error status the pickled payload."""
+    head = blob[:16].cpu().clone().view(torch.int64).tolist()
+    status, body = int(head[0]), blob[16:]
+    if status == ERROR:
+        return status, body.cpu().numpy().tobytes()
+    if status in (SKIP, PROPAGATE):
+        return status, None
+    if status == DENSE:
+        return status, wire.unpack_values(body.to(device), dtype)  # a view of a fresh blob
+    idx, vals, _ = wire.unpack(body.to(device), kernels.index_dtype(n), dtype)
+    out = torch.zeros(n, dtype=dtype, device=device)
+    out[idx.long()] = vals
+    return status, out
+
+
+def node_broadcast(intra: Transport, blob: Optional[Tensor]) -> Tensor:
+    """The leader's blob to every rank of the node: a binomial tree on the
+    node group (round j: local ranks < j send to rank + j), each
+    message with its size in front.  Every rank of the node calls it;
+    ``blob`` is the leader's (others pass None) and is returned on all."""
+    L, r = intra.size, intra.rank
+    j = 1
+    while j < L:
+        send_to = r + j if r < j and r + j < L else None
+        recv_from = r - j if j <= r < 2 * j else None
+        got = intra.phase(send_to, blob if send_to is not None else None, recv_from, None,
+                          "cpu" if blob is None else blob.device, headers=True)
+        if got is not None:
+            blob = got
+        j *= 2
+    return blob
