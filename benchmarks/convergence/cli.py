@@ -31,11 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "simulated exactly with gtopk_plugin.testing.Oracle; one configuration per "
                     "task is rerun on real gloo workers. Writes JSON, PNG plots and markdown.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--group", choices=("all", "momentum"), default="all",
+    p.add_argument("--group", choices=("all", "momentum", "codecs"), default="all",
                    help="'all': the study of docs/convergence.md (main grid, ablations, momentum 0.9 at "
                         "P=4, gtopk-demo configuration); 'momentum': the momentum group run with the "
                         "library's momentum correction, Nesterov, AdamW, the BatchNorm ResNet "
-                        "(benchmarks/convergence/momentum.py; results convergence_momentum.*)")
+                        "(benchmarks/convergence/momentum.py; results convergence_momentum.*); 'codecs': "
+                        "onebit, powersgd (rank 4) and qsgd with momentum correction or optimizer momentum "
+                        "beside dense and gTop-k 1%%/0.1%% on digits and glyphs, P=4 (codecs.py; "
+                        "results convergence_codecs.*)")
     p.add_argument("--quick", action="store_true",
                    help=f"small CI configuration: every method once per task, {QUICK_STEPS} steps, one seed")
     p.add_argument("--json", metavar="OUT.json", default=None,
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", choices=study.ALL_TASKS, default=list(study.ALL_TASKS),
                    help="tasks (with --group momentum, 'glyphs' also runs the BatchNorm ResNet on glyphs)")
     p.add_argument("--seeds", type=int, default=None,
-                   help=f"seeds per configuration (default {len(study.SEEDS)}; 1 with --group momentum)")
+                   help=f"seeds per configuration (default {len(study.SEEDS)}; 1 with --group momentum, "
+                        f"2 with --group codecs)")
     p.add_argument("--demo-seeds", type=int, default=None,
                    help="seeds of the gtopk-demo configuration group (default: --seeds; 0: leave it out)")
     p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
@@ -52,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulation processes (one thread each)")
     p.add_argument("--nice", type=int, default=0, help="niceness added to the simulation processes")
     p.add_argument("--budget-min", type=float, default=None,
-                   help="--group momentum: start no new run after this many minutes (runs in priority "
+                   help="--group momentum/codecs: start no new run after this many minutes (runs in priority "
                         "order; finished runs are kept in a journal next to the JSON and reused)")
     p.add_argument("--no-gloo", action="store_true", help="skip the real gloo runs")
     p.add_argument("--docs", metavar="PATH", default=None,
@@ -80,6 +84,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.seeds is None:
             args.seeds = 1  # the momentum group's default (CPU budget; docs/convergence.md)
         return momentum.main(args)
+    if args.group == "codecs":
+        from . import codecs
+
+        if args.seeds is None:
+            args.seeds = 2
+        return codecs.main(args)
     if args.seeds is None:
         args.seeds = len(study.SEEDS)
     t_start = time.perf_counter()

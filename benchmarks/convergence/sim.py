@@ -1,6 +1,11 @@
 """One training run of the convergence study, with P workers simulated in one
 process by :class:`gtopk_plugin.testing.Oracle` (exact: the tests hold the
-real collectives to it bit for bit).
+real collectives to it bit for bit), or -- for the codecs (onebit, qsgd,
+powersgd), which the oracle does not model -- by P real
+``GradientReducer`` ranks on threads
+(:class:`gtopk_plugin.collectives.threads.ThreadGroup`; exact with respect
+to gloo: tests/distributed/test_threads_transport.py), whose bytes are the
+reducers' own counters.
 
 Each step every simulated worker computes the gradient of its shard of the
 global batch with the shared weights (the same call a real worker makes, see
@@ -89,6 +94,7 @@ class RunSpec:
     warmup_epochs: float = 0.0        # DGC density warm-up over these epochs (library's DensityWarmup)
     warmup_start: float = 0.25
     lr_schedule: str = "const"        # "const" or "cosine" (decay to 0 at the last step)
+    rank: Optional[int] = None        # powersgd's approximation rank (None: the codec's default)
 
     def __post_init__(self):
         if self.momentum_mode not in MOMENTUM_MODES:
@@ -99,22 +105,32 @@ class RunSpec:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {self.optimizer!r}")
         if self.optimizer == "adamw" and self.momentum_mode != "none":
             raise ValueError("AdamW keeps its own moments: momentum_mode must be 'none'")
-        if self.method == "dense":
-            object.__setattr__(self, "density", 1.0)
+        if self.method == "dense" or is_codec(self.method):
+            object.__setattr__(self, "density", 1.0)  # codecs do not select: density means nothing
         if self.momentum_mode == "none":
             object.__setattr__(self, "momentum", 0.0)
             object.__setattr__(self, "nesterov", False)
 
     @property
     def label(self) -> str:
-        return method_label(self.method, self.r_factor)
+        return method_label(self.method, self.r_factor, self.rank)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def method_label(method: str, r_factor: float = 4.0) -> str:
+def method_label(method: str, r_factor: float = 4.0, rank: Optional[int] = None) -> str:
+    if method == "powersgd" and rank is not None:
+        return f"powersgd(r={rank})"
     return f"rtopk(r={r_factor:g})" if method == "rtopk" else method
+
+
+def is_codec(method: str) -> bool:
+    """Whether ``method`` encodes the whole accumulator (onebit, qsgd,
+    powersgd) rather than selecting entries: simulated on threads."""
+    from gtopk_plugin.compress import describe
+
+    return describe(method)["kind"] == "codec"
 
 
 def warmup_schedule(steps: int) -> DensityWarmup:
@@ -135,8 +151,12 @@ def reducer_kwargs(spec: RunSpec, steps: int, steps_per_epoch: Optional[int] = N
     (momentum correction, clipping and warm-up included)."""
     kw = dict(method=spec.method, density=spec.density, r_factor=spec.r_factor, seed=spec.seed,
               error_feedback=spec.error_feedback)
+    if spec.rank is not None:
+        kw["rank"] = spec.rank
     if spec.method != "dense":
-        if spec.warmup:
+        if is_codec(spec.method):
+            pass  # no density, so no density warm-up
+        elif spec.warmup:
             kw["warmup"] = warmup_schedule(steps)
         elif spec.warmup_epochs > 0:
             if steps_per_epoch is None:
@@ -195,6 +215,67 @@ def bytes_per_worker(aggregation: str, P: int, numel: int, k_total: int,
             raise ValueError("the butterfly byte formula here covers power-of-two P only")
         return float((P.bit_length() - 1) * ENTRY_BYTES * k_total)
     raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+class OracleReduction:
+    """The selector methods (and dense): ``testing.Oracle`` simulates the P
+    workers; bytes from the exact formulas (:func:`bytes_per_worker`)."""
+
+    def __init__(self, P: int, kw: dict, names, sizes):
+        self.P, self.names, self.sizes = P, names, sizes
+        self.cfg = ReducerConfig(**kw)
+        self.oracle = Oracle(P, kernels="reference", **kw)
+
+    def __call__(self, grads, step):
+        """(the update every rank applies, bytes one worker sent this step)"""
+        cfg, names, sizes = self.cfg, self.names, self.sizes
+        density = cfg.density_at(step)
+        upd = self.oracle.step(grads)
+        numel = sum(sizes.values())
+        counts = [int(s.numel()) for s in self.oracle.last_sent] if cfg.method == "threshold" else None
+        k_total = numel if cfg.method == "dense" else sum(k_for(density, sizes[n]) for n in names)
+        return upd, bytes_per_worker(cfg.aggregation, self.P, numel, k_total, counts)
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self):
+        pass
+
+
+class ThreadedReduction:
+    """The codecs: P ``GradientReducer`` ranks (default kernels, as a real
+    job) on a :class:`ThreadGroup`, each reducing its own worker's
+    gradients; every rank gets the same bits, rank 0's update is applied;
+    bytes are the reducers' own counters (payload + headers sent, mean over
+    the ranks: ``ReduceStats.bytes_sent``, what the gloo run reads)."""
+
+    def __init__(self, P: int, kw: dict, names, sizes):
+        from gtopk_plugin import GradientReducer
+        from gtopk_plugin.collectives.threads import ThreadGroup
+
+        self.group = ThreadGroup(P)
+        self.reducers = [GradientReducer(transport=t, **kw) for t in self.group.transports]
+
+        self.cpu_s = []  # per step: the ranks' mean thread CPU time in reduce() (waits excluded)
+
+    def __call__(self, grads, step):
+        def one(r):
+            t0 = time.thread_time()
+            u = self.reducers[r].reduce(grads[r])
+            return u, time.thread_time() - t0
+
+        outs = self.group.map(one)
+        self.cpu_s.append(sum(dt for _, dt in outs) / len(outs))
+        sent = sum(red.last_stats.bytes_sent for red in self.reducers) / len(self.reducers)
+        return outs[0][0], float(sent)
+
+    def info(self) -> dict:
+        c = sorted(self.cpu_s)
+        return {"reduce_cpu_s_median": c[len(c) // 2] if c else None}
+
+    def close(self):
+        self.group.close()
 
 
 def worker_gradients(task: Task, model, params, batch, rank: int, world: int):
@@ -258,8 +339,7 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
     sizes = {n: p.numel() for n, p in zip(names, params)}
     numel = sum(sizes.values())
     kw = reducer_kwargs(spec, steps, steps_per_epoch(task, batch_size))
-    cfg = ReducerConfig(**kw)
-    oracle = Oracle(P, kernels="reference", **kw)
+    reduction = (ThreadedReduction if is_codec(spec.method) else OracleReduction)(P, kw, names, sizes)
     opt = make_optimizer(spec, params, lr)
     buffers = Rank0Buffers(model)
 
@@ -288,12 +368,9 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
         if not all(math.isfinite(x) for x in losses):
             diverged = True
             break
-        density = cfg.density_at(step)
-        upd = oracle.step(grads)
-        counts = [int(s.numel()) for s in oracle.last_sent] if spec.method == "threshold" else None
-        k_total = numel if spec.method == "dense" else sum(k_for(density, sizes[n]) for n in names)
-        step_bytes.append(bytes_per_worker(cfg.aggregation, P, numel, k_total, counts))
-        total_bytes += step_bytes[-1]
+        upd, sent = reduction(grads, step)
+        step_bytes.append(sent)
+        total_bytes += sent
         for n, p in zip(names, params):
             p.grad = upd[n]
         for g in opt.param_groups:
@@ -310,6 +387,8 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
             "initial_eval_loss": hist["eval_loss"][0], "total_bytes": total_bytes,
             "bytes_per_step": total_bytes / max(1, len(step_bytes)), "diverged": diverged,
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    out.update(reduction.info())
+    reduction.close()
     if keep_params:
         out["params"] = torch.cat([p.detach().reshape(-1) for p in params])
         out["buffers"] = [b.detach().clone() for b in model.buffers()]

@@ -185,3 +185,36 @@ def test_momentum_group_quick(momentum_quick):
     g = res["goals"][0]
     assert g["task"] == "digits" and g["unit"] == "pp" and "holds" in g
     assert os.path.getsize(str(path).replace(".json", ".png")) > 0
+
+
+# -------------------------------------------------------------- codecs group
+@pytest.fixture(scope="module")
+def codecs_quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("codecs") / "cq.json"
+    rc = cli.main(["--group", "codecs", "--quick", "--steps", "6", "--json", str(out), "--jobs", "1",
+                   "--no-progress"])
+    assert rc == 0
+    return out, json.loads(out.read_text())
+
+
+def test_codecs_group_quick(codecs_quick):
+    """onebit, powersgd(r=4) and qsgd, both momentum modes, simulated by
+    GradientReducer ranks on threads; their bytes are the reducers' own
+    counters: onebit's are (P−1)·(⌈N/8⌉ + 4·tensors) exactly."""
+    from benchmarks.convergence import tasks
+
+    path, res = codecs_quick
+    rows = {(r["label"], r["momentum_mode"]): r for r in res["summary"]}
+    for label in ("onebit", "powersgd(r=4)", "qsgd"):
+        for mode in ("corr", "opt"):
+            assert (label, mode) in rows, (label, mode)
+    for r in res["summary"]:
+        assert not r["diverged"] and r["total_bytes"] > 0, r["label"]
+    params = list(tasks.get("digits").build_model().parameters())
+    n = sum(p.numel() for p in params)
+    assert rows[("onebit", "corr")]["bytes_per_step"] == 3 * (-(-n // 8) + 4 * len(params))
+    dense = rows[("dense", "opt")]["bytes_per_step"]
+    assert rows[("powersgd(r=4)", "corr")]["bytes_per_step"] < 0.2 * dense
+    assert {(g["method"], g["mode"]) for g in res["goals"]} >= {("onebit", "corr"), ("powersgd(r=4)", "corr")}
+    assert res["bytes_to_accuracy"]
+    assert os.path.getsize(str(path).replace(".json", ".png")) > 0

@@ -1,0 +1,264 @@
+"""The convergence study's codecs group (issue 17):
+``python -m benchmarks.convergence --group codecs``.
+
+The quantizers and the low-rank codec beside gTop-k and dense, on the image
+tasks, at the momentum group's budget (steps, SGD lr with momentum 0.9,
+cosine decay; :data:`.momentum.BUDGET`), P = 4:
+
+- ``onebit`` (EF-signSGD), ``powersgd`` at rank 4, ``qsgd`` (7 levels,
+  buckets of 32), each two ways:
+  ``corr`` -- the library's momentum correction (``GradientReducer(momentum=0.9)``:
+  each worker's velocity goes through error feedback; momentum factor
+  masking only applies to sparse selections, so it is a no-op here), SGD
+  without momentum applies the decoded update;
+  ``opt`` -- plain error feedback, ``SGD(momentum=0.9)`` applies the decoded
+  update (what users of PyTorch's ``powerSGD_hook`` do);
+- the baselines, specs equal to the momentum group's: dense (momentum SGD)
+  and gTop-k at density 0.01 and 0.001 with the recipe (correction +
+  masking + warm-up).
+
+Codec runs are simulated by P real ``GradientReducer`` ranks on threads
+(:class:`gtopk_plugin.collectives.threads.ThreadGroup`: exact with respect
+to gloo), selector runs by ``testing.Oracle``; :func:`gloo_check` reruns
+short codec runs on real gloo workers and compares the final weights bit for
+bit.  Bytes per step are what one worker sends (reducers' counters for the
+codecs, the exact formulas for the rest); bytes-to-accuracy is the
+cumulative bytes at the first evaluation where the seed-mean curve reaches a
+target.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import List, Optional, Sequence, Tuple
+
+from . import momentum as mom
+from .sim import RunSpec
+
+TASKS = ("digits", "glyphs")
+CODECS = (("onebit", None), ("powersgd", 4), ("qsgd", None))
+MODES = ("corr", "opt")
+MODE_TEXT = {"corr": "library momentum correction (velocity through error feedback)",
+             "opt": "momentum in the optimizer, on the decoded update"}
+WORKERS = 4
+
+
+def codec_spec(task: str, method: str, rank: Optional[int], mode: str, seed: int,
+               steps: Optional[int] = None) -> RunSpec:
+    b = mom.BUDGET[task]
+    return RunSpec(task=task, method=method, rank=rank, workers=WORKERS, seed=seed,
+                   steps=steps or b["steps"], lr=b["lr"], lr_schedule="cosine",
+                   momentum=mom.MOMENTUM, momentum_mode=mode)
+
+
+def baseline_specs(task: str, seed: int, steps: Optional[int] = None) -> List[Tuple[str, RunSpec]]:
+    """dense, gTop-k 1% and 0.1% exactly as the momentum group runs them."""
+    return [("dense", mom.spec(task, "dense", WORKERS, 0.01, seed, "recipe", steps)),
+            ("gtopk", mom.spec(task, "gtopk", WORKERS, 0.01, seed, "recipe", steps)),
+            ("gtopk", mom.spec(task, "gtopk", WORKERS, 0.001, seed, "recipe", steps))]
+
+
+def grid(seeds: Sequence[int] = (0, 1), tasks: Sequence[str] = TASKS, resnet: bool = False,
+         steps: Optional[dict] = None) -> List[Tuple[str, RunSpec]]:
+    """(group, spec) in priority order: what the 2 pp goal needs (dense,
+    onebit and powersgd both ways) for every seed first, then the gTop-k
+    baselines, then qsgd, then (``resnet``) the BatchNorm ResNet."""
+    steps = steps or {}
+    out: List[Tuple[str, RunSpec]] = []
+    for s in seeds:
+        for t in tasks:
+            out.append(("codecs", baseline_specs(t, s, steps.get(t))[0][1]))
+            for m, r in CODECS[:2]:
+                for mode in MODES:
+                    out.append(("codecs", codec_spec(t, m, r, mode, s, steps.get(t))))
+    for s in seeds:
+        for t in tasks:
+            out += [("codecs", sp) for _, sp in baseline_specs(t, s, steps.get(t))[1:]]
+    for s in seeds:
+        for t in tasks:
+            for mode in MODES:
+                out.append(("codecs", codec_spec(t, "qsgd", None, mode, s, steps.get(t))))
+    if resnet:
+        t = "glyphs_resnet"
+        for s in seeds:
+            out.append(("resnet", baseline_specs(t, s, steps.get(t))[0][1]))
+            for m, r in CODECS[:2]:
+                out.append(("resnet", codec_spec(t, m, r, "corr", s, steps.get(t))))
+            out.append(("resnet", baseline_specs(t, s, steps.get(t))[1][1]))
+    return out
+
+
+def quick_grid(steps: int = 8) -> List[Tuple[str, RunSpec]]:
+    """CI: every codec both ways and the baselines on digits, a few steps."""
+    out = [("codecs", sp) for _, sp in baseline_specs("digits", 0, steps)[:2]]
+    for m, r in CODECS:
+        for mode in MODES:
+            out.append(("codecs", codec_spec("digits", m, r, mode, 0, steps)))
+    return out
+
+
+def variant(s: RunSpec) -> str:
+    if s.method == "dense":
+        return "dense"
+    if s.method in ("gtopk", "topk"):
+        return "recipe"
+    return s.momentum_mode
+
+
+def config_key(s: RunSpec) -> RunSpec:
+    return replace(s, seed=0)
+
+
+# ------------------------------------------------------------ measurements
+TIMING_CONFIGS = (("dense", dict(method="dense")), ("gtopk 1%", dict(method="gtopk", density=0.01)),
+                  ("gtopk 0.1%", dict(method="gtopk", density=0.001)), ("onebit", dict(method="onebit")),
+                  ("powersgd(r=4)", dict(method="powersgd", rank=4)), ("qsgd", dict(method="qsgd")))
+
+
+def timing(task_name: str = "glyphs", steps: int = 30) -> List[dict]:
+    """Every family's reduction on the task model's gradient shapes, P = 4
+    real ``GradientReducer`` ranks on threads (default kernels): bytes one
+    worker sends per step (the counters), the ranks' median thread CPU
+    time per ``reduce()`` (waits excluded), allreduce/exchange rounds."""
+    import time
+
+    import torch
+
+    from gtopk_plugin import GradientReducer
+    from gtopk_plugin.collectives.threads import ThreadGroup
+
+    from . import study
+
+    model = study._task(task_name).build_model()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    out = []
+    for label, kw in TIMING_CONFIGS:
+        with ThreadGroup(WORKERS) as group:
+            reds = [GradientReducer(transport=t, **kw) for t in group.transports]
+            cpu, sent, rounds = [], [], []
+            for step in range(steps):
+                def one(r):
+                    g = torch.Generator().manual_seed(1000 * step + r)
+                    grads = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+                    t0 = time.thread_time()
+                    reds[r].reduce(grads)
+                    return time.thread_time() - t0
+
+                cpu.append(statistics.fmean(group.map(one)))
+                sent.append(statistics.fmean(red.last_stats.bytes_sent for red in reds))
+                rounds.append(reds[0].last_stats.rounds)
+        out.append({"config": label, "cpu_s": sorted(cpu)[len(cpu) // 2], "bytes_sent": sent[-1],
+                    "rounds": rounds[-1], "numel": sum(int(torch.Size(s).numel()) for s in shapes.values())})
+    dense = out[0]["bytes_sent"]
+    for t in out:
+        t["bytes_ratio"] = t["bytes_sent"] / dense
+    return out
+
+
+GLOO_STEPS = 20
+
+
+def gloo_specs() -> List[RunSpec]:
+    return [codec_spec("digits", "onebit", None, "corr", 0, GLOO_STEPS),
+            codec_spec("digits", "powersgd", 4, "opt", 0, GLOO_STEPS)]
+
+
+def gloo_check() -> List[dict]:
+    """Short codec runs simulated on threads vs the same runs on P real gloo
+    processes (``GradientReducer`` with the same keywords): final weights bit
+    for bit, bytes per step against the reducers' counters."""
+    from . import gloo, sim, study
+
+    out = []
+    for s in gloo_specs():
+        c = gloo.compare(sim.run(study._task(s.task), s, keep_params=True), gloo.run(s))
+        out.append({"config": f"{s.task} {s.label} P={s.workers} {MODE_TEXT[s.momentum_mode]}, "
+                              f"{s.lr_schedule} lr, {s.steps} steps",
+                    "params_bitwise_equal": c["params_bitwise_equal"],
+                    "params_max_abs_diff": c["params_max_abs_diff"],
+                    "bytes_formula_max_abs_diff": c["bytes_formula_max_abs_diff"]})
+    return out
+
+
+# ------------------------------------------------------------------ main
+def main(args) -> int:
+    """Run the codecs group (``args`` from cli.build_parser)."""
+    import datetime
+    import os
+    import platform
+    import sys
+    import time
+
+    from ..record import write_json
+    from . import codecs_report as rep
+    from . import study
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    json_path = os.path.abspath(args.json or os.path.join(
+        root, "benchmarks", "results", "convergence_codecs_quick.json" if args.quick else "convergence_codecs.json"))
+    outdir = os.path.dirname(json_path)
+    os.makedirs(outdir, exist_ok=True)
+    prefix = os.path.splitext(os.path.basename(json_path))[0]
+    seeds = tuple(range(args.seeds))
+    if args.quick:
+        g = quick_grid(args.steps or 8)
+    else:
+        steps = {t: args.steps for t in TASKS + ("glyphs_resnet",)} if args.steps else None
+        g = grid(seeds, [t for t in args.tasks if t in TASKS], resnet="glyphs" in args.tasks, steps=steps)
+    specs = study.unique_specs(g)
+    journal = None if args.quick else json_path.replace(".json", ".journal.jsonl")
+    reused = len([s for s in study._journal_load(journal) if s in set(specs)])
+    print(f"codecs group: {len(specs)} runs ({reused} in the journal) on {args.jobs} process(es)", flush=True)
+    t0 = time.perf_counter()
+    results = study.execute(specs, jobs=args.jobs, progress=not args.no_progress, nice=args.nice,
+                            journal=journal, in_order=True,
+                            budget_s=None if args.budget_min is None else 60 * args.budget_min)
+    wall = time.perf_counter() - t0
+    failed = {s: r["error"] for s, r in results.items() if "error" in r}
+    for s, err in failed.items():
+        print(f"run failed: {s}\n{err}", file=sys.stderr)
+    results = {s: r for s, r in results.items() if "error" not in r}
+    g = [(grp, s) for grp, s in g if s in results]
+    rows = rep.summarize(g, results)
+    goal, b2a = rep.goals(rows), rep.bytes_to_accuracy(rows)
+    budget = {}
+    for t in sorted({s.task for _, s in g}):
+        task = study._task(t)
+        st = next(s.steps for _, s in g if s.task == t)
+        spe = task.n_train // task.batch_size
+        budget[t] = dict(steps=st, lr=mom.BUDGET[t]["lr"], epochs=st / spe, params=task.n_params())
+    meta = {"quick": args.quick, "argv": sys.argv[1:], "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": __import__("torch").__version__,
+            "jobs": args.jobs, "runs": len(results), "seeds": list(seeds) if not args.quick else [0],
+            "budget": budget, "wall_s": wall, "reused_from_journal": reused,
+            "cpu_s": sum(r.get("cpu_s", 0.0) for r in results.values()),
+            "failed": [s.as_dict() for s in failed],
+            "not_run": [s.as_dict() for s in specs if s not in results and s not in failed]}
+    tim = [] if args.quick else timing("glyphs")
+    if not args.quick and not args.no_gloo:
+        print("gloo check: short codec runs repeated on real gloo workers ...", flush=True)
+        meta["gloo_check"] = gloo_check()
+    png = rep.plot(rows, os.path.join(outdir, prefix + ".png"))
+    rel = os.path.relpath(png, os.path.join(root, "docs")) if png else None
+    md = rep.markdown(rows, goal, b2a, tim, meta, rel)
+    md += (f"\n_Generated by `python -m benchmarks.convergence --group codecs` on {meta['date']}: "
+           f"{len(results)} runs ({reused} taken from the journal), "
+           f"{sum(r.get('wall_s', 0.0) for r in results.values()) / 60:.0f} min of run wall time in all on "
+           f"{args.jobs} process(es) of a shared 2-core machine ({meta['cpu_s'] / 60:.1f} CPU-min), "
+           f"torch {meta['torch']}._\n")
+    write_json(json_path, "convergence codecs", default=mom._json_default,
+               document={"meta": meta, "goals": goal, "bytes_to_accuracy": b2a, "timing": tim,
+                         "summary": [{k: v for k, v in r.items()} for r in rows]})
+    with open(os.path.join(outdir, prefix + ".md"), "w") as f:
+        f.write(md)
+    docs = None if args.quick else (args.docs if args.docs not in (None, "none") else
+                                   (os.path.join(root, "docs", "convergence.md") if args.docs is None else None))
+    if docs:
+        from .cli import update_docs_section
+
+        update_docs_section(docs, md, "benchmarks.convergence --group codecs")
+    for gl in goal:
+        print(f"{gl['task']:>13} {gl['method']:<14} {gl['mode']:<4} dense {100 * gl['dense']:.1f} codec "
+              f"{100 * gl['codec']:.1f} gap {gl['gap_pp']:+.1f} pp: {'holds' if gl['holds'] else 'does NOT hold'}")
+    print(f"wrote {json_path}, {prefix}.md{', ' + png if png else ''}")
+    return 1 if failed else 0

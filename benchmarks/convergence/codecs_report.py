@@ -1,0 +1,225 @@
+"""Tables, goal checks, bytes-to-accuracy and the plot of the codecs group
+(:mod:`.codecs`)."""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Dict, List, Optional
+
+from . import report
+from .report import fmt, fmt_bytes, _table
+
+GOAL_PP = 2.0          # issue 17: onebit and powersgd(r=4) within 2 pp of dense
+TARGETS_PP = (2.0, 5.0)  # bytes-to-accuracy targets: dense's final mean minus these
+
+
+def summarize(grid, results: Dict) -> List[dict]:
+    """report.summarize's rows (final over seeds, bytes, mean curves with
+    cumulative bytes) plus the codecs' reducer CPU time per step."""
+    rows = report.summarize(grid, results)
+    by_cfg: Dict[tuple, list] = {}
+    for g, s in grid:
+        if s in results:
+            by_cfg.setdefault((g, report.config_of(s)), []).append(results[s])
+    for r in rows:
+        rs = [x for (g, cfg), lst in by_cfg.items() for x in lst
+              if g == r["group"] and cfg.task == r["task"] and cfg.label == r["label"]
+              and cfg.density == r["density"] and cfg.momentum_mode == r["momentum_mode"]]
+        cpu = [x["reduce_cpu_s_median"] for x in rs if x.get("reduce_cpu_s_median") is not None]
+        r["reduce_cpu_s_median"] = statistics.fmean(cpu) if cpu else None
+        r["mode"] = ("dense" if r["method"] == "dense" else
+                     "recipe" if r["momentum_mode"] == "dgc" else r["momentum_mode"])
+    return rows
+
+
+def name(r: dict) -> str:
+    if r["method"] == "gtopk":
+        return f"gtopk {100 * r['density']:g}%"
+    return r["label"]
+
+
+def find(rows, task, label, mode=None, density=None, group=None) -> Optional[dict]:
+    for r in rows:
+        if r["task"] == task and r["label"] == label and (mode is None or r["mode"] == mode) \
+                and (density is None or r["density"] == density) and (group is None or r["group"] == group):
+            return r
+    return None
+
+
+def goals(rows: List[dict]) -> List[dict]:
+    """onebit and powersgd(r=4) vs dense, both momentum modes, per task:
+    gap of the seed means (pp), the seeds' values, holds iff gap ≤ 2 pp."""
+    out = []
+    for task in sorted({r["task"] for r in rows}):
+        dense = find(rows, task, "dense")
+        if not dense:
+            continue
+        for label in ("onebit", "powersgd(r=4)", "qsgd"):
+            for mode in ("corr", "opt"):
+                r = find(rows, task, label, mode)
+                if not r:
+                    continue
+                d, x = dense["final"]["mean"], r["final"]["mean"]
+                gap = 100 * (d - x)
+                out.append({"task": task, "method": label, "mode": mode, "dense": d, "codec": x,
+                            "dense_values": dense["final"]["values"], "codec_values": r["final"]["values"],
+                            "codec_std": r["final"]["std"], "gap_pp": gap, "holds": bool(gap <= GOAL_PP),
+                            "goal_method": label != "qsgd", "seeds": r["seeds"],
+                            "bytes_ratio": r["bytes_per_step"] / dense["bytes_per_step"]})
+    return out
+
+
+def bytes_to(r: dict, target: float) -> Optional[float]:
+    """Cumulative bytes (one worker) at the first evaluation where the
+    seed-mean curve reaches ``target`` (accuracy); None if never."""
+    for m, b in zip(r["curve"]["mean"], r["curve"]["bytes"]):
+        if m is not None and math.isfinite(m) and m >= target:
+            return b
+    return None
+
+
+def bytes_to_accuracy(rows: List[dict]) -> List[dict]:
+    """Per task and target (dense's final mean − 2 pp, − 5 pp): every
+    configuration's bytes to reach it, and the ratio to gTop-k 1% / 0.1%."""
+    out = []
+    for task in sorted({r["task"] for r in rows}):
+        dense = find(rows, task, "dense")
+        if not dense:
+            continue
+        tr = [r for r in rows if r["task"] == task]
+        g1, g01 = find(rows, task, "gtopk", density=0.01), find(rows, task, "gtopk", density=0.001)
+        for pp in TARGETS_PP:
+            target = dense["final"]["mean"] - pp / 100
+            ref1 = bytes_to(g1, target) if g1 else None
+            ref01 = bytes_to(g01, target) if g01 else None
+            for r in tr:
+                b = bytes_to(r, target)
+                out.append({"task": task, "target_pp_below_dense": pp, "target": target, "config": name(r),
+                            "mode": r["mode"], "bytes": b, "vs_gtopk_1": _ratio(b, ref1),
+                            "vs_gtopk_0.1": _ratio(b, ref01)})
+    return out
+
+
+def _ratio(b, ref):
+    if b is None:
+        return None if ref is not None else math.nan  # neither reached: undefined
+    if ref is None:
+        return 0.0  # reached where gTop-k did not
+    if ref == 0:
+        return 1.0 if b == 0 else math.inf  # reached before any step
+    return b / ref
+
+
+def _fmt_ratio(x) -> str:
+    if x is None:
+        return "not reached"
+    if isinstance(x, float) and math.isnan(x):
+        return "–"
+    if x == 0.0:
+        return "gTop-k never"
+    return f"{x:.2f}×"
+
+
+ORDER = ("dense", "gtopk 1%", "gtopk 0.1%", "onebit", "powersgd(r=4)", "qsgd")
+
+
+def _sort_key(r):
+    n = name(r)
+    return (ORDER.index(n) if n in ORDER else 99, r["mode"])
+
+
+def _vals(metric, agg) -> str:
+    return ", ".join(f"{100 * v:.1f}" if metric == "accuracy" else f"{v:.2f}" for v in agg["values"])
+
+
+def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[dict], meta: dict,
+             plot: Optional[str]) -> str:
+    parts = ["### Codecs group: onebit, PowerSGD and QSGD beside dense and gTop-k (P = 4)"]
+    budget = meta.get("budget", {})
+    parts.append(_table(["task", "steps", "epochs", "SGD lr (m=0.9, cosine)", "seeds"],
+                        [[t, str(b["steps"]), f"{b['epochs']:.1f}", f"{b['lr']:g}", ", ".join(map(str, meta["seeds"]))]
+                         for t, b in budget.items()]))
+    parts.append("#### Goal: onebit and powersgd(r=4) within 2 pp of dense (qsgd for reference)")
+    parts.append(_table(
+        ["task", "method", "momentum", "dense (per seed)", "codec (per seed)", "codec mean ± std", "gap",
+         "bytes vs dense", "within 2 pp"],
+        [[g["task"], g["method"], "correction" if g["mode"] == "corr" else "in optimizer",
+          f"{100 * statistics.fmean(g['dense_values']):.1f} ({_vals('accuracy', {'values': g['dense_values']})})",
+          _vals("accuracy", {"values": g["codec_values"]}),
+          f"{100 * g['codec']:.1f} ± {100 * g['codec_std']:.1f}", f"{g['gap_pp']:+.1f} pp",
+          f"{100 * g['bytes_ratio']:.1f}%", "yes" if g["holds"] else "**no**"] for g in goal]))
+    for task in sorted({r["task"] for r in rows}):
+        tr = sorted([r for r in rows if r["task"] == task], key=_sort_key)
+        metric = tr[0]["metric"]
+        parts.append(f"#### {task}: final test accuracy %, bytes per worker per step, bytes to accuracy")
+        tgt = {pp: [x for x in b2a if x["task"] == task and x["target_pp_below_dense"] == pp] for pp in TARGETS_PP}
+        head = ["method", "momentum", "final % (mean ± std)", "bytes/step", "vs dense"]
+        for pp in TARGETS_PP:
+            t = tgt[pp][0]["target"] if tgt[pp] else math.nan
+            head += [f"bytes to {100 * t:.1f}% (dense − {pp:g} pp)", "vs gTop-k 1% / 0.1%"]
+        dense = find(rows, task, "dense")
+        body = []
+        for r in tr:
+            cells = [name(r), {"dense": "optimizer", "recipe": "recipe (corr. + masking + warm-up)",
+                               "corr": "correction", "opt": "in optimizer"}.get(r["mode"], r["mode"]),
+                     fmt(metric, r["final"]),
+                     fmt_bytes(r["bytes_per_step"]),
+                     f"{100 * r['bytes_per_step'] / dense['bytes_per_step']:.1f}%" if dense else "–"]
+            for pp in TARGETS_PP:
+                x = next((y for y in tgt[pp] if y["config"] == name(r) and y["mode"] == r["mode"]), None)
+                cells += ["not reached" if not x or x["bytes"] is None else fmt_bytes(x["bytes"]),
+                          "–" if not x or r["method"] == "gtopk" else
+                          f"{_fmt_ratio(x['vs_gtopk_1'])} / {_fmt_ratio(x['vs_gtopk_0.1'])}"]
+            body.append(cells)
+        parts.append(_table(head, body))
+    if timing:
+        parts.append("#### Reduction cost per step (P = 4 ranks on threads, the tasks' 38,282-parameter CNN)")
+        parts.append(_table(
+            ["method", "bytes sent / worker / step (counted)", "vs dense", "reducer CPU / worker / step (median)",
+             "1 Gbit/s transfer", "10 Gbit/s transfer", "allreduce / exchange rounds"],
+            [[t["config"], fmt_bytes(t["bytes_sent"]), f"{100 * t['bytes_ratio']:.1f}%",
+              f"{1e3 * t['cpu_s']:.2f} ms", f"{1e3 * t['bytes_sent'] * 8 / 1e9:.3f} ms",
+              f"{1e3 * t['bytes_sent'] * 8 / 1e10:.4f} ms", str(t["rounds"])] for t in timing]))
+    if plot:
+        parts.append(f"![codecs group]({plot})")
+    if meta.get("gloo_check"):
+        parts.append("#### Threaded simulation vs real gloo workers")
+        parts.append(_table(["configuration", "final weights bit-identical", "max |Δ bytes/step| (sim − counted)"],
+                            [[c["config"], "yes" if c["params_bitwise_equal"] else f"no ({c['params_max_abs_diff']:.3g})",
+                              f"{c['bytes_formula_max_abs_diff']:.3g}"] for c in meta["gloo_check"]]))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(rows: List[dict], path: str) -> Optional[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    if not tasks:
+        return None
+    colors = {"dense": "k", "gtopk 1%": "C3", "gtopk 0.1%": "C1", "onebit": "C0", "powersgd(r=4)": "C2",
+              "qsgd": "C4"}
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.8 * len(tasks)), squeeze=False)
+    for row, task in zip(axes, tasks):
+        for r in sorted([r for r in rows if r["task"] == task], key=_sort_key):
+            c = r["curve"]
+            ys = [100 * m for m in c["mean"]]
+            ls = "--" if r["mode"] == "opt" else "-"
+            lab = f"{name(r)}{' (opt)' if r['mode'] == 'opt' else ''}"
+            row[0].plot(c["step"], ys, color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)
+            xb = [max(b, 1.0) / 1e6 for b in c["bytes"]]
+            row[1].plot(xb[1:], ys[1:], color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)
+        row[0].set_title(f"{task}, P=4: accuracy vs step", fontsize=9)
+        row[1].set_title(f"{task}, P=4: accuracy vs MB sent per worker", fontsize=9)
+        row[1].set_xscale("log")
+        for ax in row:
+            ax.set_ylim(40, 100)
+            ax.grid(alpha=0.3)
+        row[0].set_xlabel("step")
+        row[1].set_xlabel("MB sent per worker (cumulative)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return path
