@@ -298,6 +298,6 @@ def _int8_model(v: Tensor, u: Optional[Tensor]) -> Tensor:
     else:
         q = np.floor(x) + (u.numpy() < x - np.floor(x))
         q[np.abs(x) < 0.5] = 0.0
-    cap = min(127, math.floor(fi.max / 2.0 ** e))
+    cap = 127 if fi.max / 2.0 ** e >= 127 else math.floor(fi.max / 2.0 ** e)
     # + 0.0: an integer code has no signed zero (-0.0 + 0.0 = +0.0)
     return torch.from_numpy(np.clip(q, -cap, cap) * 2.0 ** e + 0.0).to(v.dtype)

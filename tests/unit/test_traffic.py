@@ -1,6 +1,7 @@
 """gtopk_plugin.traffic.StepTraffic: the one per-step traffic record."""
 from gtopk_plugin.collectives.transport import TrafficCounters
 from gtopk_plugin.stats import ReduceStats
+from gtopk_plugin import traffic
 from gtopk_plugin.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
 
 
@@ -48,3 +49,24 @@ def test_ring_allreduce_model():
     assert t.dense_bytes == 2 * 3 * 2000 // 4
     assert t.header_bytes_sent == 0 and t.control_bytes == 0
     assert StepTraffic.ring_allreduce(1, 1000, 1000).bytes_sent == 0
+
+
+def test_exact_predictions_per_wire():
+    """The formulas the collectives' counters are asserted against
+    (tests/distributed/test_wire_int8.py): int8 messages are 5·k + 1 bytes."""
+    K, m8, m32, mask = 1000, 5 * 1000 + 1, 8 * 1000, 125
+    assert traffic.gtopk_bytes(4, 0, K, "int8") == (2 * m8, 2 * m8)
+    assert traffic.gtopk_bytes(4, 3, K, "fp32") == (2 * m32, 2 * m32)
+    # P = 3: rank 2 folds into rank 0, which sends it the result and a bitmask
+    assert traffic.gtopk_bytes(3, 0, K, "int8") == (2 * m8 + mask, 2 * m8)
+    assert traffic.gtopk_bytes(3, 1, K, "int8") == (m8, m8)
+    assert traffic.gtopk_bytes(3, 2, K, "int8") == (m8, m8 + mask)
+    assert traffic.gtopk_bytes(1, 0, K, "int8") == (0, 0)
+    assert traffic.allgather_bytes(4, K, "int8") == 3 * m8
+    # sharded value sum of 10 int8 values over P = 3 (shards 3, 3, 4): 4 messages each way
+    assert traffic.sharded_allreduce_bytes(3, 0, 10, "int8") == ((3 + 4) + (4 + 3) + 4, 2 * 3 + (3 + 4) + 4)
+    for P in (2, 3, 5, 8):
+        sent = [traffic.sharded_allreduce_bytes(P, r, 1001, "int8") for r in range(P)]
+        assert sum(s for s, _ in sent) == sum(r for _, r in sent)
+        gt = [traffic.gtopk_bytes(P, r, K, "int8") for r in range(P)]
+        assert sum(s for s, _ in gt) == sum(r for _, r in gt)
