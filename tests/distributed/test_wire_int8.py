@@ -20,6 +20,7 @@ import gtopk_plugin as gp
 from gtopk_plugin import traffic
 from gtopk_plugin.testing import Oracle
 from dist_utils import run_workers
+import wire_workers
 from wire_workers import SHAPES, flat, wire_grads, wire_run
 
 N = sum(math.prod(s) for s in SHAPES.values())
@@ -107,3 +108,23 @@ def test_int8_wire_agrees_with_oracle_conserves_mass_and_bytes(P):
         if sum(x["sent"] for x in runs) != sum(x["received"] for x in runs):
             failures.append(f"{_name(kw)}: bytes sent != bytes received over ranks")
     assert not failures, "\n".join(failures[:30])
+
+
+@pytest.mark.timeout(200)
+def test_elastic_scheduler_with_int8_gtopk_agrees_across_ranks_and_conserves_mass():
+    P, steps = 2, 4
+    res = run_workers(P, wire_workers.elastic_int8, steps, timeout=180)
+    keys = sorted(res[0]["reduced"])
+    assert len(keys) == 4 * steps
+    for k in keys:  # every rank applies the same bits
+        assert all(torch.equal(a, b) for a, b in zip(res[1]["reduced"][k], res[0]["reduced"][k]))
+    assert all(torch.equal(res[1]["params"][n], res[0]["params"][n]) for n in res[0]["params"])
+    for u in range(4):  # per layer (unit): Σ local = Σ reduced + Σ residuals
+        lk = [k for k in keys if k[0] == u]
+        cat = lambda ts: torch.cat([t.reshape(-1).double() for t in ts])  # noqa: E731
+        g = sum(cat(res[r]["local"][k]) for r in range(P) for k in lk)
+        out = sum(cat(res[0]["reduced"][k]) for k in lk)
+        names = sorted((n for n in res[0]["residuals"] if n.startswith(f"{2 * u}.")),
+                       key=lambda n: n.endswith("bias"))
+        resid = sum(cat([res[r]["residuals"][n] for n in names]) for r in range(P))
+        assert torch.allclose(g, out + resid, atol=1e-5), f"layer {u}: mass not conserved"

@@ -44,3 +44,25 @@ def wire_run(rank, world_size, configs, steps, kind):
                         "sent": st.payload_bytes_sent, "received": st.payload_bytes_received,
                         "headers": st.header_bytes_sent})
     return results
+
+
+def elastic_int8(rank, world_size, steps):
+    """The elastic scheduler (norm policy, β = 0.5) composed with a gTop-k
+    reducer on the int8 wire with stochastic rounding (op=sum): every
+    reduction's input and output, the final residuals and parameters."""
+    import torch.distributed as dist
+    from gtopk_plugin.elastic import ElasticScheduler, ThreadedReduction
+    from elastic_helpers import Recorder, make_model, train_elastic
+
+    m = make_model()
+    red = gp.GradientReducer(method="gtopk", density=0.3, op="sum", value_dtype=torch.int8,
+                             wire_rounding="stochastic", seed=9,
+                             transport=gp.TorchDistributedTransport(dist.new_group(), timeout=60))
+    rec = Recorder(ThreadedReduction(red))
+    sched = ElasticScheduler(m, torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9), transport=rec,
+                             policy="norm", beta=0.5)
+    params = train_elastic(sched, m, steps, rank)
+    out = {"params": params, "local": rec.local, "reduced": rec.reduced,
+           "residuals": sched.state_dict()["reducer"]["residuals"], "bytes": red.last_stats.payload_bytes_sent}
+    sched.close()
+    return out
