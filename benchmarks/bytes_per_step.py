@@ -2,6 +2,12 @@
 by side, measured on real gloo process groups on this machine (loopback).
 
     python -m benchmarks.bytes_per_step --workers 4 8 --numel 1000000 --density 0.001 0.01
+    python -m benchmarks.bytes_per_step --methods gtopk topk randomk --wires fp32 fp16 int8 \
+        --json benchmarks/results/bytes_per_step_int8.json
+
+``--wires``: values on the wire (``value_dtype``: fp32 = the gradients'
+own, fp16, bf16, int8 = 1-byte codes plus one exponent byte per message);
+codecs set their own wire format and run with fp32 only.
 
 Prints a table per (P, density) and writes JSON + PNG to benchmarks/results/.
 Loopback is not a slow network: the byte counts are exact and carry over to
@@ -24,6 +30,7 @@ from .record import write_json
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = list(available())  # every compressor in the registry
+WIRES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def layer_shapes(numel: int):
@@ -41,14 +48,17 @@ def measure(ctx, args):
     import torch.distributed as dist
 
     import gtopk_plugin as gp
+    from gtopk_plugin.compress import registry
 
     shapes = layer_shapes(args["numel"])
     g = torch.Generator().manual_seed(ctx.rank)
     grads = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(2)]
     rows = []
+    combos = [(m, w) for m in args["methods"] for w in args.get("wires", ["fp32"])
+              if w == "fp32" or registry.get(m).kind != "codec"]
     for density in args["density"]:
-        for method in args["methods"]:
-            red = gp.GradientReducer(method=method, density=density)
+        for method, wire in combos:
+            red = gp.GradientReducer(method=method, density=density, value_dtype=WIRES[wire])
             stats = []
             for s in range(args["warmup"] + args["steps"]):
                 dist.barrier()
@@ -56,7 +66,7 @@ def measure(ctx, args):
                 if s >= args["warmup"]:
                     stats.append(red.last_stats)
             st = stats[-1]
-            rows.append(dict(P=ctx.size, density=density, method=method, numel=st.numel, k=st.k,
+            rows.append(dict(P=ctx.size, density=density, method=method, wire=wire, numel=st.numel, k=st.k,
                              bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                              rounds=st.rounds, messages=st.messages_sent, dense_bytes=st.dense_bytes,
                              comm_ms=statistics.median(x.seconds.get("communicate", 0) for x in stats) * 1e3,
@@ -76,13 +86,14 @@ def run(P, args):
 
 
 def print_table(rows):
-    hdr = f"{'P':>2} {'density':>8} {'method':>9} {'k':>8} {'sent B/step':>12} {'recv B/step':>12} " \
+    hdr = f"{'P':>2} {'density':>8} {'method':>9} {'wire':>4} {'k':>8} {'sent B/step':>12} {'recv B/step':>12} " \
           f"{'vs dense':>9} {'rounds':>6} {'comm ms':>8} {'total ms':>8}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         ratio = r["dense_bytes"] / max(1, r["bytes_sent"])
-        print(f"{r['P']:>2} {r['density']:>8g} {r['method']:>9} {r['k']:>8} {r['bytes_sent']:>12,} "
+        print(f"{r['P']:>2} {r['density']:>8g} {r['method']:>9} {r.get('wire', 'fp32'):>4} {r['k']:>8} "
+              f"{r['bytes_sent']:>12,} "
               f"{r['bytes_received']:>12,} {ratio:>8.1f}x {r['rounds']:>6} {r['comm_ms']:>8.2f} "
               f"{r['total_ms']:>8.2f}")
 
@@ -98,10 +109,11 @@ def plot(rows, path):
     densities = sorted({r["density"] for r in rows})
     fig, axes = plt.subplots(1, len(densities), figsize=(6 * len(densities), 4), squeeze=False)
     for ax, d in zip(axes[0], densities):
-        for m in dict.fromkeys(r["method"] for r in rows):
-            pts = sorted((r["P"], r["bytes_sent"]) for r in rows if r["density"] == d and r["method"] == m)
+        for m, w in dict.fromkeys((r["method"], r.get("wire", "fp32")) for r in rows):
+            pts = sorted((r["P"], r["bytes_sent"]) for r in rows
+                         if r["density"] == d and r["method"] == m and r.get("wire", "fp32") == w)
             if pts:
-                ax.plot([p for p, _ in pts], [b for _, b in pts], marker="o", label=m)
+                ax.plot([p for p, _ in pts], [b for _, b in pts], marker="o", label=m if w == "fp32" else f"{m}/{w}")
         ax.set_yscale("log")
         ax.set_xlabel("workers P")
         ax.set_ylabel("bytes sent per worker per step")
@@ -117,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--numel", type=int, default=1_000_000)
     ap.add_argument("--density", type=float, nargs="+", default=[0.001, 0.01])
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--wires", nargs="+", default=["fp32"], choices=list(WIRES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=os.path.join(RESULTS, "bytes_per_step.json"))

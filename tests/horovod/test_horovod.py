@@ -103,6 +103,8 @@ SPARSE = {  # name in horovod_jobs -> (oracle kwargs, exact)
     "gtopk_buckets": (dict(method="gtopk", density=0.1), True),
     "gtopk_hvd_exchange": (dict(method="gtopk", density=0.1), True),
     "gtopk_fp16wire": (dict(method="gtopk", density=0.1, value_dtype=torch.float16), True),
+    "gtopk_int8wire": (dict(method="gtopk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic",
+                            seed=4), True),
     "topk_warmup": (dict(method="topk", density=0.05, warmup=[0.5, 0.2]), True),
     "threshold_butterfly": (dict(method="threshold", density=0.1, merge="gtopk"), True),
     "gtopk_average": (dict(method="gtopk", density=0.1, op="average"), True),

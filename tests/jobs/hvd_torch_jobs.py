@@ -190,6 +190,8 @@ SPARSE_CONFIGS = {
     # every exchange step a Horovod collective (no gloo side channel)
     "gtopk_hvd_exchange": lambda: Compression.gtopk(0.1, fusion_threshold=100, exchange="horovod"),
     "gtopk_fp16wire": lambda: Compression.gtopk(0.1, value_dtype=torch.float16),
+    # int8 values + one exponent byte per message, stochastic rounding (issue #17)
+    "gtopk_int8wire": lambda: Compression.gtopk(0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=4),
     "topk_warmup": lambda: Compression.topk(0.05, warmup=[0.5, 0.2], fusion_threshold=200),
     # variable-size sets through alltoall (sizes not known to receivers)
     "threshold_butterfly": lambda: Compression.threshold(0.1, merge="gtopk", fusion_threshold=300),

@@ -45,8 +45,12 @@ class SparseCompression:
         r_factor: rTop-k's r (keep k of the top r·k); accepted by every
             method, used by those that declare it.
         **hyper: the method's own hyper-parameters (``registry.describe``).
-        value_dtype: ``None``, ``torch.float16`` or ``torch.bfloat16`` values
-            on the wire.
+        value_dtype: ``None``, ``torch.float16``, ``torch.bfloat16`` or
+            ``torch.int8`` values on the wire (int8: 5 bytes per entry plus one
+            exponent byte per message, rounding error kept exactly in the
+            residual; see GradientReducer and docs/api.md).
+        wire_rounding: the int8 wire's rounding, ``"nearest"`` (default) or
+            ``"stochastic"`` (unbiased, keyed by (seed, step)).
         warmup: density schedule (``DensityWarmup``, a sequence, or a callable).
         merge, granularity, seed, error_feedback, kernels: as GradientReducer
             (``granularity="global"`` selects per bucket).
@@ -92,7 +96,7 @@ class SparseCompression:
                  fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
                  momentum: Optional[float] = None, nesterov: bool = False,
                  momentum_masking: bool = True, clip_norm: Optional[float] = None,
-                 exchange: str = "gloo", dense_below: int = 0, **hyper):
+                 exchange: str = "gloo", dense_below: int = 0, wire_rounding: str = "nearest", **hyper):
         if method == DENSE_METHOD:
             raise ValueError("dense reduction is Compression.none (Horovod's own allreduce), not a sparse "
                              "compression")
@@ -112,7 +116,7 @@ class SparseCompression:
                   nonfinite="skip" if nonfinite == "propagate" else nonfinite,
                   error_feedback=bool(error_feedback), momentum=momentum, nesterov=bool(nesterov),
                   momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
-                  dense_below=dense_below)
+                  dense_below=dense_below, wire_rounding=wire_rounding)
         if momentum_correction and momentum is not None:
             raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
                              "or momentum=<float>, not both")
@@ -155,7 +159,7 @@ class SparseCompression:
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None, seed=0, warmup=None,
                  nonfinite="raise", error_feedback=True, momentum=None, nesterov=False,
-                 momentum_masking=True, clip_norm=None, dense_below=0)
+                 momentum_masking=True, clip_norm=None, dense_below=0, wire_rounding="nearest")
 
 
 class Compression(CompressionNames):
