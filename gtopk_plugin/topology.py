@@ -28,6 +28,7 @@ blob format live here too.
 from __future__ import annotations
 
 import datetime
+import pickle
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -202,40 +203,72 @@ class TorchEngine:
     def split(self, topo: Topology) -> Tuple[Transport, Optional[Transport]]:
         import torch.distributed as dist
 
-        from .collectives.torch_distributed import TorchDistributedTransport
-
-        # keyed by the default group too: a re-initialised job gets new groups
-        key = (id(dist.group.WORLD), id(self.group) if self.group is not None else None,
-               topo.node_of_rank)
+        # keyed by the group's global ranks (two group objects of the same
+        # ranks share the node groups: the subgroup case's store prefix is
+        # derived from the ranks) and the default group (a re-initialised job
+        # gets new groups)
+        ranks = None if self.group is None else tuple(dist.get_process_group_ranks(self.group))
+        key = (id(dist.group.WORLD), ranks, topo.node_of_rank)
         groups = _TORCH_GROUPS.get(key)
         if groups is None:
-            ranks = (list(range(topo.size)) if self.group is None
-                     else dist.get_process_group_ranks(self.group))
-            td = datetime.timedelta(seconds=self.timeout)
-            # WORLD: every rank makes every group in the same order
-            # (torch.distributed's rule for new_group).  A subgroup: ranks
-            # outside it never call in, so each rank makes only its own
-            # groups with a group-local rendezvous.  Singletons are skipped.
-            local = self.group is not None
-            intra_pg = lead_pg = None
-            for n in range(topo.nodes):
-                m = topo.members(n)
-                if len(m) > 1 and (not local or n == topo.node):
-                    g = dist.new_group([ranks[q] for q in m], timeout=td, use_local_synchronization=local)
-                    intra_pg = g if n == topo.node else intra_pg
-            if topo.nodes > 1 and (not local or topo.is_leader):
-                g = dist.new_group([ranks[q] for q in topo.leaders], timeout=td,
-                                   use_local_synchronization=local)
-                lead_pg = g if topo.is_leader else None
-            groups = _TORCH_GROUPS[key] = (intra_pg, lead_pg)
+            groups = _TORCH_GROUPS[key] = (self._world_groups(topo) if self.group is None
+                                           else self._subgroup_groups(topo))
         intra_pg, lead_pg = groups
-        intra = (SingleProcessTransport() if intra_pg is None
-                 else TorchDistributedTransport(group=intra_pg, timeout=self.timeout))
-        inter = None
+        intra, inter = self._transport(intra_pg), None
         if topo.is_leader:
-            inter = (SingleProcessTransport() if lead_pg is None
-                     else TorchDistributedTransport(group=lead_pg, timeout=self.timeout))
+            inter = self._transport(lead_pg)
         return intra, inter
+
+    def _transport(self, pg) -> Transport:
+        from .collectives.torch_distributed import TorchDistributedTransport
+
+        if pg is None:
+            return SingleProcessTransport()
+        if isinstance(pg, GlooGroupTransport):
+            return GlooGroupTransport(pg.pg, pg.rank, pg.size, self.timeout)  # own counters
+        return TorchDistributedTransport(group=pg, timeout=self.timeout)
+
+    def _world_groups(self, topo: Topology):
+        """WORLD: every rank makes every group in the same order
+        (torch.distributed's rule for new_group); singletons are skipped."""
+        import torch.distributed as dist
+
+        td = datetime.timedelta(seconds=self.timeout)
+        intra_pg = lead_pg = None
+        for n in range(topo.nodes):
+            m = topo.members(n)
+            if len(m) > 1:
+                g = dist.new_group(m, timeout=td)
+                intra_pg = g if n == topo.node else intra_pg
+        if topo.nodes > 1:
+            g = dist.new_group(topo.leaders, timeout=td)
+            lead_pg = g if topo.is_leader else None
+        return intra_pg, lead_pg
+
+    def _subgroup_groups(self, topo: Topology):
+        """A subgroup: ranks outside it never call in, and torch's
+        group-local new_group (use_local_synchronization) deadlocks with
+        overlapping groups (torch 2.13, gloo) -- so plain gloo groups on the
+        default store, made by their members only, under a prefix every
+        member derives alike (the group's global ranks and the topology)."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        ranks = dist.get_process_group_ranks(self.group)
+        base = f"gtopk_hier/{'_'.join(map(str, ranks))}/{'_'.join(map(str, topo.node_of_rank))}"
+
+        def make(name, members):
+            if topo.rank not in members:
+                return None
+            store = dist.PrefixStore(f"{base}/{name}", _get_default_store())
+            pg = dist.ProcessGroupGloo(store, members.index(topo.rank), len(members),
+                                       datetime.timedelta(seconds=self.timeout))
+            return GlooGroupTransport(pg, members.index(topo.rank), len(members), self.timeout)
+
+        m = topo.members()
+        intra = make(f"node{topo.node}", m) if len(m) > 1 else None
+        lead = make("leaders", topo.leaders) if topo.nodes > 1 else None
+        return intra, lead
 
 
 # ------------------------------------------------------ the node broadcast
@@ -295,3 +328,64 @@ def node_broadcast(intra: Transport, blob: Optional[Tensor]) -> Tensor:
             blob = got
         j *= 2
     return blob
+
+
+class GlooGroupTransport(Transport):
+    """A Transport on a bare ``ProcessGroupGloo`` (not registered with
+    torch.distributed: the subgroup case of :class:`TorchEngine`).  CPU
+    bytes; tensors on another device travel through host memory."""
+
+    def __init__(self, pg, rank: int, size: int, timeout: float):
+        super().__init__()
+        self.pg, self._rank, self._size, self.timeout = pg, rank, size, float(timeout)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def comm_device(self, device):
+        return torch.device("cpu")
+
+    def _wait(self, works, what):
+        td = datetime.timedelta(seconds=self.timeout)
+        for w in works:
+            try:
+                w.wait(td)
+            except RuntimeError as e:
+                raise RuntimeError(f"gtopk_plugin: {what} failed on rank {self._rank} of a node-level "
+                                   f"group (a peer died, or did not answer within {self.timeout:g} s): "
+                                   f"{e}") from e
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        self._wait([self.pg.recv([recv], src, 0), self.pg.send([send.contiguous()], dst, 0)], "exchange")
+
+    def _raw_send(self, peer, send):
+        self._wait([self.pg.send([send.contiguous()], peer, 0)], "send")
+
+    def _raw_recv(self, peer, recv):
+        self._wait([self.pg.recv([recv], peer, 0)], "receive")
+
+    def _raw_allreduce_sum_(self, t):
+        import torch.distributed as dist
+
+        self._wait([self.pg.allreduce([t], dist.ReduceOp.SUM)], "allreduce")
+
+    def _raw_allreduce_max_(self, t):
+        import torch.distributed as dist
+
+        self._wait([self.pg.allreduce([t], dist.ReduceOp.MAX)], "consistency check")
+
+    def _raw_allgather_object(self, obj):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self._size)]
+        self._wait([self.pg.allgather([sizes], [n])], "allgather")
+        m = max(int(x[0]) for x in sizes)
+        outs = [torch.empty(m, dtype=torch.uint8) for _ in range(self._size)]
+        pad = torch.cat([data, data.new_zeros(m - data.numel())])
+        self._wait([self.pg.allgather([outs], [pad])], "allgather")
+        return [pickle.loads(o[:int(x[0])].numpy().tobytes()) for o, x in zip(outs, sizes)]
