@@ -115,11 +115,15 @@ TIMING_CONFIGS = (("dense", dict(method="dense")), ("gtopk 1%", dict(method="gto
                   ("powersgd(r=4)", dict(method="powersgd", rank=4)), ("qsgd", dict(method="qsgd")))
 
 
-def timing(task_name: str = "glyphs", steps: int = 30) -> List[dict]:
-    """Every family's reduction on the task model's gradient shapes, P = 4
-    real ``GradientReducer`` ranks on threads (default kernels): bytes one
-    worker sends per step (the counters), the ranks' median thread CPU
-    time per ``reduce()`` (waits excluded), allreduce/exchange rounds."""
+BIG_LAYER = {"fc.weight": (1000, 1000), "fc.bias": (1000,)}
+
+
+def timing(task_name: Optional[str] = "glyphs", steps: int = 30, shapes: Optional[dict] = None) -> List[dict]:
+    """Every family's reduction on the task model's gradient shapes (or
+    ``shapes``), P = 4 real ``GradientReducer`` ranks on threads (default
+    kernels): bytes one worker sends per step (the counters), the ranks'
+    median thread CPU time per ``reduce()`` (waits excluded), message
+    rounds."""
     import time
 
     import torch
@@ -129,8 +133,8 @@ def timing(task_name: str = "glyphs", steps: int = 30) -> List[dict]:
 
     from . import study
 
-    model = study._task(task_name).build_model()
-    shapes = {n: p.shape for n, p in model.named_parameters()}
+    if shapes is None:
+        shapes = {n: p.shape for n, p in study._task(task_name).build_model().named_parameters()}
     out = []
     for label, kw in TIMING_CONFIGS:
         with ThreadGroup(WORKERS) as group:
@@ -140,9 +144,12 @@ def timing(task_name: str = "glyphs", steps: int = 30) -> List[dict]:
                 def one(r):
                     g = torch.Generator().manual_seed(1000 * step + r)
                     grads = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
-                    t0 = time.thread_time()
+                    tr = group.transports[r]
+                    t0, x0 = time.thread_time(), tr.transport_cpu_s
                     reds[r].reduce(grads)
-                    return time.thread_time() - t0
+                    # the compressor's own work: the in-process stand-in for
+                    # the network (copies, emulated sums) left out
+                    return time.thread_time() - t0 - (tr.transport_cpu_s - x0)
 
                 cpu.append(statistics.fmean(group.map(one)))
                 sent.append(statistics.fmean(red.last_stats.bytes_sent for red in reds))
@@ -234,7 +241,8 @@ def main(args) -> int:
             "cpu_s": sum(r.get("cpu_s", 0.0) for r in results.values()),
             "failed": [s.as_dict() for s in failed],
             "not_run": [s.as_dict() for s in specs if s not in results and s not in failed]}
-    tim = [] if args.quick else timing("glyphs")
+    tim = [] if args.quick else [dict(t, layout="task") for t in timing("glyphs")] + \
+        [dict(t, layout="1000x1000") for t in timing(None, 8, BIG_LAYER)]
     if not args.quick and not args.no_gloo:
         print("gloo check: short codec runs repeated on real gloo workers ...", flush=True)
         meta["gloo_check"] = gloo_check()

@@ -195,8 +195,8 @@ def markdown(rows: List[dict], goal: dict, meta: dict, gloo: Dict[str, dict], pl
                     cells.append("–")
             if any(c != "–" for c in cells):
                 body.append(["rtopk (any r)" if m == "rtopk" else method_label(m, r)] + cells)
-        parts.append(f"Bytes sent per worker per step (× less than dense ring allreduce); "
-                     f"threshold varies with the count it selects:")
+        parts.append("Bytes sent per worker per step (× less than dense ring allreduce); "
+                     "threshold varies with the count it selects:")
         parts.append(_table(["method"] + [f"P={P}, d={d:g}" for P, d in cols], body))
         if t in plots:
             parts.append(f"![{t}]({plots[t]})")

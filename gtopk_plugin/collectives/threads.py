@@ -12,7 +12,7 @@ for the codecs (benchmarks/convergence/sim.py), which
 :class:`gtopk_plugin.testing.Oracle` does not model.
 
 Exactness with respect to ``torch.distributed`` gloo (what the tests hold it
-to, tests/distributed/test_threads_transport.py):
+to, tests/distributed/test_threads_vs_gloo.py):
 
 - point-to-point messages are copied bytes (mailbox per ordered pair of
   ranks), so every exchange, ring allgather and butterfly round carries
@@ -40,6 +40,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
 
@@ -147,12 +148,17 @@ class ThreadGroup:
 
 
 class ThreadTransport(Transport):
-    """One rank of a :class:`ThreadGroup` (build the group, not this)."""
+    """One rank of a :class:`ThreadGroup` (build the group, not this).
+
+    ``transport_cpu_s``: this rank's thread CPU seconds spent inside the
+    primitives (copies, the emulated sums), so that a benchmark can tell
+    the compressor's own work from the stand-in for the network."""
 
     def __init__(self, group: ThreadGroup, rank: int):
         super().__init__()
         self._group = group
         self._rank = rank
+        self.transport_cpu_s = 0.0
 
     @property
     def rank(self) -> int:
@@ -162,10 +168,10 @@ class ThreadTransport(Transport):
     def size(self) -> int:
         return self._group.size
 
-    def _raw_send(self, peer, send):
+    def _send(self, peer, send):
         self._group._boxes[(self._rank, peer)].put(send.detach().reshape(-1).clone())
 
-    def _raw_recv(self, peer, recv):
+    def _recv(self, peer, recv):
         try:
             msg = self._group._boxes[(peer, self._rank)].get(timeout=self._group.timeout)
         except queue.Empty:
@@ -176,11 +182,33 @@ class ThreadTransport(Transport):
                                f"from rank {peer}, got {msg.numel()} x {msg.dtype}")
         recv.view(-1).copy_(msg)
 
+    def _timed(self, fn, *args):
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.transport_cpu_s += time.thread_time() - t0
+
+    def _raw_send(self, peer, send):
+        self._timed(self._send, peer, send)
+
+    def _raw_recv(self, peer, recv):
+        self._timed(self._recv, peer, recv)
+
     def _raw_sendrecv(self, dst, send, src, recv):
         self._raw_send(dst, send)  # mailboxes never block a sender
         self._raw_recv(src, recv)
 
     def _raw_allreduce_sum_(self, t):
+        self._timed(self._allreduce_sum_, t)
+
+    def _raw_allreduce_max_(self, t):
+        self._timed(self._allreduce_max_, t)
+
+    def _raw_allgather_object(self, obj):
+        return self._timed(self._allgather_object, obj)
+
+    def _allreduce_sum_(self, t):
         flat = t.detach().reshape(-1).clone()
         exact = not (flat.is_floating_point() or flat.is_complex())
         total = self._group._collective(
@@ -188,12 +216,12 @@ class ThreadTransport(Transport):
             (lambda xs: torch.stack(xs).sum(0)) if exact else gloo_ring_sum, "allreduce")
         t.copy_(total.view_as(t))
 
-    def _raw_allreduce_max_(self, t):
+    def _allreduce_max_(self, t):
         total = self._group._collective(self._rank, t.detach().reshape(-1).clone(),
                                         lambda xs: torch.stack(xs).amax(0), "allreduce (max)")
         t.copy_(total.view_as(t))
 
-    def _raw_allgather_object(self, obj):
+    def _allgather_object(self, obj):
         blob = pickle.dumps(obj)  # a copy per rank, as a real allgather gives
         return [pickle.loads(b) for b in self._group._collective(self._rank, blob, lambda xs: xs,
                                                                    "allgather_object")]

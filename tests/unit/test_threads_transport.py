@@ -6,7 +6,7 @@ threshold's variable counts, momentum correction; not
 random-k at P >= 3: its value allreduce sums in gloo's ring order, which
 the threads reproduce and the oracle's rank-order sum does not), and a rank that
 raises stops the others instead of hanging them.  Exactness against real
-gloo: tests/distributed/test_threads_transport.py."""
+gloo: tests/distributed/test_threads_vs_gloo.py."""
 import pytest
 import torch
 
