@@ -173,7 +173,7 @@ class HierarchicalReducer:
         self.inner: Optional[GradientReducer] = None   # the leader's cross-node reducer
         self.intra: Optional[Transport] = None
         self.binding = None
-        self.step = 0
+        self._step = 0
         self.last_stats: Optional[ReduceStats] = None
         self._pending_state: Optional[dict] = None
 
@@ -196,6 +196,18 @@ class HierarchicalReducer:
             sd, self._pending_state = self._pending_state, None
             self.load_state_dict(sd)
         return topo
+
+    @property
+    def step(self) -> int:
+        """Steps completed (the leader's inner reducer follows it: a
+        framework layer may set it, e.g. to agree on it across ranks)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        if self.inner is not None:
+            self.inner.step = self._step
 
     @property
     def world(self) -> Transport:
@@ -305,8 +317,6 @@ class HierarchicalReducer:
             st = ReduceStats(method=cfg.method, aggregation=self.aggregation, step=self.step,
                              world_size=topo.nodes, numel=numel, k=int(sum(ks)), density=density,
                              skipped=status in (SKIP, PROPAGATE))
-            if topo.is_leader and not inner_ran and advance_step:
-                self.inner.step += 1  # the step is skipped everywhere: the leader's counter too
         st.control_bytes += control
         st.intra_bytes_sent = 0 if intra is None else intra.payload_bytes_sent + intra.header_bytes_sent
         st.intra_bytes_received = 0 if intra is None else \

@@ -66,8 +66,10 @@ class _OptimizerBody(torch.optim.Optimizer):
     optimizer class (the built class derives from it directly)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler=None):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler=None,
+                 hierarchy=None):
         super(self.__class__, self).__init__(params)
+        self._hierarchy = hierarchy  # node layout of a hierarchical reduction (sparse), or None
         self.__module__ = _HVD_OPTIMIZER_MODULE
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -228,7 +230,8 @@ _DENSE_BODY = _class_body(_DensePath)
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, grad_scaler=None):
+                         process_set=hvd.global_process_set, grad_scaler=None, hierarchical=False,
+                         local_size=None, node_of_rank=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across
     the Horovod workers — ``horovod.torch.DistributedOptimizer`` with the
     same signature and behaviour, plus sparse ``compression=`` choices.
@@ -258,6 +261,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             (rescaled exactly when it changes) and the clipping threshold
             is scaled with it; use ``nonfinite="propagate"`` so that every
             rank's scaler sees an overflow on any rank.
+        hierarchical: (sparse compression; issue #18) two-level reduction,
+            :class:`gtopk_plugin.HierarchicalReducer`: a dense sum inside each
+            node, the compression between node leaders only, the result
+            broadcast in the node.  The nodes: ``local_size`` (rank r on node
+            r // local_size) or ``node_of_rank`` (node id per rank), else
+            Horovod's own (``hvd.cross_rank()`` of every rank; the global
+            process set).  Needs the gloo side channel (CPU Horovod).
 
     Dense compression returns Horovod's own optimizer (it does exactly what
     a dense path of ours would) with ``last_step_traffic`` (ring model)
@@ -286,6 +296,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     sparse = isinstance(compression, SparseCompression)
+    hierarchy = _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set)
     if sparse:
         if op == hvd.Adasum:
             raise ValueError("op=hvd.Adasum works with dense compression only; sparse compression "
@@ -319,4 +330,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     body = _SPARSE_BODY if sparse else _DENSE_BODY
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _GtopkHorovodOptimizer), body)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler, hierarchy)
+
+
+def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set) -> Optional[dict]:
+    """The HierarchicalReducer's topology keywords, or None (flat)."""
+    if not hierarchical:
+        if local_size is not None or node_of_rank is not None:
+            raise ValueError("local_size= / node_of_rank= describe the nodes of a hierarchical "
+                             "reduction: pass hierarchical=True with them")
+        return None
+    if not sparse:
+        raise ValueError("hierarchical=True is for the sparse compressions; for dense allreduce use "
+                         "Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE=1")
+    if local_size is None and node_of_rank is None:
+        if process_set is not hvd.global_process_set:
+            raise ValueError("hierarchical=True on a process set: pass local_size= or node_of_rank= "
+                             "(Horovod's cross_rank numbers the nodes of the whole job)")
+        return {"own_node": hvd.cross_rank()}
+    return {"local_size": local_size,
+            "node_of_rank": None if node_of_rank is None else list(node_of_rank)}

@@ -39,9 +39,10 @@ from horovod.torch import mpi_ops as _ops
 
 from ...buckets import bucket_scope, make_buckets
 from ...consistency import JoinedRankError
+from ...hierarchical import HierarchicalReducer
 from ...reducer import GradientReducer, local_grad_norm
 from ...traffic import StepTraffic
-from .transport import HorovodTransport
+from .transport import HorovodNodeEngine, HorovodTransport
 
 Tensor = torch.Tensor
 _JOINED = ("gtopk_plugin: a rank has called hvd.join() (it has no more data) while others still "
@@ -71,9 +72,13 @@ class _SparsePath:
                              f"{op_name(op)}")
         self._transport = HorovodTransport(self.process_set,
                                            side_channel=self._spec.exchange == "gloo")
-        self._reducer = GradientReducer(transport=self._transport,
-                                        op="average" if op == hvd.Average else "sum",
-                                        **self._spec.reducer_kwargs())
+        red_op = "average" if op == hvd.Average else "sum"
+        if self._hierarchy is None:
+            self._reducer = GradientReducer(transport=self._transport, op=red_op,
+                                            **self._spec.reducer_kwargs())
+        else:  # issue #18: dense inside a node, the method between node leaders
+            self._reducer = HierarchicalReducer(engine=HorovodNodeEngine(self._transport), op=red_op,
+                                                **self._hierarchy, **self._spec.reducer_kwargs())
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise ValueError("grad_scaler must be a torch.amp.GradScaler (an object with get_scale())")
         self._grad_scaler = grad_scaler
@@ -236,6 +241,21 @@ class _SparsePath:
         if first_error is not None:
             raise first_error
         d = self._transport.counters.copy().minus(self._step_start)
+        if self._hierarchy is not None:  # the levels' own transports: bytes from the stats
+            self.last_step_traffic = _level_traffic(stats, d)
+            return
         # transport fields from the counters over the whole step (they also
         # see the step-counter agreement), selection fields from the stats
         self.last_step_traffic = StepTraffic.from_stats(stats, counters=d).as_dict()
+
+
+def _level_traffic(stats, world) -> dict:
+    """A hierarchical step's traffic: the inter-node exchange's bytes (the
+    buckets' stats; zero on non-leaders) as the usual fields, the node
+    level's apart, the world transport's control bytes (checks, the step
+    agreement) added."""
+    out = StepTraffic.from_stats(stats).as_dict()
+    out["control_bytes"] += world.control_bytes
+    for f in ("intra_bytes_sent", "intra_bytes_received", "inter_bytes_sent", "inter_bytes_received"):
+        out[f] = sum(getattr(st, f) for st in stats)
+    return out

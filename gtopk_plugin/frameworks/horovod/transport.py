@@ -13,6 +13,7 @@ byte counts are the same either way.
 """
 from __future__ import annotations
 
+import datetime
 import pickle
 import time
 from typing import List, Optional, Tuple
@@ -290,3 +291,49 @@ def _int64_bytes(n: int, device) -> Tensor:
 def _read_int64(buf: Tensor, pos: int) -> int:
     return int(buf[pos:pos + _HEADER].cpu().clone().view(torch.int64)[0])
 
+
+
+class HorovodNodeEngine:
+    """The two levels of a hierarchical reduction (issue #18,
+    :class:`gtopk_plugin.HierarchicalReducer`) inside a ``horovodrun`` job:
+    the node groups and the group of node leaders are plain gloo groups on
+    the store of ``transport``'s side channel (made by their members only,
+    under a name derived from the channel and the node), so no Horovod
+    process set has to be declared at ``hvd.init()``.  The cross-rank
+    consistency check and the topology agreement stay on ``transport``.
+    Needs the side channel (CPU Horovod, ``exchange="gloo"``)."""
+
+    def __init__(self, transport: HorovodTransport):
+        if not transport.side_channel and transport.size > 1:
+            raise ValueError("hierarchical=True runs the node levels on the gloo side channel: it needs "
+                             "Horovod without NCCL and exchange='gloo' (the default); for NCCL Horovod "
+                             "use Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE=1 with dense compression")
+        self._world = transport
+
+    def world(self) -> Transport:
+        return self._world
+
+    def split(self, topo):
+        from ...collectives.transport import SingleProcessTransport
+        from ...config import env_timeout_seconds
+        from ...topology import GlooGroupTransport
+        from ..gloo_channel import store_host
+
+        side = self._world.side()
+        timeout = env_timeout_seconds()
+
+        def make(name, members):
+            if len(members) == 1 or side is None:
+                return SingleProcessTransport()
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=timeout)
+            opts._devices = [dist.ProcessGroupGloo.create_device(
+                hostname=store_host(hvd.local_size(), hvd.size()))]
+            i = members.index(topo.rank)
+            store = dist.PrefixStore(f"{self._world.prefix}.hier{self._world._channels}.{name}", side._store)
+            return GlooGroupTransport(dist.ProcessGroupGloo(store, i, len(members), opts), i, len(members),
+                                      timeout)
+
+        intra = make(f"node{topo.node}", topo.members())
+        inter = make("leaders", topo.leaders) if topo.is_leader else None
+        return intra, inter
