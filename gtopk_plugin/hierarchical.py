@@ -20,58 +20,36 @@ BytePS's intra-node reduce before its push-pull, this composition
    tensor for the exact selectors -- or the dense vector when that is
    smaller) and divides by the WHOLE world size P (``op="average"``).
 
-**Leader, not shards.**  The alternative -- a reduce-scatter so that each
-local rank owns a shard and runs the sparse exchange for it across nodes --
-would use every worker for selection, but it cuts tensors into shards
-(per-tensor k and the tie rule would follow the shard cut, not the layer),
-needs equal local sizes for the shard groups to pair up across nodes (4 + 2
-has no partner for shards 2 and 3), and moves no fewer bytes over a node's
-one inter-node link (the shard exchanges share it).  The leader variant is
-the flat reducer applied to "node workers": exact per-tensor semantics,
-uneven nodes, every method unchanged.
+**Leader, not shards** (a reduce-scatter so each local rank runs the
+exchange for a shard would cut tensors at shard boundaries -- per-tensor k
+would follow the cut --, needs a partner for every shard on every node --
+no uneven nodes --, and moves no fewer bytes over a node's one inter-node
+link): the leader variant is the flat method with nodes as workers, every
+method and hyper-parameter unchanged, nodes of any size.
 
-**Error feedback and where the residual lives.**  On the leader only (the
-inner reducer's residual, velocity and step): ``acc = node_sum + residual``;
-after the exchange the residual is ``acc`` less what reached the global
-result under the "reached" rule of DESIGN.md §3 (the inner aggregation's).
-Other ranks hold no residual.  Mass conservation (``op="sum"``):
-Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual, where g' is a
-rank's gradient after its clipping and weight decay.  Proof: the node sums
-add up to Σ_ranks g' (to the rounding of the intra-node sum: exactly, for
-inputs whose sums are exact), and the inner reducer conserves mass over its
-workers, the node sums (the flat invariant with P := nodes).  With DGC
-momentum correction the velocity lives on the leader too, fed the node sum
-(momentum is linear, so the node's velocity is the sum of its workers'
-velocities up to masking, which acts per node).
+**Error feedback.**  The residual (and DGC velocity) lives on the leader
+only: ``acc = node_sum + residual``, less what reached the global result
+under the inner aggregation's "reached" rule (DESIGN.md §3).  Mass
+conservation (``op="sum"``, g' a rank's gradient after its clipping and
+weight decay): Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual --
+the node sums add up to Σ_ranks g' (to the rounding of the intra-node sum),
+and the inner reducer conserves mass over its workers, the node sums.
 
-**Compensation features** against the flat semantics on the node sum:
-- local clipping (``clip_norm``): per worker, BEFORE the intra-node sum,
-  with the flat threshold ``clip_norm · P^-1/2`` (P the whole world, times
-  the loss scale): exactly DGC's local clipping; the inner reducer does not
-  clip again;
-- weight decay from an optimizer (:meth:`correct_momentum`): each worker
-  adds ``wd · p`` to its own gradient before the sum, as a flat worker does
-  (the node sum then holds L copies, as L flat workers would send); the
-  momentum specs go to the leader's velocity; every rank's optimizer steps
-  without momentum and weight decay;
-- momentum (``momentum=``, masking), warm-up, ``dense_below``,
-  ``value_dtype``, ``granularity``, seeds: the inner reducer's, on node sums;
-- loss scale (AMP): the leader's residual and velocity follow it; the
-  clipping threshold is scaled by it on every worker;
-- non-finite gradients: one check over the WHOLE group before anything
-  moves (a NaN on any rank raises / skips / propagates +inf on every rank,
-  naming the global rank); a node sum that overflows (fp16) is caught by
-  the inner reducer's own check on every leader and its outcome travels in
-  the node broadcast, so every rank raises or skips together.
-Bad input or disagreeing layouts raise on every rank (the same check).
+**Compensation features** (docs/hierarchical.md has the table): clipping
+(``clip_norm · P^-1/2``, P the whole world) and an optimizer's weight decay
+are applied per worker BEFORE the node sum, exactly as flat workers do;
+momentum, warm-up, ``dense_below``, wire dtypes and the loss scale's
+rescaling are the leader's inner reducer's, on node sums.  One consistency
+check over the WHOLE group runs first, so bad input, layout mismatches and
+non-finite gradients raise / skip / propagate on every rank; a node sum
+that overflows (fp16) is caught by the leaders' own check and its outcome
+rides the node broadcast.
 
 Accounting (``last_stats``): the inner reducer's ``ReduceStats`` (zero
-bytes on non-leaders) plus ``intra_bytes_sent/received`` (the node
-allreduce, ring model, and the broadcast), ``inter_bytes_sent/received``
-(the leader's sparse exchange: ``log2(nodes)·k·8`` sent per step for gTop-k
-on a power-of-two number of nodes, against ``log2(P)·k·8`` flat) and
-``seconds["intra"]``, ``seconds["inter"]`` (on a non-leader "intra"
-includes waiting for its leader's exchange).
+bytes on non-leaders) plus ``intra_bytes_sent/received``,
+``inter_bytes_sent/received`` (gTop-k on a power-of-two number of nodes:
+``log2(nodes)·k·8`` sent per node per step, against ``log2(P)·k·8`` flat)
+and ``seconds["intra"]``, ``seconds["inter"]``.
 """
 from __future__ import annotations
 
