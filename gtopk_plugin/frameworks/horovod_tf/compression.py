@@ -19,6 +19,7 @@ from ...config import ReducerConfig
 from ...traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
 from . import selection
 from ._guard import tf
+from .codec_state import CodecState, decode, has_state
 
 __all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
 
@@ -28,7 +29,7 @@ _TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
                  nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=(),
-                 exchange="gloo")
+                 exchange="gloo", dense_below=0)
 
 
 def _wire_name(value_dtype) -> Optional[str]:
@@ -104,12 +105,17 @@ class SparseCompression(tf.Module):
             background loop), ``"horovod"``: as Horovod ops (what
             ``SparseElasticState`` sets: elastic recovery needs Horovod's
             errors).  Same bytes, same results either way.
+        dense_below: tensors with fewer entries go dense (exact sum, no
+            residual, in their own dtype) in the same step, as the PyTorch
+            side's ``dense_below`` (default 0: off; :mod:`.small`).
         name: prefix of the Horovod op names (distinct per object when
             several compressions reduce in the same step).
 
     State (``tf.Variable`` objects tracked by this ``tf.Module``, so in
     every checkpoint that holds it): ``residuals``, ``velocities`` (with
-    momentum correction) and ``step``.
+    momentum correction), ``step`` and, for a compressor with state of its
+    own (PowerSGD's warm-start factors), ``compressor_state``
+    (:mod:`.codec_state`): a restored job resumes bit for bit.
     """
 
     def __init__(self, method: str, density: float = 0.01, *, r_factor: float = 4.0, hyper=None,
@@ -117,7 +123,7 @@ class SparseCompression(tf.Module):
                  nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
                  momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
                  dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
-                 name: Optional[str] = None, exchange: str = "gloo", **method_hyper):
+                 name: Optional[str] = None, exchange: str = "gloo", dense_below: int = 0, **method_hyper):
         # the method's own hyper-parameters may come as keywords (as
         # Compression.<name>(density, **kwargs) passes them) or as hyper=
         hyper = {**dict(hyper or {}), **method_hyper}
@@ -133,7 +139,8 @@ class SparseCompression(tf.Module):
                                     nonfinite=nonfinite, error_feedback=bool(error_feedback),
                                     warmup=warmup, momentum=momentum, nesterov=bool(nesterov),
                                     dampening=dampening, momentum_masking=bool(momentum_masking),
-                                    clip_norm=clip_norm, hyper=hyper)  # validates (ValueError)
+                                    clip_norm=clip_norm, hyper=hyper,
+                                    dense_below=dense_below)  # validates (ValueError)
         if self.config.aggregation == "dense":
             raise ValueError(f"{method!r} is a dense reduction: that is Compression.none (Horovod's own "
                              "allreduce), not a sparse compression")
@@ -151,6 +158,12 @@ class SparseCompression(tf.Module):
         self.momentum_correction = bool(momentum_correction)  # take the Keras SGD's momentum over
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            # the compressor's own state (PowerSGD's warm-start Q), when it has
+            # any: torch.save bytes, checkpointed with the rest (.codec_state)
+            self._codec = CodecState(self.compressor) if has_state(self.compressor) else None
+            if self._codec is not None:
+                self.compressor_state = tf.Variable(b"", dtype=tf.string, trainable=False,
+                                                    name="compressor_state")
         self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
         self.velocities = {}  # "u0003" -> flat tf.Variable: momentum correction's u
         # A Keras SGD whose momentum/nesterov the correction takes over
@@ -176,7 +189,8 @@ class SparseCompression(tf.Module):
                                                      ("nesterov", c.nesterov), ("dampening", c.dampening),
                                                      ("momentum_masking", c.momentum_masking),
                                                      ("clip_norm", c.clip_norm),
-                                                     ("exchange", self.exchange))
+                                                     ("exchange", self.exchange),
+                                                     ("dense_below", c.dense_below))
                         if v != _DEFAULTS[k])
         if c.hyper:
             extra += f", hyper={dict(c.hyper)!r}"
@@ -248,6 +262,17 @@ class SparseCompression(tf.Module):
     def residual_values(self) -> dict:
         """This worker's residuals as numpy arrays (flat), by key."""
         return {k: v.numpy() for k, v in self.residuals.items()}
+
+    def codec_state(self):
+        """``(CodecState, tf.string variable)`` for the numpy-function
+        bridges, or None when the compressor keeps no state."""
+        return None if self._codec is None else (self._codec, self.compressor_state)
+
+    def compressor_state_dict(self) -> dict:
+        """The compressor's state as its ``state_dict()`` gives it (PowerSGD:
+        ``{"q": {name: ΣQ/W}}``), read from the checkpointed variable
+        (eagerly); ``{}`` for a stateless compressor or before the first step."""
+        return {} if self._codec is None else decode(self.compressor_state.numpy())
 
     def velocity_values(self) -> dict:
         """This worker's momentum-correction velocities as numpy arrays

@@ -13,7 +13,7 @@ own gradients (DGC momentum correction), the source of its next residuals.
 Semantics, as the PyTorch layer's ``SparseOptimizerStateHandler``:
 
 - ``commit()``/``save()`` keeps a copy of every residual, velocity and step
-  counter;
+  counter, and of a stateful compressor's own state (``compressor_state``);
 - ``restore()`` (after a failure) puts them back; a residual or velocity
   created after the last commit goes back to zero (it had no committed mass);
 - ``sync()`` broadcasts the model and optimizer (Horovod's), then rank 0's
@@ -66,9 +66,11 @@ class SparseKerasState(TensorFlowKerasState):
 
     @staticmethod
     def _snapshot(c: SparseCompression) -> dict:
+        state = c.codec_state()  # a stateful compressor's own state (.codec_state)
         return {"step": tf.identity(c.step),
                 "residuals": {k: tf.identity(v) for k, v in c.residuals.items()},
-                "velocities": {k: tf.identity(v) for k, v in c.velocities.items()}}
+                "velocities": {k: tf.identity(v) for k, v in c.velocities.items()},
+                "compressor": None if state is None else tf.identity(state[1])}
 
     def save(self):
         super().save()
@@ -78,6 +80,8 @@ class SparseKerasState(TensorFlowKerasState):
         super().restore()
         for c, saved in zip(self._compressions, self._saved_sparse):
             c.step.assign(saved["step"])
+            if saved["compressor"] is not None:
+                c.compressor_state.assign(saved["compressor"])
             for kind in ("residuals", "velocities"):
                 for k, v in getattr(c, kind).items():
                     v.assign(saved[kind][k] if k in saved[kind] else tf.zeros_like(v))

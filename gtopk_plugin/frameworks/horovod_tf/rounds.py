@@ -15,8 +15,9 @@ rounds codec raises a ``ValueError`` naming the fix.
 Bytes: each message counted with the ring model, 2·(P−1)/P of its bytes
 sent and received in 2·(P−1) messages, as ``RoundsAllReduce`` counts it.
 The codec's warm-start state (PowerSGD's Q) lives in the torch compressor
-object, not in ``tf.Variable`` objects: a TF checkpoint does not hold it
-(a restored job restarts the warm start).
+object and, after every step, in the compression's ``compressor_state``
+variable (:mod:`.codec_state`): checkpoints hold it and a restored job
+resumes the warm start bit for bit.
 """
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ import torch.distributed as dist
 
 from ...compress.base import SelectionContext
 from ._guard import tf
+from .codec_state import numpy_call
 from .selection import _carrier, _numpy, _torch
 
 __all__ = ["run_rounds"]
 
 
-def run_rounds(ops, acc, offsets: Sequence[int], comp, shapes, *, step, names, seed: int, kernels=None):
+def run_rounds(ops, acc, offsets: Sequence[int], comp, shapes, *, step, names, seed: int, kernels=None,
+               state=None):
     """Drive ``comp.rounds`` on the flat ``acc``: ``(result, contribution,
     allreduces)`` -- the dense sum over workers (not divided), what this
     worker's error feedback subtracts, and the number of messages summed
-    (int64 scalar).  Adds the ring-model bytes to ``ops``."""
+    (int64 scalar).  Adds the ring-model bytes to ``ops``.  ``state``: the
+    compressor state to thread through (:func:`.codec_state.numpy_call`)."""
     P, side = ops.P, ops.side
     if P > 1 and side is None:
         raise ValueError(f"{comp.name if hasattr(comp, 'name') else type(comp).__name__}: a rounds codec "
@@ -71,8 +75,8 @@ def run_rounds(ops, acc, offsets: Sequence[int], comp, shapes, *, step, names, s
                 np.asarray([n_msgs, ring_bytes], np.int64))
 
     carrier = _carrier(acc)
-    result, contribution, counts = tf.numpy_function(run, [carrier, tf.cast(step, tf.int64)],
-                                                     [carrier.dtype, carrier.dtype, tf.int64], stateful=True)
+    result, contribution, counts = numpy_call(state, run, [carrier, tf.cast(step, tf.int64)],
+                                              [carrier.dtype, carrier.dtype, tf.int64], stateful=True)
     if bf16:
         result, contribution = tf.bitcast(result, tf.bfloat16), tf.bitcast(contribution, tf.bfloat16)
     numel = int(offsets[-1])

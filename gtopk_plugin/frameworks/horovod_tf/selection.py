@@ -38,6 +38,7 @@ import torch
 
 from ...collectives import wire
 from ...compress.base import SelectionContext
+from .codec_state import numpy_call
 
 __all__ = ["select", "select_topk", "select_threshold", "encode", "decode_sum", "compressor"]
 
@@ -71,11 +72,12 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def select(x, offsets: Sequence[int], ks, comp, *, step=0, names: Optional[Sequence[str]] = None,
-           seed: int = 0, rank: int = 0, kernels: Optional[str] = None):
+           seed: int = 0, rank: int = 0, kernels: Optional[str] = None, state=None):
     """``comp.select`` on the flat tensor ``x`` (segments ``offsets``, counts
     ``ks``: Python ints or a run-time int32 tensor): ``(int32 indices, values
     in x's dtype)``.  ``step``: a Python int or an int64 scalar tensor (the
-    agreed step); ``names``: the segment names keying random draws."""
+    agreed step); ``names``: the segment names keying random draws;
+    ``state``: a stateful compressor's state (:mod:`.codec_state`)."""
     n_seg = len(offsets) - 1
     names = list(names) if names is not None else [f"s{i}" for i in range(n_seg)]
     bf16 = x.dtype == tf.bfloat16
@@ -91,8 +93,8 @@ def select(x, offsets: Sequence[int], ks, comp, *, step=0, names: Optional[Seque
         return idx.to(torch.int32).numpy(), _numpy(vals)
 
     carrier = _carrier(x)
-    idx, vals = tf.numpy_function(run, [carrier, k_in, tf.cast(step, tf.int64)], [tf.int32, carrier.dtype],
-                                  stateful=False)
+    idx, vals = numpy_call(state, run, [carrier, k_in, tf.cast(step, tf.int64)], [tf.int32, carrier.dtype],
+                           stateful=False)
     if bf16:
         vals = tf.bitcast(vals, tf.bfloat16)
     count = None
@@ -123,7 +125,7 @@ class _Payloads:
 
 
 def encode(acc, offsets: Sequence[int], comp, *, step=0, names=None, seed: int = 0, rank: int = 0,
-           kernels: Optional[str] = None):
+           kernels: Optional[str] = None, state=None):
     """A codec's contribution: ``(blob, mine, spec)`` -- this worker's payload
     packed into uint8 bytes, its own decode (in ``acc``'s dtype; what error
     feedback subtracts) and the handle :func:`decode_sum` needs."""
@@ -142,8 +144,8 @@ def encode(acc, offsets: Sequence[int], comp, *, step=0, names=None, seed: int =
         return wire.pack_tensors(payload).numpy(), _numpy(mine)
 
     carrier = _carrier(acc)
-    blob, mine = tf.numpy_function(run, [carrier, tf.cast(step, tf.int64)], [tf.uint8, carrier.dtype],
-                                   stateful=False)
+    blob, mine = numpy_call(state, run, [carrier, tf.cast(step, tf.int64)], [tf.uint8, carrier.dtype],
+                            stateful=False)
     if bf16:
         mine = tf.bitcast(mine, tf.bfloat16)
     return tf.ensure_shape(blob, [None]), tf.ensure_shape(mine, [numel]), (spec, offs_t, numel)

@@ -34,10 +34,12 @@ from ... import consistency
 from ...config import DensityWarmup
 from ...kernels.reference import INT32_LIMIT
 from ...layout import global_segment_name, segment_ks
-from ...traffic import STATS_FIELDS, StepTraffic
+from ...traffic import STATS_FIELDS
 from . import selection
+from . import small as small_part
 from ._guard import hvd, tf
 from .collectives import Contribution, aggregate
+from .fused import fused_ok, select_aggregate
 from .kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
 from .momentum import momentum_key
 from .ops import Ops
@@ -127,14 +129,19 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     pos, tensors = _inputs(grads, pre)
     if not tensors:
         return list(grads)
-    names = [f"t{i:04d}" for i in pos]     # positional: stable across model instances
-    sizes = [int(t.shape.num_elements()) for t in tensors]
-    dtype = _promote([t.dtype for t in tensors])
+    all_names = [f"t{i:04d}" for i in pos]     # positional: stable across model instances
+    all_sizes = [int(t.shape.num_elements()) for t in tensors]
+    if sum(all_sizes) > INT32_LIMIT:
+        raise ValueError(f"{sum(all_sizes)} gradient entries exceed int32 indices; reduce fewer variables per call")
+    # dense_below: the small tensors' positions go dense (.small), the rest to the method
+    big, small = small_part.split(all_sizes, cfg.dense_below)
+    names, sizes = [all_names[j] for j in big], [all_sizes[j] for j in big]
+    s_sizes = [all_sizes[j] for j in small]
+    dtype = _promote([tensors[j].dtype for j in big]) if big else None
+    s_dtype = _promote([tensors[j].dtype for j in small]) if small else None
     wire = comp.wire_dtype or dtype
-    N = sum(sizes)
-    if N > INT32_LIMIT:
-        raise ValueError(f"{N} gradient entries exceed int32 indices; reduce fewer variables per call")
-    if cfg.granularity == "layer":
+    N, Ns = sum(sizes), sum(s_sizes)
+    if cfg.granularity == "layer" or not big:
         offsets, seg_names = list(np.cumsum([0] + sizes).tolist()), names
     else:
         offsets, seg_names = [0, N], [global_segment_name(names)]  # the PyTorch side's key of the draws
@@ -145,18 +152,22 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
         return segment_ks(sizes, cfg.density_at(step_value), cfg.granularity, full=full)
 
     ks = segment_ks(sizes, cfg.density, cfg.granularity, full=full)  # the target (after any warm-up)
-    res_vars = [comp.state_var(comp.residuals, "residual", f"r{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+    res_vars = [comp.state_var(comp.residuals, "residual", f"r{pos[j]:04d}", all_sizes[j], dtype) for j in big]
+    small_set = set(small)
+    dts = [s_dtype if j in small_set else dtype for j in range(len(tensors))]  # each part's flat dtype
     mspec = comp.momentum_spec()
     vel_vars = None if mspec is None else \
-        [comp.state_var(comp.velocities, "velocity", f"u{i:04d}", n, dtype) for i, n in zip(pos, sizes)]
+        [comp.state_var(comp.velocities, "velocity", f"u{i:04d}", n, dt) for i, n, dt in zip(pos, all_sizes, dts)]
 
+    settings = (cfg.method, cfg.aggregation, cfg.granularity, str(comp.wire_dtype),
+                "average" if average else "sum", tuple(ks), schedule_key(cfg.warmup),
+                None if mspec is None else (momentum_key(mspec[0]), bool(mspec[1]), float(mspec[2]),
+                                            cfg.momentum_masking),
+                cfg.clip_norm)
+    if cfg.dense_below:
+        settings += (("dense_below", cfg.dense_below),)
     layout = consistency.describe_layout(
-        [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(names, tensors)],
-        (cfg.method, cfg.aggregation, cfg.granularity, str(comp.wire_dtype), "average" if average else "sum",
-         tuple(ks), schedule_key(cfg.warmup),
-         None if mspec is None else (momentum_key(mspec[0]), bool(mspec[1]), float(mspec[2]),
-                                     cfg.momentum_masking),
-         cfg.clip_norm))
+        [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(all_names, tensors)], settings)
     hyper = getattr(cmp, "hyper", None)
     if hyper:  # the method's own hyper-parameters, as the reducer adds them
         layout.append(("hyper",) + tuple(sorted(hyper.items())))
@@ -164,67 +175,98 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     step = v[3]
     with tf.control_dependencies(checks):
         skip = v[0] > 0
-        flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
+        flat = [tf.reshape(tf.cast(t, dt), [-1]) for t, dt in zip(tensors, dts)]
         if cfg.clip_norm is not None:  # DGC local clipping, over every tensor of the step
-            factor = tf.cast(clip_factor(flat, cfg.clip_norm, P), dtype)
-            flat = [g * factor for g in flat]
+            # (small part first: the PyTorch side's order of the norms)
+            factor = clip_factor([flat[j] for j in small + big], cfg.clip_norm, P)
+            flat = [g * tf.cast(factor, g.dtype) for g in flat]
         old_u = new_u = None
         if mspec is not None:  # DGC momentum correction: the increments enter the residual
             old_u = [u.read_value() for u in vel_vars]
             flat, new_u = momentum_step(flat, old_u, *mspec)
-        acc = tf.concat([g + r.read_value() if cfg.error_feedback else g for g, r in zip(flat, res_vars)], 0)
+        acc = tf.concat([flat[j] + r.read_value() if cfg.error_feedback else flat[j]
+                         for j, r in zip(big, res_vars)], 0) if big else None
+        acc_s = tf.concat([flat[j] for j in small], 0) if small else None
 
     control = ops.traffic()  # the check only: what a skipped step sends
 
     # The counts at this step: with a density warm-up they follow the
     # agreed step -- Python ints when eager, a run-time tensor in a traced
     # graph (one graph serves every step).
-    if cfg.warmup is not None:
+    if cfg.warmup is not None and big:
         if tf.executing_eagerly():
             ks = ks_at(int(step))
         else:
             ks = tf.ensure_shape(tf.numpy_function(lambda st: np.asarray(ks_at(int(st)), np.int32),
                                                    [step], tf.int32, stateful=False), [len(seg_sizes)])
+    zero = tf.constant(0, tf.int64)
 
     def run():
-        return _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average,
-                       [t.shape.as_list() for t in tensors])
+        if big:
+            out = list(_sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average,
+                               [tensors[j].shape.as_list() for j in big]))
+        else:
+            out = [tf.zeros([0], s_dtype), tf.zeros([0], s_dtype), control, tf.zeros([0], tf.int32), zero, zero]
+        if small:  # the exact sum, after the method's exchange (the PyTorch side's order)
+            out += list(ops.keep(small_part.dense_sum(ops, acc_s, average)))
+            out[2] = ops.traffic()
+            out[4] = out[4] + Ns
+            out[5] = out[5] + (0 if P == 1 else 2 * (P - 1))
+        return tuple(out)
 
     def skipped():
-        zero = tf.constant(0, tf.int64)
-        return tf.zeros([N], dtype), acc, control, tf.zeros([0], tf.int32), zero, zero
+        out = (tf.zeros([N], dtype or s_dtype), acc if big else tf.zeros([0], s_dtype), control,
+               tf.zeros([0], tf.int32), zero, zero)
+        return out + ((tf.zeros([Ns], s_dtype),) if small else ())
 
     if tf.executing_eagerly():
-        update, residual, traffic, reached, sent, rounds = skipped() if bool(skip) else run()
+        res = skipped() if bool(skip) else run()
     elif cfg.nonfinite == "skip":
-        update, residual, traffic, reached, sent, rounds = tf.cond(skip, skipped, run)
+        res = tf.cond(skip, skipped, run)
     else:
-        update, residual, traffic, reached, sent, rounds = run()
+        res = run()
+    update, residual, traffic, reached, sent, rounds = res[:6]
     k_sum = sum(ks) if isinstance(ks, list) else tf.reduce_sum(tf.cast(ks, tf.int64))
-    dense_bytes = StepTraffic.ring_allreduce(P, 0, N * dtype.size).dense_bytes  # the ring model
-    stats = {"dense_bytes": dense_bytes, "numel": N, "k": k_sum,
-             "sent_entries": sent, "rounds": rounds}
+    stats = {"dense_bytes": small_part.dense_bytes(P, [(N, dtype.size if big else 0),
+                                                       (Ns, s_dtype.size if small else 0)]),
+             "numel": N + Ns, "k": k_sum + Ns, "sent_entries": sent, "rounds": rounds}
     comp._traffic.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
                                     tf.reshape(tf.cast(skip, tf.int64), [1])], 0))
-    if cfg.error_feedback:
+    if cfg.error_feedback and big:
         if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
             residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
         for r, part in zip(res_vars, tf.split(residual, sizes)):
             r.assign(part)
     if mspec is not None:
-        u = tf.concat(new_u, 0)
-        if cfg.momentum_masking:  # DGC momentum factor masking: u restarts where v reached the result
-            u = tf.tensor_scatter_nd_update(u, reached[:, None], tf.zeros(tf.shape(reached), dtype))
-        if cfg.nonfinite == "skip":  # a skipped step keeps the old velocity
-            u = tf.where(skip, tf.concat(old_u, 0), u)
-        for var, part in zip(vel_vars, tf.split(u, sizes)):
-            var.assign(part)
+        _commit_velocities(cfg, vel_vars, old_u, new_u, big, small, sizes, reached, skip)
     comp.step.assign(step + 1)
     out = list(grads)
-    for i, t, u in zip(pos, tensors, tf.split(update, sizes)):
-        u = tf.cast(tf.reshape(u, t.shape), t.dtype)
-        out[i] = u * tf.cast(post, u.dtype) if post != 1.0 else u
+    parts = [(big, tf.split(update, sizes) if big else [])]
+    if small:
+        parts.append((small, tf.split(res[6], s_sizes)))
+    for js, ups in parts:
+        for j, u in zip(js, ups):
+            t = tensors[j]
+            u = tf.cast(tf.reshape(u, t.shape), t.dtype)
+            out[pos[j]] = u * tf.cast(post, u.dtype) if post != 1.0 else u
     return out
+
+
+def _commit_velocities(cfg, vel_vars, old_u, new_u, big, small, sizes, reached, skip):
+    """DGC velocities after the step: the method's part restarts where its
+    accumulator reached the result (momentum factor masking); the small
+    tensors' are plain momentum buffers (a dense method: no masking); a
+    skipped step keeps the old ones."""
+    if big:
+        u = tf.concat([new_u[j] for j in big], 0)
+        if cfg.momentum_masking:  # DGC momentum factor masking: u restarts where v reached the result
+            u = tf.tensor_scatter_nd_update(u, reached[:, None], tf.zeros(tf.shape(reached), u.dtype))
+        if cfg.nonfinite == "skip":  # a skipped step keeps the old velocity
+            u = tf.where(skip, tf.concat([old_u[j] for j in big], 0), u)
+        for j, part in zip(big, tf.split(u, sizes)):
+            vel_vars[j].assign(part)
+    for j in small:
+        vel_vars[j].assign(tf.where(skip, old_u[j], new_u[j]) if cfg.nonfinite == "skip" else new_u[j])
 
 
 def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, average, shapes):
@@ -233,7 +275,8 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
     rounds)``.  ``ks``: per-segment counts, Python ints or a run-time tensor."""
     cfg, cmp = comp.config, comp.compressor
     P = ops.P
-    common = dict(step=step, names=seg_names, seed=cfg.seed, rank=ops.rank, kernels=cfg.kernels)
+    common = dict(step=step, names=seg_names, seed=cfg.seed, rank=ops.rank, kernels=cfg.kernels,
+                  state=comp.codec_state())
     # A wire narrower than the gradients: sums in the accumulation dtype,
     # each later rounding charged to one rank's residual (DESIGN.md §3).
     acc_dt = accumulation_dtype(wire, dtype)
@@ -242,7 +285,8 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
     divisor = tf.cast(P + ops.zero if average else 1, dtype)
     if cfg.aggregation == "allreduce_rounds":  # PowerSGD: its rounds on the side channel (.rounds)
         total, mine, n_msgs = run_rounds(ops, acc, offsets, cmp, shapes if cfg.granularity == "layer" else None,
-                                         step=step, names=seg_names, seed=cfg.seed, kernels=cfg.kernels)
+                                         step=step, names=seg_names, seed=cfg.seed, kernels=cfg.kernels,
+                                         state=comp.codec_state())
         update = total / divisor if average else total
         return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
                                                n_msgs * (0 if P == 1 else 2 * (P - 1)))
@@ -255,6 +299,16 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
         # no momentum masking (as the reducer: only selected entries restart)
         return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
                                                tf.constant(res.rounds, tf.int64))
+    if fused_ok(cmp, cfg.aggregation, ops):  # select + the core's aggregation in one call (.fused)
+        idx, wire_vals, alive, r_idx, r_vals, fix_i, fix_v, rounds = select_aggregate(
+            ops, acc, offsets, ks, cmp, cfg.aggregation, wire, **common)
+        total = r_vals / divisor if average else r_vals
+        update = total if cfg.aggregation == "allgather" else tf.scatter_nd(r_idx[:, None], total, [N])
+        idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(tf.cast(wire_vals, dtype), alive)
+        residual = tf.tensor_scatter_nd_update(acc, idx[:, None], tf.gather(acc, idx) - sent)
+        if acc_dt is not None:  # wire roundings this rank owns, in order
+            residual = tf.tensor_scatter_nd_add(residual, fix_i[:, None], fix_v)
+        return ops.keep(update, residual) + (ops.traffic(), idx, tf.size(wire_vals, out_type=tf.int64), rounds)
     idx, vals = selection.select(acc, offsets, ks, cmp, **common)
     wire_vals = to_wire(vals, wire)  # clamped to the wire's finite range, never ±inf
     k_t = tf.constant(ks, tf.int32) if isinstance(ks, list) else ks
