@@ -123,12 +123,38 @@ def _stats(st) -> Dict:
     return out
 
 
+def pair_probe(ctx, p) -> Dict:
+    """Gloo's point-to-point throughput between two workers of one node and
+    between two nodes, under this run's load: every rank swaps ``nbytes``
+    with a node-mate (local index ^ 1), then with its twin on the paired
+    node (node ^ 1), ``reps`` times each; seconds per swap.  Needs an even
+    ``local`` and an even number of nodes (else skipped: ``{}``)."""
+    import torch
+
+    L, n, r = p["local"], p["nodes"], ctx.rank
+    if L % 2 or n % 2 or not p.get("link_mb"):
+        return {}
+    blob = torch.zeros(int(p["link_mb"] * 1e6), dtype=torch.uint8)
+    node, li = divmod(r, L)
+    out = {}
+    for what, peer in (("intra", node * L + (li ^ 1)), ("inter", (node ^ 1) * L + li)):
+        times = []
+        for _ in range(3):
+            ctx.barrier()
+            t0 = time.perf_counter()
+            ctx.transport.exchange(peer, blob, blob.numel())
+            times.append(time.perf_counter() - t0)
+        out[what] = times
+    return {"nbytes": blob.numel(), **out}
+
+
 def nodes_grid(ctx, p):
     """Worker body: ``p``: numel, density, local, node_of_rank, rows
     ([method, layout]), steps, warmup, passes, hyper."""
     import torch
     from ..bytes_per_step import layer_shapes
 
+    probe = pair_probe(ctx, p)
     tally = PeerTally(p["node_of_rank"], ctx.rank).install()
     g = torch.Generator().manual_seed(1000 + ctx.rank)
     grads = {n: torch.randn(s, generator=g) for n, s in layer_shapes(p["numel"]).items()}
@@ -158,7 +184,7 @@ def nodes_grid(ctx, p):
             ctx.progress(done=done, total=p["passes"] * len(p["rows"]),
                          what=f"{p['nodes']}x{p['local']} {layout} {method} pass {pas + 1}")
     return {"rows": [{"method": m, "layout": lay, "steps": v} for (m, lay), v in out.items()],
-            "job_tally": job_tally}
+            "job_tally": job_tally, "probe": probe}
 
 
 # ---------------------------------------------------------------------------
@@ -277,7 +303,8 @@ def cmd_nodes(args) -> dict:
                 lb0 = net.link_bytes() if hasattr(net, "link_bytes") else None
                 t0, load0 = time.time(), harness.loadavg()
                 payload = dict(numel=N, density=density, local=local, nodes=n, node_of_rank=node_of, rows=rows,
-                               steps=steps, warmup=args.warmup, passes=args.repeat, hyper=hyper)
+                               steps=steps, warmup=args.warmup, passes=args.repeat, hyper=hyper,
+                               link_mb=args.link_mb)
                 per_rank = harness.run_job(net, n * local, nodes_grid, payload, "torch", progress,
                                            timeout=args.timeout, echo=args.echo)
                 lb1 = net.link_bytes() if lb0 is not None else None
@@ -290,6 +317,12 @@ def cmd_nodes(args) -> dict:
                     job["uplink_bytes"] = {d: [b - a for a, b in zip(lb0[d], lb1[d])] for d in lb0}
                     job["tally_inter_sent_per_node"] = [sum(t["inter_sent"] for r, t in enumerate(tallies)
                                                             if node_of[r] == j) for j in range(n)]
+                if per_rank[0]["probe"]:  # each swap moves nbytes each way; the slowest rank counts
+                    nb = per_rank[0]["probe"]["nbytes"]
+                    job["probe_gbit_s"] = {
+                        w: nb * 8 / statistics.median([max(pr["probe"][w][i] for pr in per_rank)
+                                                       for i in range(3)]) / 1e9 for w in ("intra", "inter")}
+                    job["probe_mb"] = nb / 1e6
                 out["jobs"].append(job)
                 out["qdisc"][f"{n}x{local}"] = _summarise_qdisc(net.qdisc_stats())
     progress.close()
@@ -326,7 +359,9 @@ def table(res) -> List[str]:
 
 
 def goals(res) -> List[str]:
-    out = []
+    out = [f"- {j['nodes']} × {j['local']}: gloo swaps of {j['probe_mb']:g} MB, every worker at once, per worker "
+           f"each way: with a node-mate {j['probe_gbit_s']['intra']:.2f} Gbit/s, with a worker of another node "
+           f"{j['probe_gbit_s']['inter']:.2f} Gbit/s (its node's {j['local']} workers share the uplink)" for j in res.get("jobs", []) if j.get("probe_gbit_s")]
     idx = {(r["P"], r["method"], r["layout"]): r for r in res["rows"]}
     for (P, m, lay), h in sorted(idx.items()):
         f = idx.get((P, m, "flat"))
@@ -340,8 +375,13 @@ def goals(res) -> List[str]:
     return out
 
 
+COLORS = {"gtopk": "tab:green", "topk": "tab:red", "dense": "tab:blue"}
+
+
 def plot(res, path):
-    plt = None
+    """Left: exchange ms per configuration, the hierarchical bars split
+    into the leader's intra-node phases (light) and the inter-node
+    exchange; right: bytes per node per step over its uplink."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -353,33 +393,38 @@ def plot(res, path):
         return None
     confs = sorted({(r["nodes"], r["local"]) for r in rows})
     series = sorted({(r["method"], r["layout"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     w = 0.8 / len(series)
     for i, (m, lay) in enumerate(series):
-        xs, ex, lo, hi, inter = [], [], [], [], []
+        color, hatch = COLORS.get(m, "tab:gray"), ("//" if lay == "hier" else None)
         for j, (n, L) in enumerate(confs):
             r = next((r for r in rows if (r["nodes"], r["local"], r["method"], r["layout"]) == (n, L, m, lay)), None)
             if r is None:
                 continue
-            xs.append(j + (i - (len(series) - 1) / 2) * w)
-            ex.append(r["exchange_s"] * 1e3)
-            lo.append((r["exchange_s"] - min(r["exchange_times"])) * 1e3)
-            hi.append((max(r["exchange_times"]) - r["exchange_s"]) * 1e3)
-            inter.append(max(r["peer_inter_sent_per_node"]) / 1e6)
-        hatch = "//" if lay == "hier" else None
-        axes[0].bar(xs, ex, w, yerr=[lo, hi], capsize=2, label=f"{m} {lay}", hatch=hatch)
-        axes[1].bar(xs, inter, w, label=f"{m} {lay}", hatch=hatch)
-    for ax, yl in ((axes[0], "exchange ms (median, min–max over steps)"),
-                   (axes[1], "MB per node per step over its uplink (tally)")):
+            x = j + (i - (len(series) - 1) / 2) * w
+            lab = f"{m} {lay}" if j == 0 else None
+            if lay == "hier":
+                intra = r["phases_s"].get("intra", 0.0) * 1e3
+                axes[0].bar(x, intra, w, color=color, alpha=0.35, hatch=hatch,
+                            label=f"{m} hier: intra-node (dense sum + broadcast)" if j == 0 else None)
+                axes[0].bar(x, r["phases_s"].get("communicate", 0.0) * 1e3, w, bottom=intra, color=color,
+                            hatch=hatch, label=f"{m} hier: between nodes" if j == 0 else None)
+            else:
+                axes[0].bar(x, r["exchange_s"] * 1e3, w, color=color, label=lab)
+            axes[0].errorbar(x, r["exchange_s"] * 1e3, yerr=[[(r["exchange_s"] - min(r["exchange_times"])) * 1e3],
+                                                             [(max(r["exchange_times"]) - r["exchange_s"]) * 1e3]],
+                             color="black", capsize=2, lw=1)
+            axes[1].bar(x, max(r["peer_inter_sent_per_node"]) / 1e6, w, color=color, hatch=hatch, label=lab)
+    for ax, yl in ((axes[0], "exchange ms (median; bar: min–max over steps)"),
+                   (axes[1], "MB per node per step over its uplink")):
         ax.set_xticks(range(len(confs)))
         ax.set_xticklabels([f"{n} nodes × {L}" for n, L in confs])
-        ax.set_yscale("log")
         ax.set_ylabel(yl)
-        ax.grid(True, axis="y", which="both", ls=":")
-    axes[0].legend(fontsize=8)
+        ax.grid(True, axis="y", ls=":")
+        ax.legend(fontsize=7)
     s = res["settings"]
-    fig.suptitle(f"Flat vs hierarchical, N = {s['numel']:,}, density {s['density']:g}, 1 Gbit/s per node uplink, "
-                 "unshaped inside a node (2 shared cores)", fontsize=9)
+    fig.suptitle(f"Flat vs hierarchical, N = {s['numel']:,}, density {s['density']:g}, 1 Gbit/s uplink per node, "
+                 "unshaped inside a node (2 shared cores, loaded)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
