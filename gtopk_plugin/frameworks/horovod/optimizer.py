@@ -206,6 +206,12 @@ class _OptimizerBody(torch.optim.Optimizer):
         (residuals stay per rank: they are this worker's unsent mass)."""
         if self._reducer is None:
             return
+        if self._hierarchy is not None:
+            # the node groups live on the old side channel's store and the
+            # residuals on the old leaders: not rebuilt after a re-formation
+            raise RuntimeError("hierarchical=True does not support hvd.elastic (the node groups and the "
+                               "leaders' residuals are not rebuilt when the job re-forms); use a flat "
+                               "compression with elastic training")
         self._transport.drop_side_channel()  # the job was re-formed: a new channel
         v = torch.tensor([self._reducer.step], dtype=torch.int64)
         if self.process_set.size() > 1:
