@@ -41,6 +41,7 @@ MODES = ("corr", "opt")
 MODE_TEXT = {"corr": "library momentum correction (velocity through error feedback)",
              "opt": "momentum in the optimizer, on the decoded update"}
 WORKERS = 4
+LONG_STEPS = 1400  # glyphs, 15 epochs: the momentum group's long budget
 
 
 def codec_spec(task: str, method: str, rank: Optional[int], mode: str, seed: int,
@@ -59,10 +60,11 @@ def baseline_specs(task: str, seed: int, steps: Optional[int] = None) -> List[Tu
 
 
 def grid(seeds: Sequence[int] = (0, 1), tasks: Sequence[str] = TASKS, resnet: bool = False,
-         steps: Optional[dict] = None) -> List[Tuple[str, RunSpec]]:
+         steps: Optional[dict] = None, long: bool = False) -> List[Tuple[str, RunSpec]]:
     """(group, spec) in priority order: what the 2 pp goal needs (dense,
     onebit and powersgd both ways) for every seed first, then the gTop-k
-    baselines, then qsgd, then (``resnet``) the BatchNorm ResNet."""
+    baselines, then qsgd, then (``long``) glyphs at :data:`LONG_STEPS` with
+    the correction, then (``resnet``) the BatchNorm ResNet."""
     steps = steps or {}
     out: List[Tuple[str, RunSpec]] = []
     for s in seeds:
@@ -78,6 +80,13 @@ def grid(seeds: Sequence[int] = (0, 1), tasks: Sequence[str] = TASKS, resnet: bo
         for t in tasks:
             for mode in MODES:
                 out.append(("codecs", codec_spec(t, "qsgd", None, mode, s, steps.get(t))))
+    if long:
+        # glyphs at 3x the budget (the momentum group's long run): slow or worse?
+        for s in seeds:
+            out.append(("long", baseline_specs("glyphs", s, LONG_STEPS)[0][1]))
+            for m, r in CODECS[:2]:
+                out.append(("long", codec_spec("glyphs", m, r, "corr", s, LONG_STEPS)))
+            out.append(("long", baseline_specs("glyphs", s, LONG_STEPS)[1][1]))
     if resnet:
         t = "glyphs_resnet"
         for s in seeds:
@@ -211,7 +220,8 @@ def main(args) -> int:
         g = quick_grid(args.steps or 8)
     else:
         steps = {t: args.steps for t in TASKS + ("glyphs_resnet",)} if args.steps else None
-        g = grid(seeds, [t for t in args.tasks if t in TASKS], resnet="glyphs" in args.tasks, steps=steps)
+        g = grid(seeds, [t for t in args.tasks if t in TASKS], resnet="glyphs" in args.tasks, steps=steps,
+                 long="glyphs" in args.tasks and not args.steps)
     specs = study.unique_specs(g)
     journal = None if args.quick else json_path.replace(".json", ".journal.jsonl")
     reused = len([s for s in study._journal_load(journal) if s in set(specs)])

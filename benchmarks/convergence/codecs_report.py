@@ -29,6 +29,15 @@ def name(r: dict) -> str:
     return r["label"]
 
 
+GROUPS = ("codecs", "long", "resnet")
+
+
+def panels(rows) -> List[tuple]:
+    """(group, task) pairs present, in report order."""
+    have = {(r["group"], r["task"]) for r in rows}
+    return [(g, t) for g in GROUPS for t in sorted({t for gg, t in have if gg == g})]
+
+
 def find(rows, task, label, mode=None, density=None, group=None) -> Optional[dict]:
     for r in rows:
         if r["task"] == task and r["label"] == label and (mode is None or r["mode"] == mode) \
@@ -41,18 +50,19 @@ def goals(rows: List[dict]) -> List[dict]:
     """onebit and powersgd(r=4) vs dense, both momentum modes, per task:
     gap of the seed means (pp), the seeds' values, holds iff gap ≤ 2 pp."""
     out = []
-    for task in sorted({r["task"] for r in rows}):
-        dense = find(rows, task, "dense")
+    for group, task in panels(rows):
+        dense = find(rows, task, "dense", group=group)
         if not dense:
             continue
         for label in ("onebit", "powersgd(r=4)", "qsgd"):
             for mode in ("corr", "opt"):
-                r = find(rows, task, label, mode)
+                r = find(rows, task, label, mode, group=group)
                 if not r:
                     continue
                 d, x = dense["final"]["mean"], r["final"]["mean"]
                 gap = 100 * (d - x)
-                out.append({"task": task, "method": label, "mode": mode, "dense": d, "codec": x,
+                out.append({"group": group, "task": task, "steps": r["steps"], "method": label, "mode": mode,
+                            "dense": d, "codec": x,
                             "dense_values": dense["final"]["values"], "codec_values": r["final"]["values"],
                             "codec_std": r["final"]["std"], "gap_pp": gap, "holds": bool(gap <= GOAL_PP),
                             "goal_method": label != "qsgd", "seeds": r["seeds"],
@@ -70,24 +80,34 @@ def bytes_to(r: dict, target: float) -> Optional[float]:
 
 
 def bytes_to_accuracy(rows: List[dict]) -> List[dict]:
-    """Per task and target (dense's final mean − 2 pp, − 5 pp): every
-    configuration's bytes to reach it, and the ratio to gTop-k 1% / 0.1%."""
+    """Per panel and target (:func:`targets`): every configuration's bytes
+    to reach it, and the ratio to gTop-k 1%'s / 0.1%'s bytes to reach it."""
     out = []
-    for task in sorted({r["task"] for r in rows}):
-        dense = find(rows, task, "dense")
+    for group, task in panels(rows):
+        dense = find(rows, task, "dense", group=group)
         if not dense:
             continue
-        tr = [r for r in rows if r["task"] == task]
-        g1, g01 = find(rows, task, "gtopk", density=0.01), find(rows, task, "gtopk", density=0.001)
-        for pp in TARGETS_PP:
-            target = dense["final"]["mean"] - pp / 100
+        tr = [r for r in rows if r["task"] == task and r["group"] == group]
+        g1 = find(rows, task, "gtopk", density=0.01, group=group)
+        g01 = find(rows, task, "gtopk", density=0.001, group=group)
+        for tname, target in targets(dense, g1):
             ref1 = bytes_to(g1, target) if g1 else None
             ref01 = bytes_to(g01, target) if g01 else None
             for r in tr:
                 b = bytes_to(r, target)
-                out.append({"task": task, "target_pp_below_dense": pp, "target": target, "config": name(r),
-                            "mode": r["mode"], "bytes": b, "vs_gtopk_1": _ratio(b, ref1),
+                out.append({"group": group, "task": task, "target_name": tname, "target": target,
+                            "config": name(r), "mode": r["mode"], "bytes": b, "vs_gtopk_1": _ratio(b, ref1),
                             "vs_gtopk_0.1": _ratio(b, ref01)})
+    return out
+
+
+def targets(dense: dict, g1: Optional[dict]) -> List[tuple]:
+    """(name, accuracy) targets of a panel: dense's final mean less 2 and
+    5 pp, and gTop-k 1%'s own final mean (what gTop-k reaches with its
+    bytes)."""
+    out = [(f"dense − {pp:g} pp", dense["final"]["mean"] - pp / 100) for pp in TARGETS_PP]
+    if g1:
+        out.append(("gTop-k 1% final", g1["final"]["mean"]))
     return out
 
 
@@ -132,23 +152,25 @@ def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[d
                          for t, b in budget.items()]))
     parts.append("#### Goal: onebit and powersgd(r=4) within 2 pp of dense (qsgd for reference)")
     parts.append(_table(
-        ["task", "method", "momentum", "dense (per seed)", "codec (per seed)", "codec mean ± std", "gap",
+        ["task", "steps", "method", "momentum", "dense (per seed)", "codec (per seed)", "codec mean ± std", "gap",
          "bytes vs dense", "within 2 pp"],
-        [[g["task"], g["method"], "correction" if g["mode"] == "corr" else "in optimizer",
+        [[g["task"], str(g["steps"]), g["method"], "correction" if g["mode"] == "corr" else "in optimizer",
           f"{100 * statistics.fmean(g['dense_values']):.1f} ({_vals('accuracy', {'values': g['dense_values']})})",
           _vals("accuracy", {"values": g["codec_values"]}),
           f"{100 * g['codec']:.1f} ± {100 * g['codec_std']:.1f}", f"{g['gap_pp']:+.1f} pp",
           f"{100 * g['bytes_ratio']:.1f}%", "yes" if g["holds"] else "**no**"] for g in goal]))
-    for task in sorted({r["task"] for r in rows}):
-        tr = sorted([r for r in rows if r["task"] == task], key=_sort_key)
+    for group, task in panels(rows):
+        tr = sorted([r for r in rows if r["task"] == task and r["group"] == group], key=_sort_key)
         metric = tr[0]["metric"]
-        parts.append(f"#### {task}: final test accuracy %, bytes per worker per step, bytes to accuracy")
-        tgt = {pp: [x for x in b2a if x["task"] == task and x["target_pp_below_dense"] == pp] for pp in TARGETS_PP}
+        parts.append(f"#### {task}, {tr[0]['steps']} steps: final test accuracy %, bytes per worker per step, "
+                     f"bytes to accuracy")
+        mine = [x for x in b2a if x["task"] == task and x["group"] == group]
+        tnames = list(dict.fromkeys(x["target_name"] for x in mine))
+        tgt = {tn: [x for x in mine if x["target_name"] == tn] for tn in tnames}
         head = ["method", "momentum", "final % (mean ± std)", "bytes/step", "vs dense"]
-        for pp in TARGETS_PP:
-            t = tgt[pp][0]["target"] if tgt[pp] else math.nan
-            head += [f"bytes to {100 * t:.1f}% (dense − {pp:g} pp)", "vs gTop-k 1% / 0.1%"]
-        dense = find(rows, task, "dense")
+        for tn in tnames:
+            head += [f"bytes to {100 * tgt[tn][0]['target']:.1f}% ({tn})", "vs gTop-k 1% / 0.1%"]
+        dense = find(rows, task, "dense", group=group)
         body = []
         for r in tr:
             cells = [name(r), {"dense": "optimizer", "recipe": "recipe (corr. + masking + warm-up)",
@@ -156,8 +178,8 @@ def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[d
                      fmt(metric, r["final"]),
                      fmt_bytes(r["bytes_per_step"]),
                      f"{100 * r['bytes_per_step'] / dense['bytes_per_step']:.1f}%" if dense else "–"]
-            for pp in TARGETS_PP:
-                x = next((y for y in tgt[pp] if y["config"] == name(r) and y["mode"] == r["mode"]), None)
+            for tn in tnames:
+                x = next((y for y in tgt[tn] if y["config"] == name(r) and y["mode"] == r["mode"]), None)
                 cells += ["not reached" if not x or x["bytes"] is None else fmt_bytes(x["bytes"]),
                           "–" if not x or r["method"] == "gtopk" else
                           f"{_fmt_ratio(x['vs_gtopk_1'])} / {_fmt_ratio(x['vs_gtopk_0.1'])}"]
@@ -190,14 +212,15 @@ def plot(rows: List[dict], path: str) -> Optional[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = sorted({r["task"] for r in rows})
-    if not tasks:
+    pan = panels(rows)
+    if not pan:
         return None
     colors = {"dense": "k", "gtopk 1%": "C3", "gtopk 0.1%": "C1", "onebit": "C0", "powersgd(r=4)": "C2",
               "qsgd": "C4"}
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.8 * len(tasks)), squeeze=False)
-    for row, task in zip(axes, tasks):
-        for r in sorted([r for r in rows if r["task"] == task], key=_sort_key):
+    fig, axes = plt.subplots(len(pan), 2, figsize=(11, 3.6 * len(pan)), squeeze=False)
+    for row, (group, task) in zip(axes, pan):
+        tr = sorted([r for r in rows if r["task"] == task and r["group"] == group], key=_sort_key)
+        for r in tr:
             c = r["curve"]
             ys = [100 * m for m in c["mean"]]
             ls = "--" if r["mode"] == "opt" else "-"
@@ -205,8 +228,8 @@ def plot(rows: List[dict], path: str) -> Optional[str]:
             row[0].plot(c["step"], ys, color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)
             xb = [max(b, 1.0) / 1e6 for b in c["bytes"]]
             row[1].plot(xb[1:], ys[1:], color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)
-        row[0].set_title(f"{task}, P=4: accuracy vs step", fontsize=9)
-        row[1].set_title(f"{task}, P=4: accuracy vs MB sent per worker", fontsize=9)
+        row[0].set_title(f"{task}, {tr[0]['steps']} steps, P=4: accuracy vs step", fontsize=9)
+        row[1].set_title(f"{task}, {tr[0]['steps']} steps, P=4: accuracy vs MB sent per worker", fontsize=9)
         row[1].set_xscale("log")
         for ax in row:
             ax.set_ylim(40, 100)
