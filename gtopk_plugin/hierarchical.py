@@ -154,6 +154,7 @@ class HierarchicalReducer:
         self._step = 0
         self.last_stats: Optional[ReduceStats] = None
         self._pending_state: Optional[dict] = None
+        self._flat_bufs: Dict[tuple, Tensor] = {}  # per layout: the node sum's buffer
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> Topology:
@@ -222,7 +223,8 @@ class HierarchicalReducer:
                                 seconds, t0, advance_step, inner_ran=False)
 
         dtype = flat_dtype(tensors)
-        flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+        flat = self._flat_buffer(names, sizes, dtype, tensors[0].device)
+        torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors], out=flat)
         self._compensate(names, flat, sizes, grad_norm, loss_scale, P)
         i0 = self.intra.counters.copy()
         t1 = time.perf_counter()
@@ -257,6 +259,18 @@ class HierarchicalReducer:
         intra = self.intra.counters.copy().minus(i0)
         return self._finish(names, tensors, sizes, ks, density, status, update, intra, control,
                             seconds, t0, advance_step, inner_ran=True)
+
+    def _flat_buffer(self, names, sizes, dtype, device) -> Tensor:
+        """This layout's persistent flat buffer for the node sum (issue #15:
+        no N-sized allocation per step for the input side; it is free again
+        once reduce() returns -- the leader's inner reducer copies it)."""
+        key = (tuple(names), dtype, torch.device(device))
+        buf = self._flat_bufs.get(key)
+        if buf is None:
+            if len(self._flat_bufs) >= 64:
+                self._flat_bufs.clear()
+            buf = self._flat_bufs[key] = torch.empty(sum(sizes), dtype=dtype, device=device)
+        return buf
 
     def _compensate(self, names, flat, sizes, grad_norm, loss_scale, P) -> None:
         """Per worker, before the node sum: DGC local clipping to
