@@ -24,6 +24,7 @@ fp32 only.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Dict, List
 
 from gtopk_plugin import kernels
@@ -137,6 +138,14 @@ def _density(res, density):
     return min(ds) if ds else None
 
 
+def per_pass(r) -> List[float]:
+    """Median of each pass's steps (``--repeat``: the passes' steps are
+    pooled in ``times``, in order, the same number from each)."""
+    n = max(1, r.get("passes", 1))
+    m = len(r["times"]) // n
+    return [statistics.median(r["times"][i * m:(i + 1) * m]) for i in range(n)] if m else []
+
+
 def families_table(res, numel=None, density=None) -> List[str]:
     """Markdown: every method's bytes and exchange time per P (torch,
     fp32): dense, Top-k and gTop-k at ``density`` (default: the run's
@@ -149,8 +158,8 @@ def families_table(res, numel=None, density=None) -> List[str]:
     if not any(is_codec(r["method"]) for r in rows if r["method"] in registry.available()):
         return []
     order = {m: i for i, m in enumerate(["dense", "topk", "gtopk", "onebit", "qsgd", "powersgd"])}
-    out = ["| N | P | method | exchange ms: median (min–max over steps) | in transport ms | bytes sent per "
-           "worker per step | bytes received | × dense bytes | × dense time | steps |",
+    out = ["| N | P | method | exchange ms: median (min–max over steps) | per pass | in transport ms | worker CPU "
+           "s/step | bytes sent per worker per step | × dense bytes | × dense time |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for N, P in sorted({(r["numel"], r["P"]) for r in rows}):
         grp = sorted((r for r in rows if r["numel"] == N and r["P"] == P),
@@ -161,8 +170,8 @@ def families_table(res, numel=None, density=None) -> List[str]:
             xb = f"{r['bytes_sent'] / de['bytes_sent']:.4f}" if de else "–"
             xt = f"{r['time_s'] / de['time_s']:.3f}" if de else "–"
             out.append(f"| {N:,} | {P} | {name} | {_ms(r['time_s'])} ({_ms(min(r['times']))}–"
-                       f"{_ms(max(r['times']))}) | {_ms(r['wire_s'])} | {r['bytes_sent']:,} | "
-                       f"{r['bytes_received']:,} | {xb} | {xt} | {len(r['times'])} |")
+                       f"{_ms(max(r['times']))}) | {', '.join(_ms(x) for x in per_pass(r))} | "
+                       f"{_ms(r['wire_s'])} | {r.get('proc_cpu_s') or 0:.2f} | {r['bytes_sent']:,} | {xb} | {xt} |")
     return out
 
 
