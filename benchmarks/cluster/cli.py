@@ -3,6 +3,9 @@
 
     python -m benchmarks.cluster [comm] --workers 2 4 8 --rate 1gbit --numel 1000000 25000000 \\
         --density 0.001 0.01 --methods dense,topk,gtopk --steps 10 --json OUT.json
+        (--methods also takes the codecs: onebit, qsgd, powersgd with --hyper powersgd.rank=4)
+    python -m benchmarks.cluster comm --nodes 2 4 --local 2 --numel 25000000 --density 0.001 \
+        --methods gtopk,topk --repeat 3     # flat vs hierarchical on emulated nodes (hier.py, nodes.py)
     python -m benchmarks.cluster replay --workers 2 4 8 --models resnet50,vgg16 --selection paper
     python -m benchmarks.cluster model --comm C.json --replay R.json
     python -m benchmarks.cluster reproduce          # all three, the settings
