@@ -51,6 +51,11 @@ def count(w: Tensor) -> int:
     return w.numel() - header_bytes(w.dtype)
 
 
+# dtypes the quantizer computes in directly (else float32 / float64 copies)
+_WIDE = (torch.float32, torch.float64)
+_MIN_NORMAL_EXP = {torch.float32: -126, torch.float64: -1022}
+
+
 def values(w: Tensor, dtype: torch.dtype) -> Tensor:
     """The numbers a wire tensor carries, in ``dtype``: an fp16/bf16/fp32
     tensor as it is (callers widen it where they add it); an int8 one
@@ -59,6 +64,9 @@ def values(w: Tensor, dtype: torch.dtype) -> Tensor:
     if w.dtype != QUANTIZED:
         return w
     q, e = w[:-1], int(w[-1])
+    if dtype in _WIDE and e >= _MIN_NORMAL_EXP[dtype]:
+        # one multiplication by a normal power of two: exact (7-bit products)
+        return q.to(dtype) * math.ldexp(1.0, e)
     # exact in float64 (7-bit integer times a power of two), then exactly
     # representable in ``dtype`` by the choice of e
     return (q.to(torch.float64) * math.ldexp(1.0, e)).to(dtype)
@@ -152,19 +160,23 @@ def quantize(v: Tensor, draws: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]
     remainder stays in the residual (exact below 2^179)."""
     n = v.numel()
     e = exponent(float(v.abs().max()) if n else 0.0, v.dtype)
-    x = v.to(torch.float64) * math.ldexp(1.0, -e)
+    # x in v's own dtype (float32/64; fp16/bf16 via an exact float32 copy):
+    # a power-of-two scaling is exact except where x underflows to a
+    # subnormal, |x| < 2^-126, which rounds to q = 0 either way
+    x = (v if v.dtype in _WIDE else v.float()) * math.ldexp(1.0, -e)
     if draws is None:
         q = torch.round(x)
     else:
+        # x − ⌊x⌋ is exact (Sterbenz for |x| >= 1; x + 1 for x in [−1, −1/2])
+        # outside the dead zone; compared with the float64 draw exactly
         f = torch.floor(x)
         q = f + (draws.to(x.device) < x - f).to(x.dtype)
         q = torch.where(x.abs() < 0.5, torch.zeros_like(q), q)
     lim = torch.finfo(v.dtype).max * math.ldexp(1.0, -e)  # may be inf (float64)
     cap = QMAX if lim >= QMAX else math.floor(lim)
     q = q.clamp_(-cap, cap)
-    d = (q * math.ldexp(1.0, e)).to(v.dtype)
     w = torch.cat([q.to(torch.int8), torch.tensor([e], dtype=torch.int8, device=v.device)])
-    return w, v - d
+    return w, v - values(w, v.dtype)
 
 
 def to_wire(vals: Tensor, dtype: torch.dtype) -> Tensor:
