@@ -257,7 +257,8 @@ class GradientReducer(ReducerState):
         else:
             idx, vals = picked if picked is not None else self.compressor.select(acc, offsets, k, ctx)
             draws = None if cfg.wire_rounding == "nearest" else wire.Draws(cfg.seed, self.step, seg_names[0])
-            self._aggregation.draws = draws  # the aggregation's own re-roundings (int8 wire)
+            if hasattr(self._aggregation, "draws"):  # aggregations that re-round sums (int8 wire)
+                self._aggregation.draws = draws
             wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype) if draws is None else \
                 wire.quantize(vals, draws(f"rank{self.transport.rank}",
                                           torch.arange(numel, device=acc.device) if idx is None else idx))[0]
