@@ -111,9 +111,19 @@ def test_int8_wire_agrees_with_oracle_conserves_mass_and_bytes(P):
 
 
 @pytest.mark.timeout(200)
-def test_elastic_scheduler_with_int8_gtopk_agrees_across_ranks_and_conserves_mass():
+def test_elastic_scheduler_and_ddp_hook_with_int8_gtopk():
+    """Elastic scheduler: the same bits on every rank, mass conserved per
+    layer.  DDP hook: value_dtype/wire_rounding pass through; bit for bit
+    the reducer's updates, 5·K + 1 bytes per message."""
     P, steps = 2, 4
     res = run_workers(P, wire_workers.elastic_int8, steps, timeout=180)
+    for r in range(P):
+        d = res[r]["ddp"]
+        for s in range(steps):
+            assert all(torch.equal(d["hook"][s][n], d["reducer"][s][n]) for n in d["hook"][s]), (r, s)
+            assert all(torch.equal(d["hook"][s][n], res[0]["ddp"]["hook"][s][n]) for n in d["hook"][s])
+        t = d["traffic"]
+        assert (t["payload_bytes_sent"], t["payload_bytes_received"]) == traffic.gtopk_bytes(P, r, t["k"], "int8")
     keys = sorted(res[0]["reduced"])
     assert len(keys) == 4 * steps
     for k in keys:  # every rank applies the same bits

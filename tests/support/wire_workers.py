@@ -63,6 +63,36 @@ def elastic_int8(rank, world_size, steps):
                              policy="norm", beta=0.5)
     params = train_elastic(sched, m, steps, rank)
     out = {"params": params, "local": rec.local, "reduced": rec.reduced,
-           "residuals": sched.state_dict()["reducer"]["residuals"], "bytes": red.last_stats.payload_bytes_sent}
+           "residuals": sched.state_dict()["reducer"]["residuals"]}
     sched.close()
+    out["ddp"] = ddp_int8(rank, steps)
     return out
+
+
+def ddp_int8(rank, steps):
+    """The DDP hook (one bucket) with the int8 wire, stochastic rounding,
+    against a GradientReducer fed an undistributed copy's gradients: per
+    step the hook's and the reducer's updates, and the hook's last traffic."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    ref = copy.deepcopy(model)
+    kw = dict(method="gtopk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=3)
+    state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), **kw)
+    ddp = DDP(model)
+    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
+    reducer = gp.GradientReducer(**kw)
+    hook, want = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
+        ddp.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        hook.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        ref.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        want.append(reducer.reduce({n: p.grad.detach().clone() for n, p in ref.named_parameters()}))
+    return {"hook": hook, "reducer": want, "traffic": dict(state.last_step_traffic)}
