@@ -29,7 +29,6 @@ Tensor = torch.Tensor
 QUANTIZED = torch.int8  # the one integer wire dtype
 QMAX = 127               # |q| <= 127: the code -128 is never used (symmetric)
 E_MIN, E_MAX = -128, 127  # the exponent byte's range
-ROUNDINGS = ("nearest", "stochastic")
 
 
 def entry_bytes(idx_dtype: torch.dtype, val_dtype: torch.dtype) -> int:
