@@ -252,6 +252,21 @@ def env_cache_home() -> str:
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 
 
+def env_local_world_size() -> Union[int, str, None]:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun): workers per node, the default
+    node size of :class:`~gtopk_plugin.hierarchical.HierarchicalReducer`.
+    ``None`` when unset or empty; a value that is not an integer comes back
+    as the string, so that the topology agreement rejects it on every rank
+    (raising here, on one rank only, would leave the others waiting)."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
 def env_fusion_threshold_bytes(default: int = 64 * 1024 * 1024) -> int:
     """``GTOPK_FUSION_THRESHOLD`` (bytes): default gradient-bucket size of the
     framework optimizers (the role of Horovod's ``HOROVOD_FUSION_THRESHOLD``)."""

@@ -162,7 +162,7 @@ class HierarchicalReducer:
         (collective; done by the first :meth:`reduce` otherwise)."""
         if self.topology is not None:
             return self.topology
-        env_local = getattr(config, "env_local_world_size", lambda: None)()
+        env_local = config.env_local_world_size()
         topo = agree(self._engine.world(), env_local_size=env_local, **self._topology_args)
         intra, inter = self._engine.split(topo)
         if topo.is_leader:

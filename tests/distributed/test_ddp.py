@@ -308,7 +308,7 @@ def test_public_imports():
     (dict(op="mean"), "op"),
     (dict(granularity="bucket"), "granularity"),
     (dict(r_factor=0.5), "r_factor"),
-    (dict(value_dtype=torch.int8), "value_dtype"),
+    (dict(value_dtype=torch.int32), "value_dtype"),
     (dict(nonfinite="ignore"), "nonfinite"),
     (dict(timeout=-1), "timeout"),
     (dict(bogus=1), "bogus"),
