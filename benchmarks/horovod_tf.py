@@ -10,7 +10,11 @@ take turns step by step (the order rotates every round, so drift in machine
 load hits all alike).  Reported per compression: the median step time, its
 ratio to ``Compression.none`` (Horovod's own dense allreduce), and the bytes
 this worker sent in the last step (``last_step_traffic``; for none/fp16 the
-ring-allreduce model) with the ratio dense/sent.  Where
+ring-allreduce model) with the ratio dense/sent.  Under load the pooled
+medians drift with the machine; the per-round ratios are the side-by-side
+figure: in each round every compression's median over its ``--steps``
+steps divided by ``none``'s in the same round, reported as the median over
+rounds with its quartiles.  Where
 ``benchmarks/results/horovod_overhead.json`` holds the PyTorch layer's bytes
 for the same model, density and P, they are printed beside ours: the same
 selection and schedule must move the same bytes.  Writes
@@ -100,8 +104,16 @@ def worker(args):
         step += args.steps
     out = {"P": P, "numel": int(sum(v.shape.num_elements() for v in runs[names[0]][2].trainable_variables)),
            "compressions": {}}
+    def per_round(c):  # the median of each round's steps (compressions interleaved within a round)
+        return [statistics.median(times[c][r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
+
+    base = per_round("none") if "none" in runs else None
     for c, (_, comp, _) in runs.items():
         row = {"median_step_s": statistics.median(times[c]), "steps": len(times[c])}
+        if base is not None:  # side by side: this round's median over none's in the same round
+            ratios = sorted(a / b for a, b in zip(per_round(c), base))
+            row.update(round_ratios=ratios, ratio_median=statistics.median(ratios),
+                       ratio_q1=ratios[(len(ratios) - 1) // 4], ratio_q3=ratios[(3 * (len(ratios) - 1) + 3) // 4])
         if hasattr(comp, "last_step_traffic"):
             row.update(comp.last_step_traffic)
         else:  # Horovod's dense allreduce: the ring model (fp16 halves the bytes)
@@ -201,14 +213,16 @@ def main(argv=None):
         print(f"\nP = {P}: mlp-1.1M ({res['numel']:,} parameters), density {args.density}, "
               f"tf.function tape step, {rows[next(iter(rows))]['steps']} steps each (job {res['job_seconds']:.0f} s, "
               f"loadavg {res['loadavg_before'][0]:.1f} -> {res['loadavg_after'][0]:.1f})")
-        print(f"{'compression':<11} {'step ms':>8} {'vs none':>8} {'sent B':>10} {'dense/sent':>10} "
-              f"{'control B':>9} {'PyTorch sent B':>14}")
+        print(f"{'compression':<15} {'step ms':>8} {'vs none':>8} {'per-round ratio: median [q1, q3]':>33} "
+              f"{'sent B':>10} {'dense/sent':>10} {'control B':>9} {'PyTorch sent B':>14}")
         for c, t in rows.items():
             ratio = t["dense_bytes"] / t["bytes_sent"] if t["bytes_sent"] else float("nan")
             rel = t["median_step_s"] / base if base else float("nan")
+            spread = (f"{t['ratio_median']:.2f}x [{t['ratio_q1']:.2f}, {t['ratio_q3']:.2f}]"
+                      if "ratio_median" in t else "-")
             torch_b = f"{tb[c]:,}" if c in tb else "-"
-            print(f"{c:<11} {1e3 * t['median_step_s']:8.1f} {rel:7.2f}x {t['bytes_sent']:>10,} {ratio:>9.1f}x "
-                  f"{t['control_bytes']:>9} {torch_b:>14}")
+            print(f"{c:<15} {1e3 * t['median_step_s']:8.1f} {rel:7.2f}x {spread:>33} {t['bytes_sent']:>10,} "
+                  f"{ratio:>9.1f}x {t['control_bytes']:>9} {torch_b:>14}")
     write_json(args.json, "horovod_tf", {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
                results, packages=("horovod", "tensorflow"))
     png = plot(results, os.path.splitext(args.json)[0] + ".png")

@@ -33,9 +33,13 @@ single-process oracle of the PyTorch side and compare bits.
 Modules: :mod:`.compression` (``SparseCompression``: settings and state),
 :mod:`.step` (one reduce step), :mod:`.selection` (the compressor bridge),
 :mod:`.collectives` and :mod:`.ops` (aggregations, named Horovod ops and
-their byte counts), :mod:`.kernels` (TF tensor ops), :mod:`.momentum`
-(Keras SGD binding of DGC momentum correction), :mod:`.optimizer` (front
-ends), :mod:`.elastic` (``SparseKerasState``).
+their byte counts), :mod:`.side` (the gloo side channel), :mod:`.fused`
+(selection and the core's aggregation in one call on the side channel),
+:mod:`.rounds` (rounds codecs), :mod:`.small` (``dense_below``),
+:mod:`.codec_state` (a compressor's own state in checkpoints),
+:mod:`.kernels` (TF tensor ops), :mod:`.momentum` (Keras SGD binding of
+DGC momentum correction), :mod:`.optimizer` (front ends), :mod:`.elastic`
+(``SparseKerasState``).
 
 With ``momentum_correction=True`` (or ``momentum=``) the compression runs
 DGC's momentum correction with momentum factor masking and, with
