@@ -25,6 +25,7 @@ BENCHMARKS = {
     "ddp_step": (".ddp_step", "main", "DDP step on loopback: allreduce vs sparse_hook gTop-k 1%/0.1%"),
     "soak": (".soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
     "step": (".step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
+    "train": (".train.cli", "main", "time to accuracy: real training jobs on the emulated cluster"),
     "wire_precision": (".wire_precision", "main",
                        "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
 }

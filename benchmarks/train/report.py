@@ -1,0 +1,165 @@
+"""``gtopk-bench train``: per-rank results -> rows, time to accuracy,
+the markdown table and the plot.
+
+Definitions (also in docs/benchmarks.md, "Time to accuracy"):
+
+- a step's time is the slowest rank's (a synchronous step goes at the pace
+  of the slowest worker); the wall-clock at step s is the sum of the first
+  s step times (evaluations not counted);
+- bytes: per step the busiest rank's bytes sent by the library's accounting
+  (DDP's own allreduce and fp16 hook: the ring model 2(P-1)/P x bytes
+  allreduced) and, inside namespaces, the worker's ``eth0`` transmit counter
+  (TCP/IP headers included);
+- compute: the median over evaluations of the slowest rank's compute-only
+  probe (forward + backward + update without communication);
+  communication + waiting = median step - compute;
+- target: the final accuracy of the group's dense run minus 1 pp (elastic
+  group: the dense barrier's final accuracy minus 0.5 pp); time to target
+  = the wall-clock of the first evaluation at or above it (resolution: one
+  evaluation interval).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import List, Optional
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def merge(per_rank: list, cfg: dict, label: str) -> dict:
+    r0 = per_rank[0]
+    times = [max(t) for t in zip(*(r["times"] for r in per_rank))]
+    bytes_ = [max((b for b in bs if b is not None), default=None) for bs in zip(*(r["bytes"] for r in per_rank))]
+    tx = [max(v) if v[0] is not None else None for v in zip(*(r["tx"] for r in per_rank))]
+    compute = [max(c) for c in zip(*(r["compute"] for r in per_rank))]
+    wall, acc_b, cum, cumb = [], [], 0.0, 0
+    for t, b in zip(times, bytes_):
+        cum += t
+        cumb += b or 0
+        wall.append(cum)
+        acc_b.append(cumb)
+    curve = [{"step": e["step"], "wall_s": wall[e["step"] - 1], "bytes": acc_b[e["step"] - 1],
+              "accuracy": e["eval"]["accuracy"], "test_loss": e["eval"]["loss"]} for e in r0["evals"]]
+    step_med, comp_med = _med(times), _med(compute)
+    row = dict(cfg, label=label, steps=len(times), step_times_s=times, losses=r0["losses"], curve=curve,
+               final_accuracy=curve[-1]["accuracy"], wall_s=wall[-1], total_bytes=acc_b[-1],
+               bytes_per_step=_med(bytes_), tx_bytes_per_step=_med(tx), step_s=step_med, compute_s=comp_med,
+               comm_wait_s=None if step_med is None or comp_med is None else step_med - comp_med,
+               compute_probes_s=compute,
+               params_equal=len({r["checksum"] for r in per_rank}) == 1,
+               loss_first=sum(r0["losses"][:5]) / len(r0["losses"][:5]),
+               loss_last=sum(r0["losses"][-5:]) / len(r0["losses"][-5:]))
+    if "elastic" in r0:
+        row["elastic"] = r0["elastic"]
+        row["latency_injected"] = [r["latency"] for r in per_rank]
+    return row
+
+
+def group_key(r):
+    return (r["workload"], r["rate_label"], r["seed"], "elastic" if r["engine"] == "elastic" else r["engine"])
+
+
+def _time_to(row, target) -> Optional[float]:
+    for pt in row["curve"]:
+        if pt["accuracy"] >= target:
+            return pt["wall_s"]
+    return None
+
+
+def summarise(rows: List[dict]) -> List[dict]:
+    """Adds target, time_to_target_s and the ratios to dense (elastic: to the
+    dense barrier) and to Top-k of the same group, in place; returns rows."""
+    for key in dict.fromkeys(group_key(r) for r in rows):
+        g = [r for r in rows if group_key(r) == key]
+        if key[3] == "elastic":
+            base = next((r for r in g if r["method"] == "dense" and r["policy"] == "barrier"), None)
+            margin = 0.005
+        else:
+            base = next((r for r in g if r["method"] == "dense"), None)
+            margin = 0.01
+        if base is None:
+            continue
+        target = base["final_accuracy"] - margin
+        topk = next((r for r in g if r["method"] == "topk"), None)
+        tb = _time_to(base, target)
+        tk = _time_to(topk, target) if topk else None
+        for r in g:
+            t = _time_to(r, target)
+            r.update(target=target, target_margin_pp=100 * margin, baseline=base["name"], time_to_target_s=t,
+                     speedup_vs_baseline=(tb / t) if t and tb else None,
+                     speedup_vs_topk=(tk / t) if t and tk else None,
+                     wall_reduction_vs_baseline=(1 - t / tb) if t and tb else None,
+                     acc_delta_pp=100 * (r["final_accuracy"] - base["final_accuracy"]))
+    return rows
+
+
+def _f(v, fmt, dash="–"):
+    return dash if v is None else format(v, fmt)
+
+
+def markdown(rows: List[dict]) -> str:
+    lines = ["| workload | link | seed | engine | method | final acc % | Δ vs base (pp) | target % | "
+             "time to target s | × base | × Top-k | wall s | MB/step (accounting) | MB/step (eth0) | "
+             "step ms | compute ms | comm+wait ms | params equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tgt = r.get("target")
+        lines.append(
+            f"| {r['workload']} | {r['rate_label']} | {r['seed']} | {r['engine']} | {r['name']} | "
+            f"{100 * r['final_accuracy']:.2f} | {_f(r.get('acc_delta_pp'), '+.2f')} | "
+            f"{_f(None if tgt is None else 100 * tgt, '.2f')} | {_f(r.get('time_to_target_s'), '.1f', 'not reached' if tgt is not None else '–')} | "
+            f"{_f(r.get('speedup_vs_baseline'), '.2f')} | {_f(r.get('speedup_vs_topk'), '.2f')} | "
+            f"{r['wall_s']:.1f} | {_f(None if r['bytes_per_step'] is None else r['bytes_per_step'] / 1e6, '.3f')} | "
+            f"{_f(None if r['tx_bytes_per_step'] is None else r['tx_bytes_per_step'] / 1e6, '.3f')} | "
+            f"{1e3 * r['step_s']:.0f} | {_f(None if r['compute_s'] is None else 1e3 * r['compute_s'], '.0f')} | "
+            f"{_f(None if r['comm_wait_s'] is None else 1e3 * r['comm_wait_s'], '.0f')} | "
+            f"{'yes' if r['params_equal'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = res["rows"]
+    keys = list(dict.fromkeys(group_key(r) for r in rows))
+    fig, axes = plt.subplots(len(keys), 3, figsize=(16, 3.8 * len(keys)), squeeze=False)
+    for i, key in enumerate(keys):
+        g = [r for r in rows if group_key(r) == key]
+        a, b, c = axes[i]
+        for r in g:
+            xs = [0.0] + [p["wall_s"] for p in r["curve"]]
+            ys = [10.0] + [100 * p["accuracy"] for p in r["curve"]]
+            a.plot(xs, ys, label=r["name"], lw=1.2)
+            b.plot([max(1.0, p["bytes"]) for p in r["curve"]], [100 * p["accuracy"] for p in r["curve"]],
+                   label=r["name"], lw=1.2)
+            L = r["losses"]
+            w = max(1, len(L) // 30)
+            c.plot([sum(L[max(0, j - w + 1):j + 1]) / len(L[max(0, j - w + 1):j + 1]) for j in range(len(L))],
+                   label=r["name"], lw=1)
+        tgt = g[0].get("target")
+        for ax in (a, b):
+            if tgt is not None:
+                ax.axhline(100 * tgt, color="0.5", ls=":", lw=1)
+            ax.set_ylabel("test accuracy %")
+        a.set_xlabel("wall-clock s (training steps only)")
+        b.set_xscale("log")
+        b.set_xlabel("bytes sent per worker (cumulative)")
+        c.set_xlabel("step")
+        c.set_ylabel("training loss (rank 0, smoothed)")
+        a.legend(fontsize=7)
+        wl, rate, seed, eng = key
+        a.set_title(f"{wl}, {rate}, seed {seed}, {eng}: accuracy vs time", fontsize=9)
+        b.set_title("accuracy vs bytes (dotted: target)", fontsize=9)
+        c.set_title("training loss", fontsize=9)
+    fig.suptitle(f"gtopk-bench train, P={res['settings']['P']}, {res['meta']['network']['label']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
