@@ -27,7 +27,7 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from . import collectives, consistency, kernels, small_tensors
-from .collectives import Selection, Transport, wire
+from .collectives import Selection, Transport, payloads as _payloads, wire
 from .collectives.rounds import codec_contribution
 from .collectives.torch_distributed import TorchDistributedTransport
 from .compress import ErrorFeedback, SelectionContext, registry
@@ -253,6 +253,8 @@ class GradientReducer(ReducerState):
         payload = None
         if self.codec:  # its payload as decoded (rounds codecs: filled by the aggregation)
             payload, vals = codec_contribution(self.compressor, acc, offsets, numel, dtype, ctx)
+            if self.aggregation == _payloads.NAME:  # the codec's shards and server residual
+                _payloads.bind(payload, self.compressor, seg_names)
             idx, wire_vals = None, vals
         else:
             idx, vals = picked if picked is not None else self.compressor.select(acc, offsets, k, ctx)

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Iterable, Union
 
 __all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS", "WIRE_FORMATS", "sparse_message_bytes",
-           "gtopk_bytes", "allgather_bytes", "sharded_allreduce_bytes"]
+           "gtopk_bytes", "allgather_bytes", "sharded_allreduce_bytes",
+           "onebit_payload_bytes", "onebit_reduce_scatter_bytes"]
 
 # Values on the wire (DESIGN.md §3): (bytes per value, bytes per message).
 # int8: one code per value plus one exponent byte per message (the
@@ -171,3 +172,49 @@ def sharded_allreduce_bytes(P: int, rank: int, n: int, wire: str) -> tuple:
     sent = vb * (2 * n - own - right) + 2 * (P - 1) * hb
     received = vb * ((P - 1) * own + n - own) + 2 * (P - 1) * hb
     return sent, received
+
+
+def onebit_payload_bytes(offsets) -> int:
+    """One whole onebit payload: ⌈N/8⌉ sign bytes and a float32 scale per
+    segment (``offsets``: the S + 1 segment boundaries); the allgather
+    moves (P−1) of these each way per rank."""
+    o = [int(x) for x in offsets]
+    return (o[-1] + 7) // 8 + 4 * (len(o) - 1)
+
+
+def onebit_shard_bytes(offsets, P: int) -> list:
+    """Message size of each shard j of the two-phase onebit aggregation
+    (compress/onebit.py, ``shard_plan``): sign bytes ``[⌊j·B/P⌋,
+    ⌊(j+1)·B/P⌋)`` of B = ⌈N/8⌉, plus 4 bytes per segment the shard's
+    entries overlap; None when B < P (the allgather runs instead)."""
+    o = [int(x) for x in offsets]
+    N, P = o[-1], int(P)
+    B = (N + 7) // 8
+    if B < P:
+        return None
+    out = []
+    for j in range(P):
+        b0, b1 = j * B // P, (j + 1) * B // P
+        lo, hi = 8 * b0, min(N, 8 * b1)
+        segs = sum(1 for s in range(len(o) - 1) if o[s] < hi and o[s + 1] > lo)
+        out.append(b1 - b0 + 4 * segs)
+    return out
+
+
+def onebit_reduce_scatter_bytes(offsets, P: int, rank: int) -> tuple:
+    """``(sent, received)`` payload bytes of ``rank`` in one two-phase onebit
+    aggregation (``merge="reduce_scatter_payloads"``): phase 1 sends shard j
+    to each rank j ≠ rank and receives P−1 messages of its own shard;
+    phase 2, a ring allgather of the compressed shards (the same sizes m_j),
+    sends Σm − m_(rank+1) and receives Σm − m_rank.  About 2·(P−1)/P of a
+    payload each way, against (P−1) payloads for the allgather."""
+    P, r = int(P), int(rank)
+    if P == 1:
+        return 0, 0
+    m = onebit_shard_bytes(offsets, P)
+    if m is None:
+        n = (int(P) - 1) * onebit_payload_bytes(offsets)
+        return n, n
+    total = sum(m)
+    return (total - m[r]) + (total - m[(r + 1) % P]), (P - 1) * m[r] + (total - m[r])
+

@@ -13,16 +13,41 @@ scaling).  Error feedback keeps ``acc − scale_s · sign(acc)`` in the
 residual, so nothing is lost: the scaled sign is a biased compressor, and
 error feedback is what makes it converge (Karimireddy et al., Theorem II).
 
-Payloads do not sum in encoded form (each worker has its own scales), so
-they travel by an allgather of payloads and every rank decodes and adds all
-P of them in rank order (bit-identical results everywhere).  Bytes per
-worker and step: (P − 1)·(⌈N/8⌉ + 4·segments) each way, against
-2·(P − 1)/P·4N for a float32 ring allreduce: a ratio of about P/64 (1/16 at
-P = 4), so the allgather pays off up to a few dozen workers.
+Two aggregations (``merge=``):
+
+* ``"allgather_payloads"`` (the default): payloads do not sum in encoded
+  form (each worker has its own scales), so they travel by an allgather and
+  every rank decodes and adds all P of them in rank order (bit-identical
+  results everywhere).  Bytes per worker and step: (P − 1)·(⌈N/8⌉ +
+  4·segments) each way, against 2·(P − 1)/P·4N for a float32 ring
+  allreduce; but every rank decodes P·N entries.
+* ``"reduce_scatter_payloads"``: the two-phase compressed allreduce of
+  1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient
+  Large-Scale Training with Adam's Convergence Speed", arXiv 2102.02888,
+  §4.1; DeepSpeed's compressed allreduce), with error feedback on both
+  sides as in EF-signSGD.  The sign bytes are cut into P shards (the
+  methods below: :meth:`OneBitCodec.shard_plan`); shard j belongs to rank
+  j.  Phase 1: every rank sends shard j of its payload (its sign bytes and
+  the scales of the segments the shard overlaps) to rank j; rank j decodes
+  the P contributions in rank order, adds its *server residual* e_j, and
+  re-compresses the sum t_j with the same scaled sign (one scale per piece
+  segment ∩ shard, ‖·‖₁/n in float64 rounded once to float32); e_j ← t_j −
+  decode(that).  Phase 2: an allgather of the P compressed shard sums,
+  which every rank decodes into the result.  Mass conservation (op=sum)
+  holds with the server residuals counted: Σ grad = Σ result + Σ worker
+  residuals + Σ server residuals.  Bytes per worker: about 2·(P−1)/P·(⌈N/8⌉
+  + 4·segments) each way instead of (P−1)·(...), and O(N) decode work per
+  rank instead of O(P·N).  The server residuals are this codec's state
+  (``state_dict``: bit-exact resume), keyed by the call's segment names and
+  P; a call whose layout changes (DDP rebuilding its buckets) starts a
+  fresh server residual for it, and the old one stays in the state.
+  Buckets of fewer than 8·P entries (fewer sign bytes than ranks) take the
+  allgather: there is nothing to shard.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from bisect import bisect_left, bisect_right
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -33,9 +58,29 @@ from .registry import register
 Tensor = torch.Tensor
 
 
+class Shard(NamedTuple):
+    """Shard j of the two-phase aggregation: sign bytes ``[b0, b1)``, entries
+    ``[lo, hi)`` (``lo = 8·b0``), and the segments ``[s0, s1)`` it overlaps
+    (whose scales travel with it)."""
+
+    b0: int
+    b1: int
+    lo: int
+    hi: int
+    s0: int
+    s1: int
+
+
 @register("onebit")
 class OneBitCodec(Codec):
     """Sign bits (8 per byte) and one mean-|acc| scale per segment, with error feedback (1-bit SGD / EF-signSGD)."""
+
+    merges = ("allgather_payloads", "reduce_scatter_payloads")
+
+    def __init__(self, **hyper):
+        super().__init__(**hyper)
+        # two-phase aggregation: this rank's server residual per layout key
+        self._server: Dict[str, Tensor] = {}
 
     def encode(self, acc: Tensor, offsets: Tensor, ctx) -> List[Tensor]:
         sizes = (offsets[1:] - offsets[:-1]).tolist()
@@ -54,3 +99,75 @@ class OneBitCodec(Codec):
         for part, s in zip(torch.split(out, sizes), scales.to(dtype)):
             part.mul_(s)
         return out
+
+    # ------------------------------------------------ two-phase aggregation
+    # (collectives/two_phase.py drives these; none of them communicates)
+    @staticmethod
+    def shard_plan(offsets: Sequence[int], numel: int, P: int) -> Optional[List[Shard]]:
+        """The P shards: sign bytes split evenly, ``[⌊j·B/P⌋, ⌊(j+1)·B/P⌋)``
+        of B = ⌈N/8⌉ (byte-aligned, so a shard's bits are a slice of the
+        packed payload); None when B < P (some shard would be empty)."""
+        o = [int(x) for x in offsets]
+        B = (int(numel) + 7) // 8
+        if B < P:
+            return None
+        plan = []
+        for j in range(P):
+            b0, b1 = j * B // P, (j + 1) * B // P
+            lo, hi = 8 * b0, min(int(numel), 8 * b1)
+            plan.append(Shard(b0, b1, lo, hi, bisect_right(o, lo) - 1, bisect_left(o, hi)))
+        return plan
+
+    @staticmethod
+    def shard_payload(payload: Sequence[Tensor], sh: Shard) -> List[Tensor]:
+        """The part of a payload that shard ``sh``'s owner needs."""
+        bits, scales = payload
+        return [bits[sh.b0:sh.b1], scales[sh.s0:sh.s1]]
+
+    @staticmethod
+    def _piece_sizes(offsets: Sequence[int], sh: Shard) -> List[int]:
+        o = [int(x) for x in offsets]
+        return [max(0, min(o[s + 1], sh.hi) - max(o[s], sh.lo)) for s in range(sh.s0, sh.s1)]
+
+    def decode_shard(self, part: Sequence[Tensor], offsets: Sequence[int], sh: Shard,
+                     dtype: torch.dtype) -> Tensor:
+        """A shard payload (:meth:`shard_payload` or :meth:`encode_shard`)
+        decoded: ``scale · (±1)`` for entries ``[lo, hi)``, the same bits as
+        :meth:`decode` gives there."""
+        bits, scales = part
+        signs = unpack_bits(bits, sh.hi - sh.lo).to(dtype).mul_(2).sub_(1)
+        sizes = torch.tensor(self._piece_sizes(offsets, sh), device=bits.device)
+        return signs.mul_(torch.repeat_interleave(scales.to(dtype), sizes))
+
+    def encode_shard(self, t: Tensor, offsets: Sequence[int], sh: Shard) -> List[Tensor]:
+        """The owner's re-compression of its shard sum ``t`` (entries ``[lo,
+        hi)``): sign bits and one scale per piece (segment ∩ shard), the
+        piece's ‖t‖₁/n summed in float64 and rounded once to float32 (0 for
+        an empty piece)."""
+        scales, at = [], 0
+        for n in self._piece_sizes(offsets, sh):
+            scales.append(float(t[at:at + n].abs().sum(dtype=torch.float64)) / n if n else 0.0)
+            at += n
+        return [pack_bits(t >= 0), torch.tensor(scales, dtype=torch.float32, device=t.device)]
+
+    def server_residual(self, key: str, n: int, dtype: torch.dtype, device) -> Tensor:
+        """This rank's server residual for layout ``key`` (zeros at first)."""
+        e = self._server.get(key)
+        if e is None or e.numel() != n or e.dtype != dtype:
+            return torch.zeros(n, dtype=dtype, device=device)
+        return e.to(device)
+
+    def set_server_residual(self, key: str, e: Tensor) -> None:
+        self._server[key] = e
+
+    # server residuals: bit-exact resume (no state: {} as before)
+    def state_dict(self) -> dict:
+        if not self._server:
+            return {}
+        return {"server": {k: e.detach().cpu().clone() for k, e in self._server.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        extra = set(sd) - {"server"}
+        if extra:
+            raise ValueError(f"method 'onebit' keeps only server residuals; got {sorted(extra)}")
+        self._server = {str(k): e.clone() for k, e in sd.get("server", {}).items()}

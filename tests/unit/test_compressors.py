@@ -3,6 +3,7 @@ process: metadata and hyper-parameter validation, the 1-bit codec against a
 numpy oracle of its encode/decode, and compressors registered from user code
 (a selector with a hyper-parameter, a codec) working through
 ``GradientReducer`` and ``Compression.from_name``."""
+import copy
 import math
 
 import numpy as np
@@ -34,7 +35,7 @@ def test_builtins_registered_with_metadata():
     assert d["hyperparams"][0]["default"] == 4.0 and ">= 1" in d["hyperparams"][0]["range"]
     d = gp.compress.describe("onebit")
     assert (d["kind"], d["aggregation"], d["merges"], d["uses_density"]) == \
-        ("codec", "allgather_payloads", (), False)
+        ("codec", "allgather_payloads", ("allgather_payloads", "reduce_scatter_payloads"), False)
     table = gp.compress.table()
     assert all(f"`{n}`" in table for n in BUILTIN)
     # the old import path still works
@@ -67,7 +68,8 @@ def test_hyperparam_validation_names_the_range(spec, value, ok):
     ({"method": "rtopk", "r_factor": 0.5}, "r_factor must be a finite number >= 1"),
     ({"method": "gtopk", "r_factor": 0.5}, "r_factor"),  # validated whatever the method
     ({"method": "topk", "bogus": 1}, "has no hyper-parameter 'bogus'"),
-    ({"method": "onebit", "merge": "gtopk"}, "does not apply to method 'onebit'"),
+    ({"method": "onebit", "merge": "gtopk"}, "unknown merge 'gtopk' for method 'onebit'"),
+    ({"method": "qsgd", "merge": "reduce_scatter_payloads"}, "does not apply to method 'qsgd'"),
     ({"method": "onebit", "value_dtype": torch.float16}, "value_dtype"),
     ({"method": "randomk", "merge": "allgather"}, "merge"),
     ({"method": "nope"}, "onebit"),  # the message lists the registered methods
@@ -145,6 +147,50 @@ def test_onebit_single_worker_conserves_mass_and_shrinks_the_residual():
     assert (st.method, st.aggregation, st.k, st.sent_entries) == ("onebit", "allgather_payloads", 300, 300)
     # error feedback keeps the residual bounded (EF-signSGD): well below the summed gradient
     assert float(torch.cat([res["a"], res["b"]]).abs().max()) < 10
+
+
+@pytest.mark.parametrize("sizes, P", [([450], 3), ([13, 30, 407], 4), ([1, 8, 9, 0, 70], 2), ([5], 2)])
+def test_onebit_shard_plan_tiles_the_payload_and_matches_the_byte_formula(sizes, P):
+    from gtopk_plugin import traffic
+
+    o = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    plan = gp.compress.get("onebit").shard_plan(o, o[-1], P)
+    m = traffic.onebit_shard_bytes(o, P)
+    if plan is None:  # fewer sign bytes than ranks: the allgather runs instead
+        assert m is None and math.ceil(o[-1] / 8) < P
+        return
+    assert plan[0].lo == 0 and plan[-1].hi == o[-1] and plan[-1].b1 == math.ceil(o[-1] / 8)
+    assert all(a.hi == b.lo and a.b1 == b.b0 and b.lo == 8 * b.b0 for a, b in zip(plan, plan[1:]))
+    for sh, mj in zip(plan, m):  # the scales of exactly the segments each shard overlaps
+        segs = [s for s in range(len(sizes)) if o[s] < sh.hi and o[s + 1] > sh.lo]
+        assert segs and segs[0] == sh.s0 and segs[-1] < sh.s1
+        assert mj == sh.b1 - sh.b0 + 4 * len(segs)
+
+
+def test_onebit_two_phase_single_worker_conserves_mass_and_resumes_bit_exactly():
+    # P = 1: the owner of everything re-compresses its own sum; the server
+    # residual is state (bit-exact resume through state_dict)
+    def run(red, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        outs = []
+        for _ in range(steps):
+            grads = {"a": torch.randn(10, 20, generator=g), "b": torch.randn(100, generator=g)}
+            outs.append((grads, red.reduce(grads)))
+        return outs
+
+    red = make(method="onebit", merge="reduce_scatter_payloads", op="sum")
+    steps = run(red, 6, 1)
+    tot = sum(torch.cat([gr["a"].flatten(), gr["b"]]).double() - torch.cat([o["a"].flatten(), o["b"]]).double()
+              for gr, o in steps)
+    sd = red.state_dict()
+    res = sd["residuals"]
+    (server,) = sd["compressor"]["server"].values()
+    torch.testing.assert_close(tot, torch.cat([res["a"], res["b"]]).double() + server.double(), atol=1e-4, rtol=0)
+    assert red.last_stats.aggregation == "reduce_scatter_payloads"
+    again = make(method="onebit", merge="reduce_scatter_payloads", op="sum")
+    again.load_state_dict(copy.deepcopy(sd))
+    a, b = run(red, 3, 2), run(again, 3, 2)
+    assert all(torch.equal(x[1][n], y[1][n]) for x, y in zip(a, b) for n in ("a", "b"))
 
 
 # ------------------------------------------------ compressors from user code
