@@ -8,6 +8,11 @@ bit for bit on every rank, the rank-order float32 sum of the numpy decodes
 of all payloads; each residual is exactly acc − its own decode; mass is
 conserved over the run (Σ_ranks Σ_steps grad = Σ_steps result(op=sum) +
 Σ_ranks residual); the bytes are the allgather's (P−1)·payload each way.
+
+The two-phase variant (``merge="reduce_scatter_payloads"``, P = 2, 3, 4:
+uneven shards at 3) against a numpy oracle written from its spec: results
+and every owner's server residual bit for bit, exact bytes of both phases,
+mass conserved with the server residuals, bit-exact resume.
 """
 import math
 
@@ -139,3 +144,114 @@ def test_user_registered_codec_runs_in_gloo(P):
             assert torch.equal(s["out"], expect)
             assert torch.equal(s["res"], s["acc"] - s["acc"].half().float())
             assert s["sent"] == (P - 1) * NUMEL * 2
+
+
+# ------------------------------------------- two-phase (reduce-scatter) variant
+RS = "reduce_scatter_payloads"
+RS_STEPS, RS_RESUME = 6, 3
+
+
+def _rs_worker(rank, P):
+    names = sorted(SHAPES)
+    offsets = torch.tensor([0] + list(np.cumsum([math.prod(SHAPES[n]) for n in names])), dtype=torch.int64)
+
+    def make():
+        return gp.GradientReducer(method="onebit", merge=RS, op="sum")
+
+    red, steps, saved = make(), [], None
+    for t in range(RS_STEPS):
+        if t == RS_RESUME:
+            saved = red.state_dict()
+        grads = _grads(rank, t)
+        res = red.state_dict()["residuals"]
+        acc = _flat(grads) + (_flat(res) if res else 0)
+        payload = red.compressor.encode(acc, offsets, SelectionContext(t, names, 0, rank))
+        out = red.reduce(grads)
+        st = red.last_stats
+        server = red.compressor.state_dict()["server"]
+        steps.append(dict(grad=_flat(grads), acc=acc, payload=[p.clone() for p in payload], out=_flat(out).clone(),
+                          res=_flat(red.state_dict()["residuals"]), server=list(server.values())[0].clone(),
+                          sent=st.payload_bytes_sent, recv=st.payload_bytes_received,
+                          headers=st.header_bytes_sent + st.header_bytes_received, agg=st.aggregation))
+    again = make()  # resume from the step-RS_RESUME checkpoint: the same bits
+    again.load_state_dict(saved)
+    resumed = [_flat(again.reduce(_grads(rank, t))) for t in range(RS_RESUME, RS_STEPS)]
+    return dict(steps=steps, offsets=offsets, resumed=resumed)
+
+
+def _np_two_phase(decodes, offsets, server):
+    """The two-phase scheme from its spec (numpy, float32): shard j = sign
+    bytes [⌊j·B/P⌋, ⌊(j+1)·B/P⌋) of B = ⌈N/8⌉; its owner sums the P decodes
+    in rank order, adds its server residual, re-compresses with one scale per
+    (segment ∩ shard), ‖t‖₁/n summed in float64 and rounded to float32, and
+    keeps t − that; everyone gets the re-compressed shards.  Also returns the
+    per-shard message bytes (sign bytes + 4 per overlapped segment)."""
+    P, N = len(decodes), decodes[0].size
+    o = list(offsets)
+    B = -(-N // 8)
+    out, new_server, msg = np.empty(N, np.float32), [], []
+    for j in range(P):
+        lo, hi = 8 * (j * B // P), min(N, 8 * ((j + 1) * B // P))
+        t = np.zeros(hi - lo, np.float32)
+        for d in decodes:
+            t = t + d[lo:hi]
+        t = t + server[j]
+        c = np.empty_like(t)
+        segs = [s for s in range(len(o) - 1) if o[s] < hi and o[s + 1] > lo]
+        for s in segs:
+            a, b = max(o[s], lo) - lo, min(o[s + 1], hi) - lo
+            scale = np.float32(np.abs(t[a:b].astype(np.float64)).sum() / (b - a))
+            c[a:b] = np.where(t[a:b] >= 0, scale, -scale)
+        out[lo:hi] = c
+        new_server.append(t - c)
+        msg.append(((j + 1) * B // P - j * B // P) + 4 * len(segs))
+    return out, new_server, msg
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_onebit_two_phase_matches_numpy_oracle_conserves_mass_and_resumes(P):
+    from gtopk_plugin import traffic
+
+    results = run_workers(P, _rs_worker, timeout=220)
+    offsets = results[0]["offsets"].tolist()
+    server = [None] * P
+    total_grad, total_out = np.zeros(NUMEL), np.zeros(NUMEL)
+    for t in range(RS_STEPS):
+        decodes = []
+        for r in range(P):
+            s = results[r]["steps"][t]
+            bits, scales = _np_encode(s["acc"], results[r]["offsets"])
+            wbits, wscales = (p.numpy() for p in s["payload"])
+            assert np.array_equal(bits, wbits)
+            np.testing.assert_allclose(wscales, scales, rtol=2e-6, atol=0)
+            d = _np_decode(wbits, wscales, results[r]["offsets"], NUMEL)
+            decodes.append(d)
+            assert np.array_equal(s["res"].numpy(), s["acc"].numpy() - d), "worker residual: acc − own decode"
+            total_grad += s["grad"].numpy()
+        if server[0] is None:
+            B = -(-NUMEL // 8)
+            server = [np.zeros(min(NUMEL, 8 * ((j + 1) * B // P)) - 8 * (j * B // P), np.float32)
+                      for j in range(P)]
+        expect, server, msg = _np_two_phase(decodes, offsets, server)
+        total = sum(msg)
+        for r in range(P):
+            s = results[r]["steps"][t]
+            assert s["agg"] == RS
+            assert np.array_equal(s["out"].numpy(), expect), f"rank {r} step {t}: result"
+            assert np.array_equal(s["server"].numpy(), server[r]), f"rank {r} step {t}: server residual"
+            # phase 1: every other shard once out, P−1 of its own in; phase 2: ring allgather
+            want = ((total - msg[r]) + (total - msg[(r + 1) % P]), (P - 1) * msg[r] + total - msg[r])
+            assert (s["sent"], s["recv"]) == want == traffic.onebit_reduce_scatter_bytes(offsets, P, r)
+            assert s["headers"] == 0
+        total_out += expect
+    # fewer bytes than the allgather's (P−1)·payload each way from P = 3 on
+    if P >= 3:
+        assert results[0]["steps"][0]["sent"] < (P - 1) * traffic.onebit_payload_bytes(offsets)
+    # mass conservation with the server residuals counted
+    held = sum(results[r]["steps"][-1]["res"].double().numpy() for r in range(P))
+    held = held + np.concatenate([results[r]["steps"][-1]["server"].double().numpy() for r in range(P)])
+    np.testing.assert_allclose(total_grad, total_out + held, rtol=0, atol=2e-4)
+    for r in range(P):  # resumed from the checkpoint: bit for bit
+        for t, out in zip(range(RS_RESUME, RS_STEPS), results[r]["resumed"]):
+            assert torch.equal(out, results[r]["steps"][t]["out"])
