@@ -16,6 +16,16 @@ methods; the payload is encoded once and sent every step, so every step
 moves the same bytes.  PowerSGD gets a fresh contribution every step (its
 warm-started Q carries over, as in training).
 
+``onebit_rs`` is ``onebit`` with ``merge="reduce_scatter_payloads"``, the
+two-phase compressed allreduce (a reduce-scatter of payload shards, owner
+re-compression with a server residual, an allgather of the compressed
+shards: about 2·(P−1)/P of a payload each way and O(N) decode per rank
+instead of (P−1) payloads and O(P·N)).  The harness keys its rows by
+registered method name, so this module registers ``onebit_rs`` -- in the
+benchmark's processes only, not in the library -- as the row beside
+``onebit`` (``--methods onebit,onebit_rs``); its server residual carries
+from step to step, as in training.
+
 Hyper-parameters come from ``--hyper METHOD.NAME=VALUE`` (default
 ``powersgd.rank=4``) and are validated by the registry.  Codecs have no
 density and no wire dtype: their rows carry ``density=None`` and run for
@@ -28,12 +38,24 @@ import statistics
 from typing import Dict, List
 
 from gtopk_plugin import kernels
-from gtopk_plugin.collectives import Selection
+from gtopk_plugin.collectives import Selection, payloads
 from gtopk_plugin.collectives.rounds import ROUNDS, codec_contribution
 from gtopk_plugin.compress import registry
 from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin.compress.onebit import OneBitCodec
 
 DEFAULT_HYPER = ["powersgd.rank=4"]
+ORDER = ["dense", "topk", "gtopk", "onebit", "onebit_rs", "qsgd", "powersgd"]
+
+
+class OneBitReduceScatter(OneBitCodec):
+    """onebit with merge='reduce_scatter_payloads' (a benchmark row: see the module docstring)."""
+
+    aggregation = payloads.NAME
+    merges = ()
+
+
+registry.register("onebit_rs", OneBitReduceScatter)
 CODEC_DTYPES = ("fp32",)
 
 
@@ -116,6 +138,8 @@ class CodecRow:
                                shapes=self.shapes)
         numel = self.acc.numel()
         payload, vals = codec_contribution(self.codec, self.acc, self.offsets, numel, self.acc.dtype, ctx)
+        if self.codec.aggregation == payloads.NAME:  # shards and the server residual
+            payloads.bind(payload, self.codec, self.names)
         sizes = self.offsets[1:] - self.offsets[:-1]
         sel = Selection(idx=None, vals=vals, numel=numel, offsets=self.offsets, k=sizes,
                         idx_dtype=kernels.index_dtype(numel), sum_dtype=self.acc.dtype, static_count=True, payload=payload)
@@ -157,7 +181,7 @@ def families_table(res, numel=None, density=None) -> List[str]:
             and (r["density"] is None or r["density"] == density)]
     if not any(is_codec(r["method"]) for r in rows if r["method"] in registry.available()):
         return []
-    order = {m: i for i, m in enumerate(["dense", "topk", "gtopk", "onebit", "qsgd", "powersgd"])}
+    order = {m: i for i, m in enumerate(ORDER)}
     out = ["| N | P | method | exchange ms: median (min–max over steps) | per pass | in transport ms | worker CPU "
            "s/step | bytes sent per worker per step | × dense bytes | × dense time |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -191,7 +215,7 @@ def plot_families(res, path, density=None):
     N = max(r["numel"] for r in rows)
     rows = [r for r in rows if r["numel"] == N]
     Ps = sorted({r["P"] for r in rows})
-    methods = [m for m in ["dense", "topk", "gtopk", "onebit", "qsgd", "powersgd"]
+    methods = [m for m in ORDER
                if any(r["method"] == m for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     w = 0.8 / max(1, len(methods))
