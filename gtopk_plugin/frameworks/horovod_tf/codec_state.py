@@ -42,6 +42,8 @@ def has_state(comp) -> bool:
 
 
 def _encode(sd: dict) -> bytes:
+    if not sd:  # nothing held (yet): the empty string, no serialisation per step
+        return b""
     buf = io.BytesIO()
     torch.save(sd, buf)
     return buf.getvalue()
