@@ -94,6 +94,14 @@ def grid(seeds: Sequence[int] = (0, 1), tasks: Sequence[str] = TASKS, resnet: bo
             for m, r in CODECS[:2]:
                 out.append(("resnet", codec_spec(t, m, r, "corr", s, steps.get(t))))
             out.append(("resnet", baseline_specs(t, s, steps.get(t))[1][1]))
+    # the other momentum mode where budget allows (last: the recommendation per family)
+    for s in seeds:
+        if long:
+            for m, r in CODECS[:2]:
+                out.append(("long", codec_spec("glyphs", m, r, "opt", s, LONG_STEPS)))
+        if resnet:
+            for m, r in CODECS[:2]:
+                out.append(("resnet", codec_spec("glyphs_resnet", m, r, "opt", s, steps.get("glyphs_resnet"))))
     return out
 
 

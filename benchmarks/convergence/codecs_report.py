@@ -201,7 +201,7 @@ def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[d
         parts.append(f"![codecs group]({plot})")
     if meta.get("gloo_check"):
         parts.append("#### Threaded simulation vs real gloo workers")
-        parts.append(_table(["configuration", "final weights bit-identical", "max |Δ bytes/step| (sim − counted)"],
+        parts.append(_table(["configuration", "final weights bit-identical", "max abs Δ bytes/step (sim − counted)"],
                             [[c["config"], "yes" if c["params_bitwise_equal"] else f"no ({c['params_max_abs_diff']:.3g})",
                               f"{c['bytes_formula_max_abs_diff']:.3g}"] for c in meta["gloo_check"]]))
     return "\n\n".join(parts) + "\n"
