@@ -16,7 +16,8 @@ Definitions (also in docs/benchmarks.md, "Time to accuracy"):
 - target: the final accuracy of the group's dense run minus 1 pp (elastic
   group: the dense barrier's final accuracy minus 0.5 pp); time to target
   = the wall-clock of the first evaluation at or above it (resolution: one
-  evaluation interval).
+  evaluation interval).  Also recorded: the time to the baseline's final
+  accuracy minus 2 pp (``time_to_minus2pp_s``), a looser target.
 """
 from __future__ import annotations
 
@@ -86,8 +87,12 @@ def summarise(rows: List[dict]) -> List[dict]:
         topk = next((r for r in g if r["method"] == "topk"), None)
         tb = _time_to(base, target)
         tk = _time_to(topk, target) if topk else None
+        t2b = _time_to(base, base["final_accuracy"] - 0.02)
         for r in g:
             t = _time_to(r, target)
+            t2 = _time_to(r, base["final_accuracy"] - 0.02)
+            # a looser second target: where the sparse runs have not reached -1 pp in the budget
+            r.update(time_to_minus2pp_s=t2, speedup_minus2pp_vs_baseline=(t2b / t2) if t2 and t2b else None)
             r.update(target=target, target_margin_pp=100 * margin, baseline=base["name"], time_to_target_s=t,
                      speedup_vs_baseline=(tb / t) if t and tb else None,
                      speedup_vs_topk=(tk / t) if t and tk else None,
@@ -102,9 +107,9 @@ def _f(v, fmt, dash="–"):
 
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | link | seed | engine | method | final acc % | Δ vs base (pp) | target % | "
-             "time to target s | × base | × Top-k | wall s | MB/step (accounting) | MB/step (eth0) | "
+             "time to target s | × base | × Top-k | to −2 pp s (× base) | wall s | MB/step (accounting) | MB/step (eth0) | "
              "step ms | compute ms | comm+wait ms | params equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tgt = r.get("target")
         lines.append(
@@ -112,6 +117,8 @@ def markdown(rows: List[dict]) -> str:
             f"{100 * r['final_accuracy']:.2f} | {_f(r.get('acc_delta_pp'), '+.2f')} | "
             f"{_f(None if tgt is None else 100 * tgt, '.2f')} | {_f(r.get('time_to_target_s'), '.1f', 'not reached' if tgt is not None else '–')} | "
             f"{_f(r.get('speedup_vs_baseline'), '.2f')} | {_f(r.get('speedup_vs_topk'), '.2f')} | "
+            f"{_f(r.get('time_to_minus2pp_s'), '.1f', 'not reached' if tgt is not None else '–')}"
+            f"{'' if r.get('speedup_minus2pp_vs_baseline') is None else ' (' + format(r['speedup_minus2pp_vs_baseline'], '.2f') + ')'} | "
             f"{r['wall_s']:.1f} | {_f(None if r['bytes_per_step'] is None else r['bytes_per_step'] / 1e6, '.3f')} | "
             f"{_f(None if r['tx_bytes_per_step'] is None else r['tx_bytes_per_step'] / 1e6, '.3f')} | "
             f"{1e3 * r['step_s']:.0f} | {_f(None if r['compute_s'] is None else 1e3 * r['compute_s'], '.0f')} | "
