@@ -255,3 +255,47 @@ def test_onebit_two_phase_matches_numpy_oracle_conserves_mass_and_resumes(P):
     for r in range(P):  # resumed from the checkpoint: bit for bit
         for t, out in zip(range(RS_RESUME, RS_STEPS), results[r]["resumed"]):
             assert torch.equal(out, results[r]["steps"][t]["out"])
+
+
+def _ddp_rs_worker(rank, P):
+    """The DDP hook with the two-phase onebit: server residuals in the hook's
+    state, a resumed hook takes the same next step."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gtopk_plugin.torch_ddp import SparseState, sparse_hook
+
+    def build(state_dict=None):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+        ddp = DDP(m)
+        st = SparseState(method="onebit", merge=RS, named_parameters=m.named_parameters())
+        if state_dict is not None:
+            st.load_state_dict(state_dict)
+        ddp.register_comm_hook(st, sparse_hook)
+        return m, ddp, st
+
+    def step(ddp, t):
+        ddp.zero_grad()
+        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * rank + t))
+        ddp(x).pow(2).sum().backward()
+        return torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()])
+
+    m, ddp, st = build()
+    for t in range(3):
+        step(ddp, t)
+    sd = copy.deepcopy(st.state_dict())
+    nxt = step(ddp, 3)
+    _, ddp2, st2 = build(sd)
+    return dict(server=len(sd["reducer"]["compressor"]["server"]), agg=st.reducer.last_stats.aggregation,
+                nxt=nxt, resumed=step(ddp2, 3))
+
+
+@pytest.mark.timeout(200)
+def test_onebit_two_phase_through_the_ddp_hook():
+    results = run_workers(3, _ddp_rs_worker, timeout=180)
+    for r in results:
+        assert r["agg"] == RS and r["server"] >= 1
+        assert torch.equal(r["nxt"], results[0]["nxt"])  # every rank the same update
+        assert torch.equal(r["resumed"], r["nxt"])  # resumed from the hook's state: bit for bit
