@@ -36,6 +36,17 @@ Two kinds:
   contribution).  It still never communicates: ``collectives/rounds.py``
   drives the generator with allreduces.
 
+  A codec may also offer a two-phase compressed allreduce
+  (``merge="reduce_scatter_payloads"``, onebit: Tang et al. 2021, 1-bit
+  Adam): every rank sends shard j of its payload to rank j, the owner
+  decodes and sums the P pieces, re-encodes the sum and keeps that second
+  compression's error as its *server residual* (codec state), and an
+  allgather of the re-encoded shards follows.  Mass is then conserved with
+  the server residuals counted: Σ_r acc_r = result + Σ_r residual_r +
+  Σ_owners server_residual.  The codec supplies ``shard_plan``,
+  ``shard_payload``, ``decode_shard``, ``encode_shard`` and the server
+  residual accessors (``collectives/payloads.py`` drives them).
+
 Error feedback is not part of a compressor: it is the same wrapper around
 either kind (``compress/error_feedback.py``): residual = acc − what this
 worker's contribution was, as it travelled (selected values as rounded to
@@ -105,7 +116,9 @@ class Compressor:
     ``aggregation``: how contributions combine by default: "dense" (allreduce
     of the whole accumulator), "allreduce_values" (values at indices every
     rank shares), "allgather" (sparse allgather), "gtopk" (butterfly merge),
-    "allgather_payloads" (codecs: allgather of payloads, decode and sum).
+    "allgather_payloads" (codecs: allgather of payloads, decode and sum),
+    "allreduce_rounds" (codecs whose messages sum: PowerSGD),
+    "reduce_scatter_payloads" (the two-phase compressed allreduce).
     ``merges``: the aggregations a user may choose with ``merge=``.
     ``hyperparams``: :class:`HyperParam` declarations; the constructor
     validates the values (``ValueError`` naming the valid range) and sets
