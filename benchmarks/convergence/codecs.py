@@ -127,7 +127,8 @@ def config_key(s: RunSpec) -> RunSpec:
 
 
 # ------------------------------------------------------------ measurements
-TIMING_CONFIGS = (("dense", dict(method="dense")), ("gtopk 1%", dict(method="gtopk", density=0.01)),
+TIMING_CONFIGS = (("dense", dict(method="dense")), ("topk 1%", dict(method="topk", density=0.01)),
+                  ("gtopk 1%", dict(method="gtopk", density=0.01)),
                   ("gtopk 0.1%", dict(method="gtopk", density=0.001)), ("onebit", dict(method="onebit")),
                   ("powersgd(r=4)", dict(method="powersgd", rank=4)), ("qsgd", dict(method="qsgd")))
 
