@@ -39,7 +39,7 @@ SIZE = 32
 WORKLOADS = {
     "vgg": {"model": {"channels": 16, "fc": 2048}, "n_train": 6000, "n_test": 2000,
             "batch": 32, "lr": 0.05, "weight_decay": 5e-4,
-            "kind": "communication-bound (wide classifier: ~90% of the parameters, 1 MAC per parameter)"},
+            "kind": "communication-bound (wide classifier: ~99% of the parameters, 1 MAC per parameter)"},
     "resnet": {"model": {"widths": [16, 32, 64]}, "n_train": 6000, "n_test": 2000,
                "batch": 32, "lr": 0.1, "weight_decay": 5e-4,
                "kind": "balanced (ResNet-style with BatchNorm: conv layers, compute-dominated)"},
