@@ -503,6 +503,14 @@ WIRE = {
     "randomk_bf16wire_graph": dict(method="randomk", density=0.1, seed=8, value_dtype=torch.bfloat16),
     "threshold_butterfly_fp16wire": dict(method="threshold", density=0.1, merge="gtopk",
                                          value_dtype=torch.float16),
+    # int8 wire (issue #17): the oracle models it from its specification
+    "gtopk_int8": dict(method="gtopk", density=0.1, value_dtype=torch.int8),
+    "gtopk_int8_stochastic_graph": dict(method="gtopk", density=0.1, seed=2, value_dtype=torch.int8,
+                                        wire_rounding="stochastic"),
+    "topk_int8_stochastic": dict(method="topk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic"),
+    "rtopk_int8_graph": dict(method="rtopk", density=0.1, r_factor=2.0, seed=5, value_dtype=torch.int8),
+    "randomk_int8_stochastic": dict(method="randomk", density=0.1, seed=3, value_dtype=torch.int8,
+                                    wire_rounding="stochastic"),
 }
 
 
@@ -553,6 +561,55 @@ def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P
                 if not np.array_equal(runs[r]["residuals"][f"r{i:04d}"], oracle.residuals[r][n].numpy()):
                     failures.append(f"{name}: residual of {n} on rank {r} differs from the oracle")
     assert not failures, "\n".join(failures[:30])
+
+
+@needs_hvd
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_int8_wire_bytes_and_validation(P):
+    """The int8 wire's bytes per rank in the last step are the core's
+    formulas (gtopk_plugin.traffic, 5·k + 1 bytes per sparse message: int32
+    index + int8 code per entry, one exponent byte per message); where the
+    TF layer cannot carry int8 (exchange='horovod', the elastic state,
+    threshold's varying counts) every rank raises a ValueError naming the
+    alternative.  (Bits, residuals and mass: the wire test above.)"""
+    from gtopk_plugin import traffic
+    from gtopk_plugin.reducer import k_for
+
+    results = job(P)
+    sizes = [g.size for g in ok(results[0], "wire/gtopk_int8")["raw"][0]]
+    K = sum(k_for(0.1, n) for n in sizes)
+    for name in ("gtopk_int8", "gtopk_int8_stochastic_graph", "topk_int8_stochastic", "rtopk_int8_graph",
+                 "randomk_int8_stochastic"):
+        for r, res in enumerate(results):
+            t = ok(res, f"wire/{name}")["traffic"]
+            if name.startswith("gtopk"):
+                want = traffic.gtopk_bytes(P, r, K, "int8")
+            elif name.startswith("randomk"):
+                want = traffic.sharded_allreduce_bytes(P, r, K, "int8")
+            else:
+                want = (traffic.allgather_bytes(P, K, "int8"),) * 2
+            got = (t["payload_bytes_sent"] + t["header_bytes_sent"],
+                   t["payload_bytes_received"] + t["header_bytes_received"])
+            assert got == want, (name, r, got, want, t)
+            assert t["sent_entries"] == K and t["k"] == K, (name, t)
+        # the int8 wire matters: the float32 wire's oracle gives other updates
+        kw = {k: v for k, v in WIRE[name].items() if k not in ("value_dtype", "wire_rounding")}
+        plain, runs = Oracle(P, **kw, op="sum"), [ok(res, f"wire/{name}") for res in results]
+        names = _names(len(sizes))
+        differs = False
+        for s in range(len(runs[0]["out"])):
+            want = plain.step([{n: torch.from_numpy(g) for n, g in zip(names, runs[r]["raw"][s])} for r in range(P)])
+            differs |= any(_bits(u) != _bits(want[n].numpy()) for n, u in zip(names, runs[0]["out"][s]))
+        assert differs, f"{name}: the int8 run gives the float32 wire's updates (test too weak)"
+    for res in results:
+        msgs = ok(res, "wire/int8_errors")
+        assert "exchange='gloo'" in msgs["horovod"] and "tf.float16" in msgs["horovod"], msgs
+        for key in ("threshold", "threshold_butterfly"):
+            assert "Compression.topk" in msgs[key] and "threshold" in msgs[key], msgs
+        assert "tf.int8" in msgs["stochastic_fp16"], msgs
+        assert "wire_rounding" in msgs["rounding"], msgs
+        assert "tf.float16" in msgs["elastic"] and "int8" in msgs["elastic"], msgs
 
 
 @needs_hvd

@@ -30,6 +30,7 @@ hvd.init()
 from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.consistency import NonFiniteGradientError  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, DistributedOptimizer  # noqa: E402
+from gtopk_plugin.tensorflow import SparseKerasState  # noqa: E402
 
 R, P = hvd.rank(), hvd.size()
 STEPS = 3
@@ -91,7 +92,37 @@ WIRE = {
     "randomk_bf16wire_graph": (lambda: Compression.randomk(0.1, seed=8, value_dtype=tf.bfloat16), True, "fine"),
     "threshold_butterfly_fp16wire": (lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.float16),
                                      False, "fine"),
+    # int8 wire (issue #17): codes + one exponent byte per message, on the core's aggregation
+    "gtopk_int8": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8), False, "overflow"),
+    "gtopk_int8_stochastic_graph": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8, wire_rounding="stochastic",
+                                                              seed=2), True, "fine"),
+    "topk_int8_stochastic": (lambda: Compression.topk(0.1, value_dtype=tf.int8, wire_rounding="stochastic"),
+                             False, "fine"),
+    "rtopk_int8_graph": (lambda: Compression.rtopk(0.1, r_factor=2.0, seed=5, value_dtype=tf.int8), True, "fine"),
+    "randomk_int8_stochastic": (lambda: Compression.randomk(0.1, seed=3, value_dtype=tf.int8,
+                                                            wire_rounding="stochastic"), False, "fine"),
 }
+
+
+def check_int8_errors():
+    """Where the int8 wire cannot run, every rank raises a ValueError at
+    construction (the messages, for the parent to check)."""
+    out = {}
+    for key, make in (("horovod", lambda: Compression.gtopk(0.1, value_dtype=tf.int8, exchange="horovod")),
+                      ("threshold", lambda: Compression.threshold(0.1, value_dtype=tf.int8)),
+                      ("threshold_butterfly", lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.int8)),
+                      ("stochastic_fp16", lambda: Compression.topk(0.1, value_dtype=tf.float16,
+                                                                   wire_rounding="stochastic")),
+                      ("rounding", lambda: Compression.topk(0.1, value_dtype=tf.int8, wire_rounding="up")),
+                      ("elastic", lambda: SparseKerasState(make_model(), tf.keras.optimizers.SGD(0.1),
+                                                             compressions=[Compression.gtopk(0.1, value_dtype=tf.int8)])),
+                      ):
+        try:
+            make()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+    return out
 
 
 def overflow_grads(rank, step):
@@ -385,6 +416,7 @@ def main(outdir):
     for name, (make, graph, kind) in WIRE.items():
         fn = overflow_grads if kind == "overflow" else fine_grads
         record(f"wire/{name}", lambda make=make, graph=graph, fn=fn: run_tape(make(), hvd.Sum, STEPS, graph, fn))
+    record("wire/int8_errors", check_int8_errors)
     record("keras/gtopk_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir))
     record("keras/mc_checkpoint", lambda: check_keras_sparse_and_checkpoint(outdir, momentum_correction=True))
     record("keras/backward_passes", check_keras_backward_passes)

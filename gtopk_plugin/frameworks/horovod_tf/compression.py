@@ -23,22 +23,41 @@ from .codec_state import CodecState, decode, has_state
 
 __all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
 
-_TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16}
-_TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16, "int8": tf.int8}
+_TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # last_step_traffic's int64 vector: the transport's fields, the statistics', skipped
 TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
                  nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=(),
-                 exchange="gloo", dense_below=0)
+                 exchange="gloo", dense_below=0, wire_rounding="nearest")
 
 
 def _wire_name(value_dtype) -> Optional[str]:
     if value_dtype is None:
         return None
-    for name, tdt in (("float16", tf.float16), ("bfloat16", tf.bfloat16)):
+    for name, tdt in (("float16", tf.float16), ("bfloat16", tf.bfloat16), ("int8", tf.int8)):
         if value_dtype in (name, tdt, _TORCH_WIRE[name]):
             return name
-    raise ValueError(f"value_dtype must be None, tf.float16 or tf.bfloat16; got {value_dtype!r}")
+    raise ValueError(f"value_dtype must be None, tf.float16, tf.bfloat16 or tf.int8; got {value_dtype!r}")
+
+
+def _check_int8(config, exchange: str, cmp) -> None:
+    """The int8 wire runs only where the core's own aggregation runs
+    (:mod:`.fused`: the core quantizes every message, re-rounds the merged
+    sums and hands back the roundings this rank owns); elsewhere every rank
+    raises the same ValueError at construction."""
+    from .fused import FUSED_AGGREGATIONS
+
+    if exchange != "gloo":
+        raise ValueError(f"value_dtype=tf.int8 needs exchange='gloo' (the core's aggregation on the side "
+                         f"channel); exchange={exchange!r} cannot carry it -- pass value_dtype=tf.float16 "
+                         "or tf.bfloat16 there")
+    if not getattr(cmp, "exact_count", False) or config.aggregation not in FUSED_AGGREGATIONS:
+        raise ValueError(f"value_dtype=tf.int8 is not available for method {config.method!r} "
+                         f"(aggregation {config.aggregation!r}) in the TensorFlow layer: its counts vary, so "
+                         "it takes the TF path, which has no int8 wire; use Compression.topk or .gtopk "
+                         "(exact counts) with value_dtype=tf.int8, or value_dtype=tf.float16 with "
+                         f"{config.method!r}")
 
 
 class _Untracked:
@@ -70,7 +89,14 @@ class SparseCompression(tf.Module):
             registry declares them; validated, ``ValueError`` naming the
             valid range and, for an unknown keyword, the method's
             hyper-parameters).
-        value_dtype: None, ``tf.float16`` or ``tf.bfloat16`` (values on the wire).
+        value_dtype: None, ``tf.float16``, ``tf.bfloat16`` or ``tf.int8`` (values
+            on the wire; int8: 1-byte codes with one power-of-two exponent
+            byte per message, the rounding error kept exactly in the
+            residual, as the PyTorch side's ``torch.int8`` -- topk, gtopk,
+            rtopk, randomk with ``exchange="gloo"``; docs/api.md).
+        wire_rounding: the int8 wire's rounding, ``"nearest"`` (default) or
+            ``"stochastic"`` (unbiased, keyed by (seed, step); only with
+            ``value_dtype=tf.int8``).
         merge: None or an aggregation the method allows (``"allgather"``,
             ``"gtopk"``: any selector on the butterfly).
         granularity: ``"layer"`` (k per tensor) or ``"global"`` (k over all).
@@ -123,7 +149,8 @@ class SparseCompression(tf.Module):
                  nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
                  momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
                  dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
-                 name: Optional[str] = None, exchange: str = "gloo", dense_below: int = 0, **method_hyper):
+                 name: Optional[str] = None, exchange: str = "gloo", dense_below: int = 0,
+                 wire_rounding: str = "nearest", **method_hyper):
         # the method's own hyper-parameters may come as keywords (as
         # Compression.<name>(density, **kwargs) passes them) or as hyper=
         hyper = {**dict(hyper or {}), **method_hyper}
@@ -134,13 +161,17 @@ class SparseCompression(tf.Module):
             raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
                              "or momentum=<float>, not both")
         wire = _wire_name(value_dtype)
+        if wire_rounding in ("stochastic",) and wire != "int8":  # the PyTorch side's check, in TF's words
+            raise ValueError("wire_rounding='stochastic' applies to the int8 wire; pass value_dtype=tf.int8 "
+                             "(fp16/bf16 casts round to nearest)")
         self.config = ReducerConfig(method=method, density=density, r_factor=r_factor, merge=merge,
                                     granularity=granularity, value_dtype=_TORCH_WIRE[wire], seed=seed,
                                     nonfinite=nonfinite, error_feedback=bool(error_feedback),
                                     warmup=warmup, momentum=momentum, nesterov=bool(nesterov),
                                     dampening=dampening, momentum_masking=bool(momentum_masking),
                                     clip_norm=clip_norm, hyper=hyper,
-                                    dense_below=dense_below)  # validates (ValueError)
+                                    dense_below=dense_below,
+                                    wire_rounding=wire_rounding)  # validates (ValueError)
         if self.config.aggregation == "dense":
             raise ValueError(f"{method!r} is a dense reduction: that is Compression.none (Horovod's own "
                              "allreduce), not a sparse compression")
@@ -155,6 +186,8 @@ class SparseCompression(tf.Module):
         self.wire_dtype = _TF_WIRE[wire]
         # the registry's compressor: selection / encoding (see .selection)
         self.compressor = selection.compressor(method, **self.config.method_hyper)
+        if wire == "int8":
+            _check_int8(self.config, exchange, self.compressor)
         self.momentum_correction = bool(momentum_correction)  # take the Keras SGD's momentum over
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -190,7 +223,8 @@ class SparseCompression(tf.Module):
                                                      ("momentum_masking", c.momentum_masking),
                                                      ("clip_norm", c.clip_norm),
                                                      ("exchange", self.exchange),
-                                                     ("dense_below", c.dense_below))
+                                                     ("dense_below", c.dense_below),
+                                                     ("wire_rounding", c.wire_rounding))
                         if v != _DEFAULTS[k])
         if c.hyper:
             extra += f", hyper={dict(c.hyper)!r}"

@@ -54,6 +54,10 @@ class SparseKerasState(TensorFlowKerasState):
             if not isinstance(c, SparseCompression):
                 raise ValueError(f"compressions must be gtopk_plugin sparse compressions "
                                  f"(Compression.topk/gtopk/...(density)); got {c!r}")
+            if c.wire_dtype == tf.int8:  # the int8 wire runs only on the gloo side channel (.fused)
+                raise ValueError(f"{c!r}: SparseKerasState exchanges as Horovod ops (exchange='horovod'), "
+                                 "which cannot carry value_dtype=tf.int8; pass value_dtype=tf.float16 or "
+                                 "tf.bfloat16 for elastic jobs")
             c.exchange = "horovod"  # a lost peer must surface as Horovod's error (reset, not abort)
             comps.append(c)
         self._compressions = comps

@@ -26,6 +26,14 @@ model for allgather and allreduce); selectors with varying counts
 (threshold) keep the TF path, whose size headers are counted differently
 (int32 here, int64 in the core).
 
+The int8 wire (issue #17, ``value_dtype=tf.int8``) runs only here: each
+message is quantized by the core (``wire.quantize``: codes + one exponent
+byte, 5·k + 1 bytes; stochastic rounding keyed by ``wire.Draws(seed, step,
+first segment name)`` as the reducer keys it), merged sums are re-rounded
+by the core's aggregations, and this returns the values as they decode, so
+the residual keeps each rounding error exactly.  At P = 1 (no side channel)
+it runs on a :class:`SingleProcessTransport`, as the reducer does.
+
 Error feedback and the update stay TensorFlow ops in :mod:`.step`, on what
 this returns: this rank's selection (indices, wire values), which of its
 entries reached the result, the result, and the wire roundings this rank
@@ -42,6 +50,7 @@ import torch.distributed as dist
 
 from ... import collectives
 from ...collectives import Selection, Transport, wire
+from ...collectives.transport import SingleProcessTransport
 from ...compress.base import SelectionContext
 from ...kernels.reference import index_dtype
 from ...traffic import TRANSPORT_FIELDS
@@ -54,7 +63,7 @@ __all__ = ["ChannelTransport", "FUSED_AGGREGATIONS", "fused_ok", "select_aggrega
 # aggregations of the core run here; "allgather" returns a dense sum
 FUSED_AGGREGATIONS = ("allgather", "gtopk", "allreduce_values")
 _TORCH = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
-          tf.float64: torch.float64}
+          tf.float64: torch.float64, tf.int8: torch.int8}
 
 
 class ChannelTransport(Transport):
@@ -115,14 +124,16 @@ class ChannelTransport(Transport):
         return parts
 
 
-def fused_ok(cmp, aggregation: str, ops) -> bool:
+def fused_ok(cmp, aggregation: str, ops, int8: bool = False) -> bool:
     """Whether this step's selection and exchange run here (see the module
-    docstring)."""
-    return (ops.side is not None and aggregation in FUSED_AGGREGATIONS
+    docstring; the int8 wire at P = 1 too)."""
+    return ((ops.side is not None or (int8 and ops.P == 1)) and aggregation in FUSED_AGGREGATIONS
             and getattr(cmp, "kind", "selector") == "selector" and bool(getattr(cmp, "exact_count", False)))
 
 
-def _transport(ops) -> ChannelTransport:
+def _transport(ops) -> Transport:
+    if ops.side is None:  # P = 1 (the int8 wire): no peers, no bytes
+        return SingleProcessTransport()
     t = getattr(ops.side, "_core_transport", None)
     if t is None:
         t = ops.side._core_transport = ChannelTransport(ops.side)
@@ -130,7 +141,7 @@ def _transport(ops) -> ChannelTransport:
 
 
 def select_aggregate(ops, acc, offsets, ks, cmp, aggregation: str, wire_dtype, *, step, names, seed: int,
-                     rank: int, kernels: Optional[str] = None, state=None):
+                     rank: int, kernels: Optional[str] = None, state=None, rounding: str = "nearest"):
     """Select from the flat ``acc`` and aggregate over the side channel.
     Returns ``(idx, wire_vals, reached, res_idx, res_vals, fix_idx, fix_vals,
     rounds)``: this rank's selection (int32, wire dtype), which of it
@@ -145,6 +156,7 @@ def select_aggregate(ops, acc, offsets, ks, cmp, aggregation: str, wire_dtype, *
     numel = int(offsets[-1])
     agg = collectives.get(aggregation)
     wdt = _TORCH[wire_dtype]
+    int8 = wdt == wire.QUANTIZED
     k_in = tf.constant(list(ks), tf.int64) if isinstance(ks, list) else tf.cast(ks, tf.int64)
 
     def run(a, k, st):
@@ -152,7 +164,11 @@ def select_aggregate(ops, acc, offsets, ks, cmp, aggregation: str, wire_dtype, *
         k_t = torch.from_numpy(np.asarray(k, np.int64))
         ctx = SelectionContext(step=int(st), segment_names=names, seed=seed, rank=rank, kernels=kernels)
         idx, vals = cmp.select(x, offs_t, k_t, ctx)
-        wvals = wire.to_wire(vals, wdt)
+        # the int8 wire's stochastic rounding: keyed as the reducer keys it
+        draws = None if rounding == "nearest" else wire.Draws(seed, int(st), names[0])
+        if hasattr(agg, "draws"):  # aggregations that re-round sums (int8 wire)
+            agg.draws = draws
+        wvals = wire.to_wire(vals, wdt) if draws is None else wire.quantize(vals, draws(f"rank{rank}", idx))[0]
         before = transport.counters.copy()
         res = agg(Selection(idx=idx, vals=wvals, numel=numel, offsets=offs_t, k=k_t, idx_dtype=index_dtype(numel),
                             sum_dtype=x.dtype, static_count=True, kernels=kernels), transport)
@@ -160,16 +176,18 @@ def select_aggregate(ops, acc, offsets, ks, cmp, aggregation: str, wire_dtype, *
         reached = torch.ones(idx.numel(), dtype=torch.bool) if res.reached is None else res.reached
         res_idx = torch.zeros(0, dtype=torch.int32) if res.idx is None else res.idx.to(torch.int32)
         fix_i, fix_v = res.residual_add if res.residual_add is not None else (torch.zeros(0), torch.zeros(0))
-        return (idx.to(torch.int32).numpy(), _numpy(wvals), reached.numpy(), res_idx.numpy(),
+        sent = wire.values(wvals, x.dtype) if int8 else wvals  # int8: decoded (exact)
+        return (idx.to(torch.int32).numpy(), _numpy(sent), reached.numpy(), res_idx.numpy(),
                 _numpy(res.vals.to(x.dtype)), fix_i.to(torch.int32).numpy(), _numpy(fix_v.to(x.dtype)),
                 np.asarray([getattr(delta, f) for f in TRANSPORT_FIELDS] + [res.rounds], np.int64))
 
-    carrier, wcarrier = _carrier(acc), _carrier(tf.zeros([0], wire_dtype))
+    carrier = _carrier(acc)
+    wcarrier = carrier if int8 else _carrier(tf.zeros([0], wire_dtype))
     outs = numpy_call(state, run, [carrier, k_in, tf.cast(step, tf.int64)],
                       [tf.int32, wcarrier.dtype, tf.bool, tf.int32, carrier.dtype, tf.int32, carrier.dtype,
                        tf.int64], stateful=True)
     idx, wvals, reached, res_idx, res_vals, fix_i, fix_v, counts = outs
-    if wire_dtype == tf.bfloat16:
+    if wire_dtype == tf.bfloat16 or (int8 and bf16):
         wvals = tf.bitcast(wvals, tf.bfloat16)
     if bf16:
         res_vals, fix_v = tf.bitcast(res_vals, tf.bfloat16), tf.bitcast(fix_v, tf.bfloat16)

@@ -166,6 +166,8 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
                 cfg.clip_norm)
     if cfg.dense_below:
         settings += (("dense_below", cfg.dense_below),)
+    if cfg.wire_rounding != "nearest":
+        settings += (("wire_rounding", cfg.wire_rounding),)
     layout = consistency.describe_layout(
         [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(all_names, tensors)], settings)
     hyper = getattr(cmp, "hyper", None)
@@ -280,6 +282,7 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
     # A wire narrower than the gradients: sums in the accumulation dtype,
     # each later rounding charged to one rank's residual (DESIGN.md §3).
     acc_dt = accumulation_dtype(wire, dtype)
+    int8 = wire == tf.int8  # the int8 wire: only on the core's aggregation (.fused)
     # P + a run-time zero: in a traced graph Grappler turns a division by a
     # constant into a multiplication by its reciprocal (other bits for P=3)
     divisor = tf.cast(P + ops.zero if average else 1, dtype)
@@ -299,9 +302,10 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
         # no momentum masking (as the reducer: only selected entries restart)
         return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
                                                tf.constant(res.rounds, tf.int64))
-    if fused_ok(cmp, cfg.aggregation, ops):  # select + the core's aggregation in one call (.fused)
+    if fused_ok(cmp, cfg.aggregation, ops, int8):  # select + the core's aggregation in one call (.fused)
+        # (int8: wire_vals are the values as they decode, in acc's dtype)
         idx, wire_vals, alive, r_idx, r_vals, fix_i, fix_v, rounds = select_aggregate(
-            ops, acc, offsets, ks, cmp, cfg.aggregation, wire, **common)
+            ops, acc, offsets, ks, cmp, cfg.aggregation, wire, rounding=cfg.wire_rounding, **common)
         total = r_vals / divisor if average else r_vals
         update = total if cfg.aggregation == "allgather" else tf.scatter_nd(r_idx[:, None], total, [N])
         idx, sent = tf.boolean_mask(idx, alive), tf.boolean_mask(tf.cast(wire_vals, dtype), alive)
