@@ -30,7 +30,7 @@ from typing import Iterable, Union
 
 __all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS", "WIRE_FORMATS", "sparse_message_bytes",
            "gtopk_bytes", "allgather_bytes", "sharded_allreduce_bytes",
-           "onebit_payload_bytes", "onebit_reduce_scatter_bytes"]
+           "onebit_payload_bytes", "onebit_reduce_scatter_bytes", "onebit_scales"]
 
 # Values on the wire (DESIGN.md §3): (bytes per value, bytes per message).
 # int8: one code per value plus one exponent byte per message (the
@@ -174,21 +174,35 @@ def sharded_allreduce_bytes(P: int, rank: int, n: int, wire: str) -> tuple:
     return sent, received
 
 
-def onebit_payload_bytes(offsets) -> int:
+def onebit_scales(offsets, chunk: int = 0) -> list:
+    """Boundaries of onebit's scale pieces: the segments (``chunk`` 0), or
+    each segment cut into ``chunk``-entry chunks from its start, the last
+    one shorter (an empty segment has none): ``Σ_s ⌈n_s/chunk⌉`` pieces."""
+    o = [int(x) for x in offsets]
+    if not chunk:
+        return o
+    out = [b for s in range(len(o) - 1) for b in range(o[s], o[s + 1], int(chunk))]
+    return out + [o[-1]]
+
+
+def onebit_payload_bytes(offsets, chunk: int = 0) -> int:
     """One whole onebit payload: ⌈N/8⌉ sign bytes and a float32 scale per
-    segment (``offsets``: the S + 1 segment boundaries); the allgather
+    segment, or per chunk with ``chunk`` > 0 (``offsets``: the S + 1
+    segment boundaries): ``⌈N/8⌉ + 4·Σ_s ⌈n_s/chunk⌉``; the allgather
     moves (P−1) of these each way per rank."""
     o = [int(x) for x in offsets]
-    return (o[-1] + 7) // 8 + 4 * (len(o) - 1)
+    return (o[-1] + 7) // 8 + 4 * (len(onebit_scales(o, chunk)) - 1)
 
 
-def onebit_shard_bytes(offsets, P: int) -> list:
+def onebit_shard_bytes(offsets, P: int, chunk: int = 0) -> list:
     """Message size of each shard j of the two-phase onebit aggregation
     (compress/onebit.py, ``shard_plan``): sign bytes ``[⌊j·B/P⌋,
-    ⌊(j+1)·B/P⌋)`` of B = ⌈N/8⌉, plus 4 bytes per segment the shard's
-    entries overlap; None when B < P (the allgather runs instead)."""
+    ⌊(j+1)·B/P⌋)`` of B = ⌈N/8⌉, plus 4 bytes per scale piece (segment,
+    or chunk with ``chunk`` > 0) the shard's entries overlap; None when
+    B < P (the allgather runs instead)."""
     o = [int(x) for x in offsets]
     N, P = o[-1], int(P)
+    q = onebit_scales(o, chunk)
     B = (N + 7) // 8
     if B < P:
         return None
@@ -196,12 +210,12 @@ def onebit_shard_bytes(offsets, P: int) -> list:
     for j in range(P):
         b0, b1 = j * B // P, (j + 1) * B // P
         lo, hi = 8 * b0, min(N, 8 * b1)
-        segs = sum(1 for s in range(len(o) - 1) if o[s] < hi and o[s + 1] > lo)
+        segs = sum(1 for s in range(len(q) - 1) if q[s] < hi and q[s + 1] > lo)
         out.append(b1 - b0 + 4 * segs)
     return out
 
 
-def onebit_reduce_scatter_bytes(offsets, P: int, rank: int) -> tuple:
+def onebit_reduce_scatter_bytes(offsets, P: int, rank: int, chunk: int = 0) -> tuple:
     """``(sent, received)`` payload bytes of ``rank`` in one two-phase onebit
     aggregation (``merge="reduce_scatter_payloads"``): phase 1 sends shard j
     to each rank j ≠ rank and receives P−1 messages of its own shard;
@@ -211,9 +225,9 @@ def onebit_reduce_scatter_bytes(offsets, P: int, rank: int) -> tuple:
     P, r = int(P), int(rank)
     if P == 1:
         return 0, 0
-    m = onebit_shard_bytes(offsets, P)
+    m = onebit_shard_bytes(offsets, P, chunk)
     if m is None:
-        n = (int(P) - 1) * onebit_payload_bytes(offsets)
+        n = (int(P) - 1) * onebit_payload_bytes(offsets, chunk)
         return n, n
     total = sum(m)
     return (total - m[r]) + (total - m[(r + 1) % P]), (P - 1) * m[r] + (total - m[r])

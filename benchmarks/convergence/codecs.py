@@ -289,3 +289,39 @@ def main(args) -> int:
               f"{100 * gl['codec']:.1f} gap {gl['gap_pp']:+.1f} pp: {'holds' if gl['holds'] else 'does NOT hold'}")
     print(f"wrote {json_path}, {prefix}.md{', ' + png if png else ''}")
     return 1 if failed else 0
+
+
+# ------------------------------------------- onebit with per-chunk scales
+CHUNK_SWEEP = (64, 256, 1024)
+
+
+def chunk_spec(task: str, chunk: int, seed: int, steps: Optional[int] = None,
+               merge: Optional[str] = None) -> RunSpec:
+    """onebit with ``chunk`` entries per scale, the library's momentum
+    correction, otherwise :func:`codec_spec`'s run."""
+    return replace(codec_spec(task, "onebit", None, "corr", seed, steps), chunk=chunk, merge=merge)
+
+
+def chunk_sweep_specs() -> List[RunSpec]:
+    """The sweep that picks the chunk: glyphs at the budget, seed 0."""
+    return [chunk_spec("glyphs", c, 0) for c in CHUNK_SWEEP]
+
+
+def pick_chunk(results: dict) -> int:
+    """The sweep's best final accuracy; within 0.3 pp the larger chunk
+    (fewer scale bytes)."""
+    acc = {s.chunk: results[s]["final"] for s in chunk_sweep_specs() if s in results}
+    best = max(acc.values())
+    return max(c for c, a in acc.items() if a >= best - 0.003)
+
+
+def chunk_specs(chunk: int) -> List[Tuple[str, RunSpec]]:
+    """(group, spec) in priority order after the sweep: glyphs (budget and
+    :data:`LONG_STEPS`) seeds 0 and 1, the two-phase variant on glyphs,
+    then digits and the ResNet."""
+    return [("codecs", chunk_spec("glyphs", chunk, 1)),
+            ("long", chunk_spec("glyphs", chunk, 0, LONG_STEPS)),
+            ("long", chunk_spec("glyphs", chunk, 1, LONG_STEPS)),
+            ("codecs", chunk_spec("glyphs", chunk, 0, merge="reduce_scatter_payloads")),
+            ("codecs", chunk_spec("digits", chunk, 0)), ("codecs", chunk_spec("digits", chunk, 1)),
+            ("resnet", chunk_spec("glyphs_resnet", chunk, 0)), ("resnet", chunk_spec("glyphs_resnet", chunk, 1))]

@@ -95,6 +95,8 @@ class RunSpec:
     warmup_start: float = 0.25
     lr_schedule: str = "const"        # "const" or "cosine" (decay to 0 at the last step)
     rank: Optional[int] = None        # powersgd's approximation rank (None: the codec's default)
+    chunk: Optional[int] = None       # onebit's entries per scale (None: the codec's default, per tensor)
+    merge: Optional[str] = None       # the aggregation (None: the method's default)
 
     def __post_init__(self):
         if self.momentum_mode not in MOMENTUM_MODES:
@@ -113,7 +115,11 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        return method_label(self.method, self.r_factor, self.rank)
+        lab = method_label(self.method, self.r_factor, self.rank)
+        extra = ([f"chunk={self.chunk}"] if self.chunk is not None else []) + \
+            (["two-phase"] if self.merge == "reduce_scatter_payloads" else
+             [f"merge={self.merge}"] if self.merge else [])
+        return f"{lab}({', '.join(extra)})" if extra else lab
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -153,6 +159,10 @@ def reducer_kwargs(spec: RunSpec, steps: int, steps_per_epoch: Optional[int] = N
               error_feedback=spec.error_feedback)
     if spec.rank is not None:
         kw["rank"] = spec.rank
+    if spec.chunk is not None:
+        kw["chunk"] = spec.chunk
+    if spec.merge is not None:
+        kw["merge"] = spec.merge
     if spec.method != "dense":
         if is_codec(spec.method):
             pass  # no density, so no density warm-up

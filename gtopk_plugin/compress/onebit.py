@@ -52,7 +52,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from .bits import pack_bits
-from .base import Codec
+from .base import Codec, HyperParam
 from .registry import register
 
 Tensor = torch.Tensor
@@ -72,6 +72,53 @@ class Shard(NamedTuple):
 
 
 _SIGNS: Dict[tuple, Tensor] = {}
+_BOUNDS: Dict[tuple, List[int]] = {}
+
+
+def scale_bounds(offsets: Sequence[int], chunk: int) -> List[int]:
+    """Boundaries of the pieces that get one scale each: the segments
+    (``chunk`` 0), or every segment cut into ``chunk``-entry chunks from its
+    start, the last one shorter (empty segments have none).  Strictly
+    increasing for ``chunk`` > 0; cached per layout."""
+    o = [int(x) for x in offsets]
+    if not chunk:
+        return o
+    key = (tuple(o), int(chunk))
+    b = _BOUNDS.get(key)
+    if b is None:
+        b = []
+        for s in range(len(o) - 1):
+            b.extend(range(o[s], o[s + 1], chunk))
+        b.append(o[-1])
+        if len(_BOUNDS) > 256:  # DDP buckets are few; bound the cache anyway
+            _BOUNDS.clear()
+        _BOUNDS[key] = b
+    return b
+
+
+def _runs(sizes: Sequence[int]) -> List[tuple]:
+    """``(start, width, count)``: consecutive pieces of equal width grouped,
+    so a chunked reduction or scaling is a few 2-D views, not a Python loop
+    over chunks."""
+    out, at = [], 0
+    for n in sizes:
+        if out and out[-1][1] == n and out[-1][0] + out[-1][1] * out[-1][2] == at:
+            a, w, m = out[-1]
+            out[-1] = (a, w, m + 1)
+        else:
+            out.append((at, n, 1))
+        at += n
+    return out
+
+
+def _scale_pieces(out: Tensor, sizes: Sequence[int], scales: Tensor) -> Tensor:
+    """``out`` (±1) times each piece's scale, in place (entry by entry the
+    same product whatever the grouping)."""
+    i = 0
+    for a, w, m in _runs(sizes):
+        out[a:a + w * m].view(m, w).mul_(scales[i:i + m].view(m, 1))
+        i += m
+    return out
 
 
 def _signs(bits: Tensor, n: int, dtype: torch.dtype) -> Tensor:
@@ -91,6 +138,11 @@ class OneBitCodec(Codec):
     """Sign bits (8 per byte) and one mean-|acc| scale per segment, with error feedback (1-bit SGD / EF-signSGD)."""
 
     merges = ("allgather_payloads", "reduce_scatter_payloads")
+    hyperparams = (
+        HyperParam("chunk", 0, "entries per scale: each segment cut into chunks of this many entries "
+                   "from its start (the last shorter), one float32 scale each; 0: one per segment",
+                   int, low=0),
+    )
 
     def __init__(self, **hyper):
         super().__init__(**hyper)
@@ -98,6 +150,14 @@ class OneBitCodec(Codec):
         self._server: Dict[str, Tensor] = {}
 
     def encode(self, acc: Tensor, offsets: Tensor, ctx) -> List[Tensor]:
+        if self.chunk:
+            b = scale_bounds(offsets.tolist(), self.chunk)
+            sizes = [y - x for x, y in zip(b, b[1:])]
+            # one float32 mean |acc| per chunk: full chunks of a segment as one 2-D view
+            scales = torch.cat([acc[a:a + w * m].view(m, w).abs().mean(1, dtype=torch.float32)
+                                for a, w, m in _runs(sizes)]) if sizes else \
+                torch.empty(0, dtype=torch.float32, device=acc.device)
+            return [pack_bits(acc >= 0), scales]
         sizes = (offsets[1:] - offsets[:-1]).tolist()
         # the scale in float32 whatever the gradient dtype: 4 bytes per segment
         scales = torch.stack([part.abs().mean(dtype=torch.float32)
@@ -108,21 +168,25 @@ class OneBitCodec(Codec):
     def decode(self, payload: Sequence[Tensor], offsets: Tensor, numel: int,
                dtype: torch.dtype) -> Tensor:
         bits, scales = payload
-        sizes = (offsets[1:] - offsets[:-1]).tolist()
-        # ±1 from the bits, then each segment times its scale (in place)
+        # ±1 from the bits, then each segment (chunk) times its scale (in place)
         out = _signs(bits, numel, dtype)
+        if self.chunk:
+            b = scale_bounds(offsets.tolist(), self.chunk)
+            return _scale_pieces(out, [y - x for x, y in zip(b, b[1:])], scales.to(dtype))
+        sizes = (offsets[1:] - offsets[:-1]).tolist()
         for part, s in zip(torch.split(out, sizes), scales.to(dtype)):
             part.mul_(s)
         return out
 
     # ------------------------------------------------ two-phase aggregation
     # (collectives/two_phase.py drives these; none of them communicates)
-    @staticmethod
-    def shard_plan(offsets: Sequence[int], numel: int, P: int) -> Optional[List[Shard]]:
+    def shard_plan(self, offsets: Sequence[int], numel: int, P: int) -> Optional[List[Shard]]:
         """The P shards: sign bytes split evenly, ``[⌊j·B/P⌋, ⌊(j+1)·B/P⌋)``
         of B = ⌈N/8⌉ (byte-aligned, so a shard's bits are a slice of the
-        packed payload); None when B < P (some shard would be empty)."""
-        o = [int(x) for x in offsets]
+        packed payload); None when B < P (some shard would be empty).
+        ``s0, s1`` index the scale pieces (segments, or chunks with
+        ``chunk`` > 0) the shard overlaps: their scales travel with it."""
+        o = scale_bounds(offsets, self.chunk)
         B = (int(numel) + 7) // 8
         if B < P:
             return None
@@ -139,9 +203,9 @@ class OneBitCodec(Codec):
         bits, scales = payload
         return [bits[sh.b0:sh.b1], scales[sh.s0:sh.s1]]
 
-    @staticmethod
-    def _piece_sizes(offsets: Sequence[int], sh: Shard) -> List[int]:
-        o = [int(x) for x in offsets]
+    def _piece_sizes(self, offsets: Sequence[int], sh: Shard) -> List[int]:
+        """Entries of each piece (scale piece ∩ shard) of shard ``sh``."""
+        o = scale_bounds(offsets, self.chunk)
         return [max(0, min(o[s + 1], sh.hi) - max(o[s], sh.lo)) for s in range(sh.s0, sh.s1)]
 
     def decode_shard(self, part: Sequence[Tensor], offsets: Sequence[int], sh: Shard,
@@ -151,17 +215,20 @@ class OneBitCodec(Codec):
         :meth:`decode` gives there."""
         bits, scales = part
         out = _signs(bits, sh.hi - sh.lo, dtype)
-        for part, s in zip(torch.split(out, self._piece_sizes(offsets, sh)), scales.to(dtype)):
-            part.mul_(s)
-        return out
+        return _scale_pieces(out, self._piece_sizes(offsets, sh), scales.to(dtype))
 
     def encode_shard(self, t: Tensor, offsets: Sequence[int], sh: Shard) -> List[Tensor]:
         """The owner's re-compression of its shard sum ``t`` (entries ``[lo,
-        hi)``): sign bits and one scale per piece (segment ∩ shard), the
-        piece's ‖t‖₁/n summed in float64 and rounded once to float32 (0 for
-        an empty piece)."""
+        hi)``): sign bits and one scale per piece (segment or chunk ∩
+        shard), the piece's ‖t‖₁/n summed in float64 and rounded once to
+        float32 (0 for an empty piece)."""
+        sizes = self._piece_sizes(offsets, sh)
+        if self.chunk:  # no empty pieces; equal-width pieces reduced as one 2-D view
+            scales = torch.cat([t[a:a + w * m].view(m, w).abs().sum(1, dtype=torch.float64).div_(w)
+                                for a, w, m in _runs(sizes)]).to(torch.float32)
+            return [pack_bits(t >= 0), scales]
         scales, at = [], 0
-        for n in self._piece_sizes(offsets, sh):
+        for n in sizes:
             scales.append(float(t[at:at + n].abs().sum(dtype=torch.float64)) / n if n else 0.0)
             at += n
         return [pack_bits(t >= 0), torch.tensor(scales, dtype=torch.float32, device=t.device)]

@@ -299,3 +299,85 @@ def test_onebit_two_phase_through_the_ddp_hook():
         assert r["agg"] == RS and r["server"] >= 1
         assert torch.equal(r["nxt"], results[0]["nxt"])  # every rank the same update
         assert torch.equal(r["resumed"], r["nxt"])  # resumed from the hook's state: bit for bit
+
+
+# ------------------------------------------------- per-chunk scales (chunk=)
+CHUNK = 16
+
+
+def _chunk_run(P, merge):
+    """P reducers on threads (collectives/threads.py: bit-exact to gloo),
+    onebit with one scale per 16 entries; what each rank saw per step."""
+    from gtopk_plugin.collectives.threads import ThreadGroup
+
+    names = sorted(SHAPES)
+    offsets = torch.tensor([0] + list(np.cumsum([math.prod(SHAPES[n]) for n in names])), dtype=torch.int64)
+    with ThreadGroup(P) as group:
+        reds = [gp.GradientReducer(transport=group.transports[r], method="onebit", chunk=CHUNK, merge=merge,
+                                   op="sum") for r in range(P)]
+
+        def one(r, t):
+            red = reds[r]
+            grads = _grads(r, t)
+            res = red.state_dict()["residuals"]
+            acc = _flat(grads) + (_flat(res) if res else 0)
+            payload = red.compressor.encode(acc, offsets, SelectionContext(t, names, 0, r))
+            out = red.reduce(grads)
+            st = red.last_stats
+            server = red.compressor.state_dict().get("server", {})
+            return dict(grad=_flat(grads), acc=acc, payload=[p.clone() for p in payload], out=_flat(out).clone(),
+                        res=_flat(red.state_dict()["residuals"]), sent=st.payload_bytes_sent,
+                        recv=st.payload_bytes_received, agg=st.aggregation,
+                        server=list(server.values())[0].clone() if server else None)
+
+        return offsets, [group.map(lambda r: one(r, t)) for t in range(RS_STEPS)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("merge", ["allgather_payloads", RS])
+def test_onebit_chunked_scales_match_numpy_oracle_agree_and_conserve_mass(merge):
+    from gtopk_plugin import traffic
+
+    P = 3
+    offsets, steps = _chunk_run(P, merge)
+    o = offsets.tolist()
+    # the chunk grid restarts at every segment: the oracles below take its
+    # boundaries where they took the segments'
+    bounds = torch.tensor(traffic.onebit_scales(o, CHUNK))
+    assert bounds.numel() - 1 == sum(-(-(o[s + 1] - o[s]) // CHUNK) for s in range(len(o) - 1))
+    whole = traffic.onebit_payload_bytes(o, CHUNK)
+    assert whole == -(-NUMEL // 8) + 4 * (bounds.numel() - 1)
+    server = [np.zeros(1, np.float32)] * P
+    total_grad, total_out = np.zeros(NUMEL), np.zeros(NUMEL)
+    for t, ranks in enumerate(steps):
+        decodes = []
+        for r, s in enumerate(ranks):
+            bits, scales = _np_encode(s["acc"], bounds)
+            wbits, wscales = (p.numpy() for p in s["payload"])
+            assert np.array_equal(bits, wbits) and wscales.size == bounds.numel() - 1
+            np.testing.assert_allclose(wscales, scales, rtol=2e-6, atol=0)
+            decodes.append(_np_decode(wbits, wscales, bounds, NUMEL))
+            assert np.array_equal(s["res"].numpy(), s["acc"].numpy() - decodes[-1]), "residual: acc − own decode"
+            total_grad += s["grad"].numpy()
+        if merge == RS:
+            if t == 0:
+                B = -(-NUMEL // 8)
+                server = [np.zeros(min(NUMEL, 8 * ((j + 1) * B // P)) - 8 * (j * B // P), np.float32)
+                          for j in range(P)]
+            expect, server, _ = _np_two_phase(decodes, bounds.tolist(), server)
+        else:
+            expect = np.zeros(NUMEL, dtype=np.float32)
+            for d in decodes:  # rank order
+                expect = expect + d
+        for r, s in enumerate(ranks):
+            assert s["agg"] == merge
+            assert np.array_equal(s["out"].numpy(), expect), f"rank {r} step {t}: result"
+            want = traffic.onebit_reduce_scatter_bytes(o, P, r, CHUNK) if merge == RS else ((P - 1) * whole,) * 2
+            assert (s["sent"], s["recv"]) == want
+            if merge == RS:
+                assert np.array_equal(s["server"].numpy(), server[r]), f"rank {r} step {t}: server residual"
+        total_out += expect
+    held = sum(steps[-1][r]["res"].double().numpy() for r in range(P))
+    if merge == RS:
+        held = held + np.concatenate([steps[-1][r]["server"].double().numpy() for r in range(P)])
+    np.testing.assert_allclose(total_grad, total_out + held, rtol=0, atol=2e-4)

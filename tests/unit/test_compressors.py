@@ -131,6 +131,67 @@ def test_onebit_encode_decode_match_numpy(sizes, dtype):
     np.testing.assert_allclose(out.double().numpy(), dec, rtol=1e-2 if dtype == torch.bfloat16 else 2e-6)
 
 
+def _np_chunks(sizes, chunk):
+    """The spec's scale pieces: each segment cut into ``chunk``-entry chunks
+    from its own start, the last one shorter; an empty segment has none."""
+    out, at = [], 0
+    for n in sizes:
+        out += [(at + a, at + min(n, a + chunk)) for a in range(0, n, chunk)]
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("sizes, chunk", [([1], 64), ([8], 3), ([13, 5, 64], 8), ([3, 1000, 7], 64),
+                                          ([0, 70, 0, 9], 16), ([300], 1000)])
+def test_onebit_chunked_scales_match_numpy_and_the_byte_formula(sizes, chunk):
+    from gtopk_plugin import traffic
+
+    g = torch.Generator().manual_seed(7 + sum(sizes))
+    acc = torch.randn(sum(sizes), generator=g)
+    acc[0] = 0.0  # sign(0) = +1
+    o = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = torch.tensor(o)
+    codec = gp.compress.get("onebit")(chunk=chunk)
+    payload = codec.encode(acc, offsets, SelectionContext(0, [str(i) for i in sizes], 0))
+    a = acc.double().numpy()
+    pieces = _np_chunks(sizes, chunk)
+    assert np.array_equal(payload[0].numpy(), np.packbits(a >= 0, bitorder="little"))
+    assert payload[1].dtype == torch.float32 and payload[1].numel() == len(pieces)
+    np.testing.assert_allclose(payload[1].numpy(), [np.abs(a[x:y]).mean() for x, y in pieces], rtol=2e-6)
+    # bytes: ⌈N/8⌉ + 4 per chunk, exactly
+    assert sum(p.numel() * p.element_size() for p in payload) == math.ceil(a.size / 8) + 4 * len(pieces) \
+        == traffic.onebit_payload_bytes(o.tolist(), chunk)
+    # decode of the payload as sent: each chunk's ±1 times its scale, exactly
+    out = codec.decode(payload, offsets, acc.numel(), torch.float32)
+    signs = np.unpackbits(payload[0].numpy(), bitorder="little")[:a.size].astype(np.float32) * 2 - 1
+    want = np.empty(a.size, np.float32)
+    for (x, y), s in zip(pieces, payload[1].numpy()):
+        want[x:y] = signs[x:y] * s
+    assert np.array_equal(out.numpy(), want)
+
+
+@pytest.mark.parametrize("sizes, P, chunk", [([450], 3, 64), ([13, 30, 407], 4, 16), ([1, 8, 9, 0, 70], 2, 4)])
+def test_onebit_chunked_shard_plan_carries_the_overlapped_chunks(sizes, P, chunk):
+    from gtopk_plugin import traffic
+
+    o = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    plan = gp.compress.get("onebit")(chunk=chunk).shard_plan(o, o[-1], P)
+    pieces = _np_chunks(sizes, chunk)
+    for sh, mj in zip(plan, traffic.onebit_shard_bytes(o, P, chunk)):
+        over = [i for i, (x, y) in enumerate(pieces) if x < sh.hi and y > sh.lo]
+        assert (sh.s0, sh.s1) == (over[0], over[-1] + 1)
+        assert mj == sh.b1 - sh.b0 + 4 * len(over)
+
+
+def test_onebit_chunk_is_validated_and_default_per_tensor():
+    assert gp.compress.get("onebit")().chunk == 0
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ValueError, match="chunk"):
+            gp.compress.get("onebit")(chunk=bad)
+    with pytest.raises(ValueError, match="chunk"):
+        make(method="onebit", chunk=-8)
+
+
 def test_onebit_single_worker_conserves_mass_and_shrinks_the_residual():
     red = make(method="onebit", op="sum")
     g = torch.Generator().manual_seed(1)
@@ -154,7 +215,7 @@ def test_onebit_shard_plan_tiles_the_payload_and_matches_the_byte_formula(sizes,
     from gtopk_plugin import traffic
 
     o = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    plan = gp.compress.get("onebit").shard_plan(o, o[-1], P)
+    plan = gp.compress.get("onebit")().shard_plan(o, o[-1], P)
     m = traffic.onebit_shard_bytes(o, P)
     if plan is None:  # fewer sign bytes than ranks: the allgather runs instead
         assert m is None and math.ceil(o[-1] / 8) < P
