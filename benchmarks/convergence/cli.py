@@ -31,14 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "simulated exactly with gtopk_plugin.testing.Oracle; one configuration per "
                     "task is rerun on real gloo workers. Writes JSON, PNG plots and markdown.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--group", choices=("all", "momentum", "codecs"), default="all",
+    p.add_argument("--group", choices=("all", "momentum", "codecs", "codecs_chunk"), default="all",
                    help="'all': the study of docs/convergence.md (main grid, ablations, momentum 0.9 at "
                         "P=4, gtopk-demo configuration); 'momentum': the momentum group run with the "
                         "library's momentum correction, Nesterov, AdamW, the BatchNorm ResNet "
                         "(benchmarks/convergence/momentum.py; results convergence_momentum.*); 'codecs': "
                         "onebit, powersgd (rank 4) and qsgd with momentum correction or optimizer momentum "
                         "beside dense and gTop-k 1%%/0.1%% on digits and glyphs, P=4 (codecs.py; "
-                        "results convergence_codecs.*)")
+                        "results convergence_codecs.*); 'codecs_chunk': onebit with per-chunk scales "
+                        "(chunk sweep on glyphs, then the chosen chunk beside the codecs group's dense and "
+                        "per-tensor onebit; results convergence_codecs_chunk.*)")
     p.add_argument("--quick", action="store_true",
                    help=f"small CI configuration: every method once per task, {QUICK_STEPS} steps, one seed")
     p.add_argument("--json", metavar="OUT.json", default=None,
@@ -84,6 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.seeds is None:
             args.seeds = 1  # the momentum group's default (CPU budget; docs/convergence.md)
         return momentum.main(args)
+    if args.group == "codecs_chunk":
+        from . import codecs
+
+        return codecs.chunk_main(args)
     if args.group == "codecs":
         from . import codecs
 

@@ -241,3 +241,79 @@ def plot(rows: List[dict], path: str) -> Optional[str]:
     fig.savefig(path, dpi=70)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------- onebit with per-chunk scales
+def _seed_values(row: dict, seeds) -> List[float]:
+    by = dict(zip(row["seeds"], row["final"]["values"]))
+    return [by[s] for s in seeds if s in by]
+
+
+def chunk_rows(results: Dict, base: List[dict]) -> List[dict]:
+    """One row per (task, steps, chunk, merge) of the chunked onebit runs
+    (``results``: spec -> run result), beside dense and per-tensor onebit
+    (correction) of the codecs group's committed summary ``base`` on the
+    same seeds: gap to dense in pp of the seed means, within 2 pp or not."""
+    groups: Dict[tuple, list] = {}
+    for s, r in results.items():
+        groups.setdefault((s.task, s.steps, s.chunk, s.merge), []).append((s.seed, r))
+    out = []
+    for (task, steps, chunk, merge), runs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][3] or "", kv[0][2])):
+        runs.sort(key=lambda x: x[0])
+        seeds = [s for s, _ in runs]
+        vals = [r["final"] for _, r in runs]
+        dense = next((b for b in base if b["task"] == task and b["steps"] == steps and b["method"] == "dense"), None)
+        per = next((b for b in base if b["task"] == task and b["steps"] == steps and b["method"] == "onebit"
+                    and b["mode"] == "corr"), None)
+        dv = _seed_values(dense, seeds) if dense else []
+        pv = _seed_values(per, seeds) if per else []
+        mean = statistics.fmean(vals)
+        row = dict(task=task, steps=steps, chunk=chunk, merge=merge or "allgather_payloads", seeds=seeds,
+                   values=vals, mean=mean, std=statistics.stdev(vals) if len(vals) > 1 else None,
+                   bytes_per_step=runs[0][1]["bytes_per_step"],
+                   dense_values=dv, dense_bytes=dense["bytes_per_step"] if dense else None,
+                   per_tensor_values=pv, per_tensor_bytes=per["bytes_per_step"] if per else None)
+        if len(dv) == len(vals):
+            row["gap_pp"] = 100 * (statistics.fmean(dv) - mean)
+            row["holds"] = row["gap_pp"] <= GOAL_PP
+        if len(pv) == len(vals):
+            row["vs_per_tensor_pp"] = 100 * (mean - statistics.fmean(pv))
+        out.append(row)
+    return out
+
+
+def chunk_markdown(rows: List[dict], meta: dict) -> str:
+    def pct(vs):
+        return ", ".join(f"{100 * v:.1f}" for v in vs) if vs else "–"
+
+    def mstd(vs):
+        if not vs:
+            return "–"
+        return f"{100 * statistics.fmean(vs):.1f}" + (f" ± {100 * statistics.stdev(vs):.1f}" if len(vs) > 1 else "")
+
+    lines = ["### onebit with per-chunk scales (`chunk=`) beside per-tensor onebit and dense (P = 4)", "",
+             "Library momentum correction (velocity through error feedback), SGD lr and cosine decay of the "
+             "codecs group; dense and per-tensor onebit are the codecs group's committed runs "
+             "(convergence_codecs.json) on the same seeds.  Gap: dense's seed mean minus the chunked run's, "
+             f"goal ≤ {GOAL_PP:g} pp (issue 17).", "",
+             "| task | steps | chunk | aggregation | seeds | chunked % (per seed) | mean ± std | per-tensor onebit % "
+             "| dense % | gap to dense | vs per-tensor | bytes/step (per-tensor, dense) | within 2 pp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = f"{r['gap_pp']:+.1f} pp" if "gap_pp" in r else "–"
+        vs = f"{r['vs_per_tensor_pp']:+.1f} pp" if "vs_per_tensor_pp" in r else "–"
+        byt = (f"{fmt_bytes(r['bytes_per_step'])} ({fmt_bytes(r['per_tensor_bytes'])}, "
+               f"{fmt_bytes(r['dense_bytes'])}; {100 * r['bytes_per_step'] / r['dense_bytes']:.1f}% of dense)"
+               if r["dense_bytes"] and r["per_tensor_bytes"] else fmt_bytes(r["bytes_per_step"]))
+        agg = "two-phase" if r["merge"] == "reduce_scatter_payloads" else "allgather"
+        held = "–" if "holds" not in r else ("yes" if r["holds"] else "**no**")
+        lines.append(f"| {r['task']} | {r['steps']} | {r['chunk']} | {agg} | {', '.join(map(str, r['seeds']))} | "
+                     f"{pct(r['values'])} | {mstd(r['values'])} | {mstd(r['per_tensor_values'])} | "
+                     f"{mstd(r['dense_values'])} | {gap} | {vs} | {byt} | {held} |")
+    lines.append("")
+    if meta.get("chosen") is not None:
+        lines.append(f"Chunk chosen by the sweep (glyphs, {meta.get('sweep_steps')} steps, seed 0): "
+                     f"{meta['chosen']} (best final accuracy; within 0.3 pp the larger chunk).")
+        lines.append("")
+    return "\n".join(lines)

@@ -135,7 +135,7 @@ def _signs(bits: Tensor, n: int, dtype: torch.dtype) -> Tensor:
 
 @register("onebit")
 class OneBitCodec(Codec):
-    """Sign bits (8 per byte) and one mean-|acc| scale per segment, with error feedback (1-bit SGD / EF-signSGD)."""
+    """Sign bits (8 per byte) and one mean-|acc| scale per segment or per chunk, with error feedback (1-bit SGD / EF-signSGD)."""
 
     merges = ("allgather_payloads", "reduce_scatter_payloads")
     hyperparams = (
