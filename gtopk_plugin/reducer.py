@@ -267,10 +267,13 @@ class GradientReducer(ReducerState):
         seconds["select"] = time.perf_counter() - t1 + t_comp
 
         t2 = time.perf_counter()
+        # a dense sum in the gradients' dtype goes straight into the update ring
+        out_buf = self._updates.take((tuple(names), dtype, acc.device), numel, dtype, acc.device, None)[0] \
+            if self.aggregation == "dense" and wire_vals.dtype == dtype else None
         agg = self._aggregation(Selection(
             idx=idx, vals=wire_vals, numel=numel, offsets=offsets, k=k,
             idx_dtype=kernels.index_dtype(numel), sum_dtype=dtype,
-            static_count=self.compressor.exact_count, kernels=cfg.kernels, payload=payload),
+            static_count=self.compressor.exact_count, kernels=cfg.kernels, payload=payload, out=out_buf),
             self.transport)
         seconds["communicate"] = time.perf_counter() - t2
 

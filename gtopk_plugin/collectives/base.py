@@ -32,6 +32,10 @@ class Selection:
     kernels: Optional[str] = None
     # a codec's contribution (``vals`` is then its own payload decoded)
     payload: Optional["Encoded"] = None
+    # where a dense sum in the sum dtype may be written instead of a fresh
+    # N-sized tensor (the reducer's update ring, issue #15: a fresh 100 MB
+    # tensor costs ten reads in page faults); ``None``: allocate
+    out: Optional[Tensor] = None
 
 
 @dataclass

@@ -85,15 +85,25 @@ def sharded_sum(vals: Tensor, acc_dtype: torch.dtype, transport: Transport, draw
     return out, (nz + b[r], err[nz])
 
 
+def _copy(sel: Selection, vals: Tensor) -> Tensor:
+    """``vals`` copied into ``sel.out`` where it fits, else a fresh clone:
+    the sum is taken in place on it, and ``vals`` (the accumulator, which
+    error feedback still reads) stays untouched."""
+    out = sel.out
+    if out is not None and out.shape == vals.shape and out.dtype == vals.dtype and out.device == vals.device:
+        return out.copy_(vals)
+    return vals.clone()
+
+
 def _reduce(sel: Selection, transport: Transport, draws=None):
     """(sum in the wire dtype, residual_add as (positions, errors) or None)."""
     P = transport.size
     if P == 1:
         out = wire.values(sel.vals, sel.sum_dtype)  # int8: decoded (a fresh tensor)
-        return (out.clone() if out is sel.vals else out), None
+        return (_copy(sel, out) if out is sel.vals else out), None
     adt = wire.accumulation_dtype(sel.vals.dtype, sel.sum_dtype)
     if adt is None:
-        out = sel.vals.clone()
+        out = _copy(sel, sel.vals)
         transport.allreduce_sum_(out)
         return out, None
     return sharded_sum(sel.vals, adt, transport, draws)

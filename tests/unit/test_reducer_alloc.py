@@ -93,11 +93,11 @@ def _big_allocs(fn, nbytes):
     return [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= nbytes]
 
 
-@pytest.mark.parametrize("method,allowed", [("gtopk", 0), ("dense", 2)])
+@pytest.mark.parametrize("method,allowed", [("gtopk", 0), ("dense", 0)])
 def test_no_n_sized_allocation_in_steady_state(method, allowed):
     """torch's profiler counts every allocation of at least half the layout:
-    none on the gtopk path; dense only the aggregation's own sum (clone, in
-    collectives/) -- the reducer adds none."""
+    none on the gtopk path, none on the dense one (its sum is taken in the
+    update ring's buffer, not in a fresh clone of the accumulator)."""
     N = 1 << 17
     g = {"a": torch.randn(N // 2), "b": torch.randn(N // 2)}
     red = _red(method=method, density=0.01)
