@@ -16,7 +16,9 @@ residuals, eagerly and inside tf.function; DGC momentum correction (plain,
 Nesterov, no masking) and local clipping give the oracle's updates,
 residuals and velocities, and Keras SGD with momentum_correction=True the
 oracle's weights; fp16/bf16 wires stay finite on overflow inputs, conserve
-mass to 1e-5 and give the oracle's bits; Compression.none/fp16 must equal
+mass to 1e-5 and give the oracle's bits, and so does the int8 wire (nearest
+and stochastic; bytes as gtopk_plugin.traffic; a ValueError where it cannot
+run); Compression.none/fp16 must equal
 stock Horovod-TF; Keras fit and checkpoint round trips of the residuals and
 velocities (Keras optimizer and tape); non-finite gradients.
 

@@ -92,7 +92,7 @@ def test_powersgd_without_the_side_channel_raises_a_clear_error():
 
 
 DENSE_BELOW = ["gtopk_dense_below", "topk_global_dense_below_graph", "mc_gtopk_dense_below_graph",
-               "all_small_dense_below"]
+               "all_small_dense_below", "gtopk_int8_stochastic_dense_below_graph"]
 
 
 @pytest.mark.timeout(500)
@@ -136,7 +136,7 @@ def test_dense_below_equals_the_torch_reducer_bit_for_bit(name):
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("name", ["powersgd_resume_graph", "qsgd_resume"])
+@pytest.mark.parametrize("name", ["powersgd_resume_graph", "qsgd_resume", "gtopk_int8_stochastic_resume"])
 def test_checkpoint_resume_continues_bit_for_bit(name):
     for r, res in enumerate(results()):
         run = ok(res, name)

@@ -6,7 +6,9 @@ torch ``GradientReducer`` on a torch.distributed gloo group (the oracle);
 ``dense_below=`` (small tensors dense in the same step) against the torch
 reducer with the same threshold; and checkpoint resume (save after two
 steps, a fresh compression restores and continues) against an
-uninterrupted run, for PowerSGD's warm start and qsgd's keyed rounding.
+uninterrupted run, for PowerSGD's warm start, qsgd's keyed rounding and
+the int8 wire's stochastic rounding (also against the torch reducer with
+``dense_below``).
 
     horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_rounds_job.py OUTDIR
 
@@ -61,11 +63,18 @@ DENSE_BELOW = {
                                                        op="sum")),
     "all_small_dense_below": (lambda: Compression.gtopk(0.1, dense_below=1000), False, hvd.Average,
                               dict(method="gtopk", density=0.1, op="average")),
+    # the int8 wire (issue #17) against the torch reducer's, stochastic rounding keyed alike
+    "gtopk_int8_stochastic_dense_below_graph": (
+        lambda: Compression.gtopk(0.1, dense_below=20, value_dtype=tf.int8, wire_rounding="stochastic", seed=4),
+        True, hvd.Sum, dict(method="gtopk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=4,
+                            op="sum")),
 }
 # checkpoint resume: name -> (Compression factory, traced)
 RESUME = {
     "powersgd_resume_graph": (lambda: Compression.powersgd(rank=2), True),
     "qsgd_resume": (lambda: Compression.qsgd(seed=3), False),
+    "gtopk_int8_stochastic_resume": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8,
+                                                               wire_rounding="stochastic", seed=1), False),
 }
 
 
