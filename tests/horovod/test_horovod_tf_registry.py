@@ -117,3 +117,16 @@ def test_user_selector_matches_the_pytorch_oracle_bit_for_bit(name, merge):
             assert np.array_equal(runs[r]["residuals"][f"r{i:04d}"], oracle.residuals[r][n].numpy()), (name, r, n)
     assert runs[0]["repr"].startswith("Compression.firstk_user(0.1")
     _check_mass(runs)
+
+
+def test_merge_the_layer_lacks_is_refused_at_construction():
+    """onebit's two-phase compressed allreduce (merge="reduce_scatter_payloads")
+    runs in the PyTorch layers only: the TensorFlow layer refuses it when the
+    compression is built (the same on every rank, before any step), naming
+    what it has; the default merges of the codecs are accepted."""
+    from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
+
+    with pytest.raises(ValueError, match="not available in the TensorFlow layer.*allgather_payloads"):
+        SparseCompression("onebit", merge="reduce_scatter_payloads")
+    for method, kw in (("onebit", {}), ("powersgd", {"rank": 2}), ("gtopk", {})):
+        SparseCompression(method, **kw)

@@ -175,6 +175,11 @@ class SparseCompression(tf.Module):
         if self.config.aggregation == "dense":
             raise ValueError(f"{method!r} is a dense reduction: that is Compression.none (Horovod's own "
                              "allreduce), not a sparse compression")
+        from .collectives import AGGREGATIONS  # at construction, on every rank, not at the first step
+        if self.config.aggregation not in AGGREGATIONS and self.config.aggregation != "allreduce_rounds":
+            raise ValueError(f"merge={self.config.aggregation!r} is not available in the TensorFlow layer "
+                             f"(it has {', '.join(AGGREGATIONS)}, allreduce_rounds); use the method's "
+                             "default merge here, or the PyTorch layer (gtopk_plugin.horovod) for this one")
         prefix = name or f"gtopk_tf_{method}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
             raise ValueError(f"name must be a Python identifier (it prefixes Horovod op names); got {prefix!r}")
