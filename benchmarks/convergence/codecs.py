@@ -325,7 +325,16 @@ def chunk_specs(chunk: int) -> List[Tuple[str, RunSpec]]:
             ("codecs", chunk_spec("glyphs", chunk, 0, merge="reduce_scatter_payloads")),
             ("codecs", chunk_spec("digits", chunk, 0)), ("codecs", chunk_spec("digits", chunk, 1)),
             ("resnet", chunk_spec("glyphs_resnet", chunk, 0)), ("resnet", chunk_spec("glyphs_resnet", chunk, 1))] + \
-        [("codecs", chunk_spec("glyphs", c, 1)) for c in CHUNK_SWEEP if c != chunk]
+        [("codecs", chunk_spec("glyphs", c, 1)) for c in CHUNK_SWEEP if c != chunk] + \
+        [("codecs", replace(codec_spec("glyphs", "onebit", None, "corr", 0), merge="reduce_scatter_payloads"))] + \
+        [("codecs", sp) for s in EXTRA_SEEDS for sp in (
+            baseline_specs("glyphs", s)[0][1], codec_spec("glyphs", "onebit", None, "corr", s),
+            chunk_spec("glyphs", chunk, s))]
+
+
+# glyphs at the budget has the widest seed spread: two more seeds of dense,
+# per-tensor and chunked onebit (the codecs group ran seeds 0 and 1)
+EXTRA_SEEDS = (2, 3)
 
 
 def chunk_main(args) -> int:
