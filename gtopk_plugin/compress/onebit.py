@@ -13,6 +13,15 @@ scaling).  Error feedback keeps ``acc − scale_s · sign(acc)`` in the
 residual, so nothing is lost: the scaled sign is a biased compressor, and
 error feedback is what makes it converge (Karimireddy et al., Theorem II).
 
+``chunk`` (hyper-parameter, default 0 = one scale per segment as above):
+with ``chunk`` > 0 each segment is cut into chunks of ``chunk`` entries
+from its own start (the last one shorter, an empty segment none) and every
+chunk gets its own float32 scale ‖acc_c‖₁/n_c (EF-signSGD's "per tensor or
+per chunk"); the sign bits are unchanged.  A payload is then ⌈N/8⌉ +
+4·Σ_s ⌈n_s/chunk⌉ bytes (``traffic.onebit_payload_bytes``), and in the
+two-phase variant below "segment" reads "chunk" throughout (a shard
+carries the scales of the chunks it overlaps).
+
 Two aggregations (``merge=``):
 
 * ``"allgather_payloads"`` (the default): payloads do not sum in encoded
