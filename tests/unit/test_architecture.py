@@ -199,3 +199,15 @@ def test_import_gtopk_plugin_pulls_no_optional_framework():
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative, no
+    packages): two tests/**/test_x.py abort the whole collection ("import
+    file mismatch") -- on a clean checkout only, once the .pyc caches differ."""
+    tests = Path(__file__).resolve().parents[1]
+    seen = {}
+    for f in sorted(tests.rglob("test_*.py")):
+        seen.setdefault(f.name, []).append(str(f.relative_to(tests)))
+    dup = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not dup, dup
