@@ -35,7 +35,7 @@ MODELS = {  # name -> layer widths of an MLP
     "mlp-1.1M": [784, 1024, 256, 10],
 }
 # Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
-COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
+COMPRESSIONS = ["none", "fp16"] + [m for m in available(builtin=True) if m != "dense"]
 # also timed with every exchange step as a Horovod collective (exchange="horovod",
 # the layer before issue #15), next to the default gloo side channel
 HOROVOD_EXCHANGE = ["topk", "gtopk"]

@@ -39,7 +39,7 @@ from .record import dump, write_json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WIDTHS = [784, 1024, 256, 10]  # mlp-1.1M of benchmarks/horovod_overhead.py
 # Horovod's own two, then every compressor in the registry ("dense" is Horovod's "none")
-COMPRESSIONS = ["none", "fp16"] + [m for m in available() if m != "dense"]
+COMPRESSIONS = ["none", "fp16"] + [m for m in available(builtin=True) if m != "dense"]
 # "<method>@horovod": the same compression with its exchanges as Horovod ops
 # (exchange="horovod", the layer's path before the gloo side channel)
 CHOICES = COMPRESSIONS + [f"{m}@horovod" for m in COMPRESSIONS[2:]]

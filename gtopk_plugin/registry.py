@@ -136,10 +136,15 @@ def get(name: str) -> type:
         raise ValueError(f"unknown method {name!r}; pass one of {', '.join(available())}") from None
 
 
-def available(kind: Optional[str] = None) -> Tuple[str, ...]:
+def available(kind: Optional[str] = None, builtin: bool = False) -> Tuple[str, ...]:
     """Registered names in registration order (``kind``: only "selector" or
-    only "codec").  For command-line ``choices=`` and docs."""
-    return tuple(n for n, c in _REGISTRY.items() if kind is None or c.kind == kind)
+    only "codec").  For command-line ``choices=`` and docs.  ``builtin=True``:
+    only the package's own compressors -- what a freshly started worker
+    process knows without importing user code (benchmarks that hand method
+    names to new processes, and tests that run after other modules
+    registered compressors into the same process, use it)."""
+    return tuple(n for n, c in _REGISTRY.items() if (kind is None or c.kind == kind)
+                 and (not builtin or c.__module__.split(".")[0] == __name__.split(".")[0]))
 
 
 def doc_line(cls: type) -> str:

@@ -349,6 +349,20 @@ def test_user_methods_gone_after_unregister(user_methods):
     register("strided_user", StridedK)  # for the fixture's teardown
 
 
+def test_builtin_lists_only_the_package_compressors(user_methods):
+    """available(builtin=True) is what a fresh worker process knows: the
+    user compressors registered in this process are in available() but not
+    in it (benchmarks hand these names to new processes)."""
+    from gtopk_plugin import registry
+
+    assert "strided_user" in registry.available()
+    own = registry.available(builtin=True)
+    assert "strided_user" not in own and "fp16_user" not in own
+    assert {"dense", "topk", "gtopk", "rtopk", "randomk", "threshold", "onebit", "qsgd", "powersgd"} <= set(own)
+    assert registry.available("codec", builtin=True) == tuple(
+        n for n in own if registry.get(n).kind == "codec")
+
+
 def test_register_rejects_bad_names_and_clashes():
     with pytest.raises(ValueError, match="identifier"):
         register("not a name", StridedK)
