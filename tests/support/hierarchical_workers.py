@@ -7,6 +7,7 @@ Gradients are multiples of 1/8 in [-8, 8]: every sum over ranks and steps is
 exact in float32 whatever the order, so the engine's allreduce order inside
 a node cannot change a bit and the oracle's results are the bits to expect.
 """
+import functools
 import io
 
 import torch
@@ -181,29 +182,9 @@ def _ddp(rank, steps=3):
     """SparseState(hierarchical=True) against HierarchicalReducer on an
     undistributed copy of the model: the same bits (bucket by bucket vs
     one call; granularity 'layer')."""
-    import copy
+    from ddp_vs_reducer import hook_vs_reducer
 
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
-    ref = copy.deepcopy(model)
-    kw = dict(method="gtopk", density=0.1)
-    state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), hierarchical=True,
-                                     local_size=2, **kw)
-    ddp = DDP(model, bucket_cap_mb=0.002)
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
-    reducer = HierarchicalReducer(local_size=2, **kw)
-    diffs = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
-        ddp.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        ref.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        want = reducer.reduce({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
-        diffs.append(max(float((got[n] - want[n]).abs().max()) for n in got))
+    state, _, diffs = hook_vs_reducer(
+        rank, steps, hidden=(40,), reducer_cls=functools.partial(HierarchicalReducer, local_size=2),
+        state_kw=dict(hierarchical=True, local_size=2), method="gtopk", density=0.1)
     return dict(diffs=diffs, traffic=state.last_step_traffic, step=state.step)
