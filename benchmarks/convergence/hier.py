@@ -35,8 +35,6 @@ the leaders' ``inter_bytes_sent`` counters.
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -93,63 +91,20 @@ class HierReduction:
         numel = sum(self.sizes.values())
         return upd, sim.bytes_per_worker(cfg.aggregation, self.nodes, numel, k_total)
 
+    def info(self) -> dict:
+        return {}
+
+    def close(self):
+        pass
+
 
 def run(task, spec: sim.RunSpec, nodes: int, keep_params: bool = False) -> dict:
     """Train one hierarchical configuration (``spec.workers`` workers in
-    ``nodes`` nodes): :func:`sim.run`'s loop with :class:`HierReduction`
-    (the same batches, shards, optimizer, schedule and evaluation)."""
-    steps, lr, batch_size = sim.resolved(task, spec)
-    P = spec.workers
-    model = sim.initial_model(task, spec.seed)
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    sizes = {n: p.numel() for n, p in zip(names, params)}
-    kw = sim.reducer_kwargs(spec, steps, sim.steps_per_epoch(task, batch_size))
-    reduction = HierReduction(P, nodes, kw, names, sizes)
-    opt = sim.make_optimizer(spec, params, lr)
-    buffers = sim.Rank0Buffers(model)
-    hist = {"step": [], "metric": [], "eval_loss": []}
-    train_loss, step_bytes = [], []
-    t0, c0 = time.perf_counter(), time.process_time()
-
-    def record(step):
-        ev = task.evaluate(model)
-        hist["step"].append(step)
-        hist["metric"].append(ev[task.metric])
-        hist["eval_loss"].append(ev["loss"])
-
-    record(0)
-    diverged = False
-    for step in range(steps):
-        batch = task.batch_indices(spec.seed, step, batch_size)
-        grads, losses = [], []
-        for r in range(P):
-            loss, g = sim.worker_gradients(task, model, params, batch, r, P)
-            buffers.after(r, P)
-            losses.append(loss.item())
-            grads.append(dict(zip(names, g)))
-        train_loss.append(sum(losses) / P)
-        if not all(math.isfinite(x) for x in losses):
-            diverged = True
-            break
-        upd, sent = reduction(grads, step)
-        step_bytes.append(sent)
-        for n, p in zip(names, params):
-            p.grad = upd[n]
-        for g in opt.param_groups:
-            g["lr"] = sim.lr_at(spec, lr, step, steps)
-        opt.step()
-        if (step + 1) % task.eval_every == 0 or step + 1 == steps:
-            record(step + 1)
-    final = hist["metric"][-1] if not diverged else 0.0
-    out = {"spec": spec.as_dict(), "nodes": nodes, "task": task.name, "metric": task.metric, "steps": steps,
-           "history": hist, "train_loss": train_loss, "final": final,
-           "initial_eval_loss": hist["eval_loss"][0], "final_eval_loss": hist["eval_loss"][-1],
-           "bytes_per_step": sum(step_bytes) / max(1, len(step_bytes)), "diverged": diverged,
-           "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
-    if keep_params:
-        out["params"] = torch.cat([p.detach().reshape(-1) for p in params])
-        out["bytes_per_step_curve"] = step_bytes
+    ``nodes`` nodes): :func:`sim.run` with :class:`HierReduction` (the same
+    batches, shards, optimizer, schedule and evaluation)."""
+    out = sim.run(task, spec, keep_params=keep_params,
+                  reduction=lambda P, kw, names, sizes: HierReduction(P, nodes, kw, names, sizes))
+    out["nodes"] = nodes
     return out
 
 

@@ -339,11 +339,15 @@ def optimizer_momentum(spec: RunSpec) -> float:
     return 0.0
 
 
-def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> dict:
+def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False, reduction=None) -> dict:
     """Train one configuration; return its history and summary.
 
     ``progress``: optional callable(n) called after each step (a tqdm bar's
-    ``update``).  ``keep_params``: also return the final weights (flat)."""
+    ``update``).  ``keep_params``: also return the final weights (flat).
+    ``reduction``: a factory ``(P, reducer kwargs, names, sizes)`` -> an
+    object like :class:`OracleReduction` (``__call__(grads, step)``,
+    ``info()``, ``close()``); default: the oracle, or the threads for a
+    codec (the hierarchical study passes its node-sum reduction)."""
     steps, lr, batch_size = resolved(task, spec)
     P = spec.workers
     model = initial_model(task, spec.seed)
@@ -352,7 +356,9 @@ def run(task: Task, spec: RunSpec, progress=None, keep_params: bool = False) -> 
     sizes = {n: p.numel() for n, p in zip(names, params)}
     numel = sum(sizes.values())
     kw = reducer_kwargs(spec, steps, steps_per_epoch(task, batch_size))
-    reduction = (ThreadedReduction if is_codec(spec.method) else OracleReduction)(P, kw, names, sizes)
+    if reduction is None:
+        reduction = ThreadedReduction if is_codec(spec.method) else OracleReduction
+    reduction = reduction(P, kw, names, sizes)
     opt = make_optimizer(spec, params, lr)
     buffers = Rank0Buffers(model)
 
