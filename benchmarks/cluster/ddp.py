@@ -41,6 +41,7 @@ import statistics
 import time
 
 from . import harness
+from .netns import tx_bytes
 
 #: (row name, kind, hook spec); kind "torch", "ours" or "floor" (a hook that
 #: returns the local gradients unreduced: the same step without any
@@ -80,19 +81,6 @@ def mlp(widths):
 # ---------------------------------------------------------------------------
 # worker side
 # ---------------------------------------------------------------------------
-def _tx_bytes(iface):
-    """This network namespace's transmit counter of ``iface`` (None on loopback,
-    whose counter every worker shares)."""
-    if iface == "lo":
-        return None
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == iface:
-                return int(rest.split()[8])
-    return None
-
-
 class _AllreduceCounter:
     """Counts the bytes PyTorch's Python hooks hand to ``dist.all_reduce``
     (the hooks look the function up on the module at call time)."""
@@ -178,7 +166,7 @@ def _step(ctx, row, batch, P, iface, counter):
     before = tr.counters.copy() if tr is not None else None
     counter.nbytes, counter.buckets, counter.phases = 0, 0, {}
     ctx.barrier()
-    tx0 = _tx_bytes(iface)
+    tx0 = tx_bytes(iface)
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=False)
     loss = F.cross_entropy(ddp(batch[0]), batch[1])
@@ -186,7 +174,7 @@ def _step(ctx, row, batch, P, iface, counter):
     opt.step()
     dt = time.perf_counter() - t0
     ctx.barrier()
-    tx1 = _tx_bytes(iface)
+    tx1 = tx_bytes(iface)
     if state is not None:
         acct = int(state.last_step_traffic["bytes_sent"])
         d = tr.counters.copy().minus(before)

@@ -102,6 +102,20 @@ def netem_available() -> Tuple[bool, str]:
         _run(["ip", "netns", "del", probe], check=False)
 
 
+def tx_bytes(iface: str) -> Optional[int]:
+    """Bytes sent on ``iface`` so far, from this process's network namespace
+    (``/proc/net/dev``); ``None`` on loopback, whose counter every process
+    of the machine shares, or for an unknown interface."""
+    if iface == "lo":
+        return None
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface:
+                return int(rest.split()[8])
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped by its parent, is not)."""
     try:

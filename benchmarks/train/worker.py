@@ -44,22 +44,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..cluster.netns import tx_bytes
 from . import workloads
 
 DENSE = ("dense", "dense-fp16")
-
-
-def _tx_bytes(iface):
-    """Bytes this namespace sent on ``iface`` so far (None on loopback,
-    whose counter every process shares)."""
-    if iface == "lo":
-        return None
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == iface:
-                return int(rest.split()[8])
-    return None
 
 
 def _warmup(p):
@@ -229,11 +217,11 @@ def train(ctx, p):
     for s in range(steps):
         idx = torch.tensor_split(_batch(p["seed"], s, len(y), gb), P)[rank]
         xb, yb = x[idx], y[idx]
-        tx0 = _tx_bytes(p["iface"])
+        tx0 = tx_bytes(p["iface"])
         t0 = time.perf_counter()
         loss = eng.step(xb, yb)
         dt = time.perf_counter() - t0
-        tx1 = _tx_bytes(p["iface"])
+        tx1 = tx_bytes(p["iface"])
         lr_sched.step()
         out["times"].append(dt)
         out["losses"].append(loss)
