@@ -251,13 +251,17 @@ class GradientReducer(ReducerState):
                                rank=self.transport.rank, kernels=cfg.kernels,
                                shapes=[tuple(t.shape) for t in tensors])
         payload = None
-        if self.codec:  # its payload as decoded (rounds codecs: filled by the aggregation)
+        # a codec's dense warm-up step (start_iter): the dense method's path
+        warm = self.codec and self.compressor.dense_at(self.step)
+        aggregation = "dense" if warm else self.aggregation
+        if self.codec and not warm:  # its payload as decoded (rounds codecs: filled by the aggregation)
             payload, vals = codec_contribution(self.compressor, acc, offsets, numel, dtype, ctx)
             if self.aggregation == _payloads.NAME:  # the codec's shards and server residual
                 _payloads.bind(payload, self.compressor, seg_names)
             idx, wire_vals = None, vals
         else:
-            idx, vals = picked if picked is not None else self.compressor.select(acc, offsets, k, ctx)
+            idx, vals = (None, acc) if warm else picked if picked is not None else \
+                self.compressor.select(acc, offsets, k, ctx)
             draws = None if cfg.wire_rounding == "nearest" else wire.Draws(cfg.seed, self.step, seg_names[0])
             if hasattr(self._aggregation, "draws"):  # aggregations that re-round sums (int8 wire)
                 self._aggregation.draws = draws
@@ -269,8 +273,8 @@ class GradientReducer(ReducerState):
         t2 = time.perf_counter()
         # a dense sum in the gradients' dtype goes straight into the update ring
         out_buf = self._updates.take((tuple(names), dtype, acc.device), numel, dtype, acc.device, None)[0] \
-            if self.aggregation == "dense" and wire_vals.dtype == dtype else None
-        agg = self._aggregation(Selection(
+            if aggregation == "dense" and wire_vals.dtype == dtype else None
+        agg = (collectives.get("dense") if warm else self._aggregation)(Selection(
             idx=idx, vals=wire_vals, numel=numel, offsets=offsets, k=k,
             idx_dtype=kernels.index_dtype(numel), sum_dtype=dtype,
             static_count=self.compressor.exact_count, kernels=cfg.kernels, payload=payload, out=out_buf),
@@ -288,7 +292,7 @@ class GradientReducer(ReducerState):
             idx, wire_reached = idx[agg.reached], sent_vals[agg.reached]
         else:
             wire_reached = sent_vals
-        exact = not self.codec and wire_vals.dtype == dtype
+        exact = (warm or not self.codec) and wire_vals.dtype == dtype
         self.memory.commit_step(flatres, acc, idx, wire_reached, exact, agg.residual_add, cfg.kernels)
         if self.momentum.enabled and idx is not None:
             # momentum factor masking: the velocity restarts where v was sent.
@@ -301,7 +305,7 @@ class GradientReducer(ReducerState):
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
         self.last_stats = ReduceStats.from_counters(
-            self.transport.counters.copy().minus(before), method=cfg.method, aggregation=self.aggregation,
+            self.transport.counters.copy().minus(before), method=cfg.method, aggregation=aggregation,
             step=self.step, world_size=P, numel=numel, k=int(k.sum()), density=density, selected=selected,
             result_nnz=int(nnz), sent_entries=sent, rounds=agg.rounds, seconds=seconds, dtype=dtype)
         if advance_step:

@@ -182,9 +182,27 @@ class Selector(Compressor):
         raise NotImplementedError
 
 
+# A dense warm-up for codecs (issue #17): the first ``start_iter`` steps
+# are a plain dense allreduce of the accumulator (no compression, so the
+# residual becomes zero), as torch's ``powerSGD_hook`` does before
+# ``start_powerSGD_iter`` and 1-bit Adam (Tang et al. 2021, arXiv
+# 2102.02888, §4) before it freezes the variance: an error-feedback
+# quantizer started on a random network's gradients lags dense for the
+# rest of a short run (docs/convergence.md, codecs group).  Declared by
+# every codec; ``Codec.dense_at`` is the one rule the layers read.
+START_ITER = HyperParam("start_iter", 0, "dense allreduce before this step (warm-up; "
+                        "torch: start_powerSGD_iter)", int, low=0)
+
+
 class Codec(Compressor):
     """A compressor that encodes the whole accumulator into payload tensors
     that decode to a dense approximation (quantizers, sketches, low rank).
+
+    ``start_iter`` (:data:`START_ITER`, declared by every built-in codec):
+    steps ``0 .. start_iter − 1`` are a dense allreduce of the accumulator
+    instead (:meth:`dense_at`); the layers route them to the dense
+    aggregation, so they cost what a dense step costs and leave no
+    residual.
 
     ``encode`` must be deterministic given (acc, ctx) and the payload's
     shapes/dtypes must depend only on (offsets, acc.dtype); ``decode`` must
@@ -198,6 +216,11 @@ class Codec(Compressor):
     uses_density = False
     exact_count = True
     shared_indices = False
+
+    def dense_at(self, step: int) -> bool:
+        """Whether training step ``step`` is a dense warm-up step (before
+        ``start_iter``; a codec that does not declare it has none)."""
+        return int(step) < getattr(self, "start_iter", 0)
 
     def encode(self, acc: Tensor, offsets: Tensor, ctx: SelectionContext) -> List[Tensor]:
         raise NotImplementedError

@@ -61,7 +61,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from .bits import pack_bits
-from .base import Codec, HyperParam
+from .base import START_ITER, Codec, HyperParam
 from .registry import register
 
 Tensor = torch.Tensor
@@ -151,6 +151,7 @@ class OneBitCodec(Codec):
         HyperParam("chunk", 0, "entries per scale: each segment cut into chunks of this many entries "
                    "from its start (the last shorter), one float32 scale each; 0: one per segment",
                    int, low=0),
+        START_ITER,
     )
 
     def __init__(self, **hyper):

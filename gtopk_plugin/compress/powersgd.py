@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import Codec, HyperParam, seeded_generator
+from .base import START_ITER, Codec, HyperParam, seeded_generator
 from .registry import register
 
 Tensor = torch.Tensor
@@ -90,8 +90,7 @@ class PowerSGDCodec(Codec):
                    int, low=1),
         HyperParam("min_compression_rate", 2.0, "compress an n x m matrix only if (n+m)·r·rate < n·m",
                    float, low=0.0),
-        HyperParam("start_iter", 0, "dense allreduce before this step (torch: start_powerSGD_iter)",
-                   int, low=0),
+        START_ITER,
         HyperParam("warm_start", True, "reuse last step's Q (else a fresh draw every step)", bool),
         HyperParam("epsilon", 0.0, "added to column norms when orthonormalizing", float, low=0.0),
     )
@@ -114,7 +113,7 @@ class PowerSGDCodec(Codec):
 
     def rounds(self, acc: Tensor, offsets: Tensor, ctx, world_size: int):
         o = offsets.tolist()
-        if ctx.step < self.start_iter:
+        if self.dense_at(ctx.step):
             total = yield acc.clone()
             return total, acc
         shapes = ctx.shapes

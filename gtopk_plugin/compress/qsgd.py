@@ -53,7 +53,7 @@ from typing import List, Sequence
 
 import torch
 
-from .base import Codec, HyperParam, seeded_generator
+from .base import START_ITER, Codec, HyperParam, seeded_generator
 from .bits import pack_bits, unpack_bits
 from .registry import register
 
@@ -194,6 +194,7 @@ class QSGDCodec(Codec):
         HyperParam("levels", 7, "quantization levels s per sign (codes -s..s in ceil(log2(2s+1)) bits)",
                    int, low=1, high=32767),
         HyperParam("bucket_size", 32, "entries per bucket (one float32 norm each)", int, low=1),
+        START_ITER,
     )
 
     def _layout(self, offsets: Tensor, device) -> _Layout:

@@ -128,3 +128,31 @@ def test_dense_below_sends_small_tensors_dense_and_conserves_mass():
             # the small part's ring allreduce is counted in full, the rest is sparse
             assert t["bytes_sent"] >= 2 * (P - 1) * small_numel * 4 // P
             assert t["bytes_sent"] < 2 * (P - 1) * (big + small_numel) * 4 // P
+
+
+@pytest.mark.timeout(400)
+def test_codec_dense_warmup_start_iter():
+    # Compression.onebit(start_iter=2), op=Sum: steps 0 and 1 are a dense
+    # allreduce (the plain sum, no residual, a ring allreduce's bytes), step
+    # 2 is onebit (fewer bytes, a residual); mass conserved over the run.
+    runs = [ok(res, "onebit_warm") for res in results()]
+    assert "start_iter=2" in runs[0]["repr"]
+    names = sorted(runs[0]["raw"][0])
+    for s in range(2):
+        for n in names:  # the plain sum of the ranks' gradients (ring order: fp32 tolerance)
+            want = sum(run["raw"][s][n].double() for run in runs)
+            assert torch.allclose(runs[0]["out"][s][n].double(), want, rtol=1e-6, atol=1e-7), (s, n)
+        for run in runs:
+            t = run["traffic"][s]
+            assert abs(t["bytes_sent"] - t["dense_bytes"]) <= 2 * (P - 1) * 4, t
+    for run in runs:
+        t = run["traffic"][2]
+        assert 0 < t["bytes_sent"] < t["dense_bytes"] / 8
+        for s in range(3):
+            for n in names:
+                assert torch.equal(run["out"][s][n], runs[0]["out"][s][n])
+    assert any(run["residuals"][n].abs().max().item() > 0 for run in runs for n in names)
+    grads = sum(flat(run["raw"][s]) for run in runs for s in range(3))
+    outs = sum(flat(runs[0]["out"][s]) for s in range(3))
+    resid = sum(flat(run["residuals"]) for run in runs)
+    assert (grads - outs - resid).abs().max().item() < 1e-4, "mass not conserved"

@@ -68,6 +68,8 @@ def run(comp):
 def main():
     res = {"rank": R, "size": P}
     for key, comp in (("onebit", Compression.onebit()), ("half_user", Compression.half_user()),
+                      # steps 0, 1: the dense warm-up; step 2: onebit
+                      ("onebit_warm", Compression.onebit(start_iter=2)),
                       ("none", Compression.none),
                       # the biases (10 and 3 entries) go dense, the weights gTop-k
                       ("gtopk_dense_below", Compression.gtopk(0.1, dense_below=12))):

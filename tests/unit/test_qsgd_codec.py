@@ -116,7 +116,7 @@ def test_hyperparameters_validated():
         gp.GradientReducer(method="qsgd", value_dtype=torch.float16, transport=SingleProcessTransport())
     d = gp.compress.describe("qsgd")
     assert d["kind"] == "codec" and d["aggregation"] == "allgather_payloads" and not d["uses_density"]
-    assert [p["name"] for p in d["hyperparams"]] == ["levels", "bucket_size"]
+    assert [p["name"] for p in d["hyperparams"]] == ["levels", "bucket_size", "start_iter"]
 
 
 def _grads(t):
@@ -171,7 +171,7 @@ def test_compression_qsgd_generated():
     assert _Namespace.qsgd(levels=15, bucket_size=128) == \
         ("sparse", "qsgd", 1.0, {"levels": 15, "bucket_size": 128})
     assert _Namespace.from_name("qsgd") == ("sparse", "qsgd", 1.0, {})
-    assert signature("qsgd") == "qsgd(levels=7, bucket_size=32)"
+    assert signature("qsgd") == "qsgd(levels=7, bucket_size=32, start_iter=0)"
     with pytest.raises(ValueError, match="levels must be"):
         _Namespace.qsgd(levels=-1)
     with pytest.raises(TypeError, match="takes no density"):
