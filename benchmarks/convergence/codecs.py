@@ -37,8 +37,10 @@ from .sim import RunSpec
 
 TASKS = ("digits", "glyphs")
 CODECS = (("onebit", None), ("powersgd", 4), ("qsgd", None))
-MODES = ("corr", "opt")
-MODE_TEXT = {"corr": "library momentum correction (velocity through error feedback)",
+MODES = ("warm", "corr", "opt")
+MODE_TEXT = {"warm": "library momentum correction and a dense warm-up over the recipe's warm-up epochs "
+                     "(start_iter)",
+             "corr": "library momentum correction (velocity through error feedback)",
              "opt": "momentum in the optimizer, on the decoded update"}
 WORKERS = 4
 LONG_STEPS = 1400  # glyphs, 15 epochs: the momentum group's long budget
@@ -49,7 +51,8 @@ def codec_spec(task: str, method: str, rank: Optional[int], mode: str, seed: int
     b = mom.BUDGET[task]
     return RunSpec(task=task, method=method, rank=rank, workers=WORKERS, seed=seed,
                    steps=steps or b["steps"], lr=b["lr"], lr_schedule="cosine",
-                   momentum=mom.MOMENTUM, momentum_mode=mode)
+                   momentum=mom.MOMENTUM, momentum_mode="corr" if mode == "warm" else mode,
+                   codec_warmup_epochs=b["warmup_epochs"] if mode == "warm" else 0.0)
 
 
 def baseline_specs(task: str, seed: int, steps: Optional[int] = None) -> List[Tuple[str, RunSpec]]:
@@ -85,14 +88,16 @@ def grid(seeds: Sequence[int] = (0, 1), tasks: Sequence[str] = TASKS, resnet: bo
         for s in seeds:
             out.append(("long", baseline_specs("glyphs", s, LONG_STEPS)[0][1]))
             for m, r in CODECS[:2]:
-                out.append(("long", codec_spec("glyphs", m, r, "corr", s, LONG_STEPS)))
+                for mode in ("warm", "corr"):
+                    out.append(("long", codec_spec("glyphs", m, r, mode, s, LONG_STEPS)))
             out.append(("long", baseline_specs("glyphs", s, LONG_STEPS)[1][1]))
     if resnet:
         t = "glyphs_resnet"
         for s in seeds:
             out.append(("resnet", baseline_specs(t, s, steps.get(t))[0][1]))
             for m, r in CODECS[:2]:
-                out.append(("resnet", codec_spec(t, m, r, "corr", s, steps.get(t))))
+                for mode in ("warm", "corr"):
+                    out.append(("resnet", codec_spec(t, m, r, mode, s, steps.get(t))))
             out.append(("resnet", baseline_specs(t, s, steps.get(t))[1][1]))
     # the other momentum mode where budget allows (last: the recommendation per family)
     for s in seeds:
@@ -119,7 +124,7 @@ def variant(s: RunSpec) -> str:
         return "dense"
     if s.method in ("gtopk", "topk"):
         return "recipe"
-    return s.momentum_mode
+    return "warm" if s.codec_warmup_epochs else s.momentum_mode
 
 
 def config_key(s: RunSpec) -> RunSpec:
@@ -185,6 +190,8 @@ GLOO_STEPS = 20
 
 def gloo_specs() -> List[RunSpec]:
     return [codec_spec("digits", "onebit", None, "corr", 0, GLOO_STEPS),
+            # the dense warm-up (start_iter = 2) and the switch to onebit
+            replace(codec_spec("digits", "onebit", None, "warm", 0, GLOO_STEPS), codec_warmup_epochs=0.1),
             codec_spec("digits", "powersgd", 4, "opt", 0, GLOO_STEPS)]
 
 
@@ -197,7 +204,7 @@ def gloo_check() -> List[dict]:
     out = []
     for s in gloo_specs():
         c = gloo.compare(sim.run(study._task(s.task), s, keep_params=True), gloo.run(s))
-        out.append({"config": f"{s.task} {s.label} P={s.workers} {MODE_TEXT[s.momentum_mode]}, "
+        out.append({"config": f"{s.task} {s.label} P={s.workers} {MODE_TEXT[variant(s)]}, "
                               f"{s.lr_schedule} lr, {s.steps} steps",
                     "params_bitwise_equal": c["params_bitwise_equal"],
                     "params_max_abs_diff": c["params_max_abs_diff"],

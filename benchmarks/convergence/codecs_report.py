@@ -11,6 +11,9 @@ from .report import fmt, fmt_bytes, _table
 
 GOAL_PP = 2.0          # issue 17: onebit and powersgd(r=4) within 2 pp of dense
 TARGETS_PP = (2.0, 5.0)  # bytes-to-accuracy targets: dense's final mean minus these
+MODES = ("warm", "corr", "opt")
+MODE_NAMES = {"dense": "optimizer", "recipe": "recipe (corr. + masking + warm-up)",
+              "warm": "correction + dense warm-up", "corr": "correction", "opt": "in optimizer"}
 
 
 def summarize(grid, results: Dict) -> List[dict]:
@@ -19,7 +22,8 @@ def summarize(grid, results: Dict) -> List[dict]:
     rows = report.summarize(grid, results)
     for r in rows:
         r["mode"] = ("dense" if r["method"] == "dense" else
-                     "recipe" if r["momentum_mode"] == "dgc" else r["momentum_mode"])
+                     "recipe" if r["momentum_mode"] == "dgc" else
+                     "warm" if r.get("codec_warmup_epochs") else r["momentum_mode"])
     return rows
 
 
@@ -47,7 +51,7 @@ def find(rows, task, label, mode=None, density=None, group=None) -> Optional[dic
 
 
 def goals(rows: List[dict]) -> List[dict]:
-    """onebit and powersgd(r=4) vs dense, both momentum modes, per task:
+    """onebit and powersgd(r=4) vs dense, every codec mode, per task:
     gap of the seed means (pp), the seeds' values, holds iff gap ≤ 2 pp."""
     out = []
     for group, task in panels(rows):
@@ -55,7 +59,7 @@ def goals(rows: List[dict]) -> List[dict]:
         if not dense:
             continue
         for label in ("onebit", "powersgd(r=4)", "qsgd"):
-            for mode in ("corr", "opt"):
+            for mode in MODES:
                 r = find(rows, task, label, mode, group=group)
                 if not r:
                     continue
@@ -154,7 +158,7 @@ def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[d
     parts.append(_table(
         ["task", "steps", "method", "momentum", "dense (per seed)", "codec (per seed)", "codec mean ± std", "gap",
          "bytes vs dense", "within 2 pp"],
-        [[g["task"], str(g["steps"]), g["method"], "correction" if g["mode"] == "corr" else "in optimizer",
+        [[g["task"], str(g["steps"]), g["method"], MODE_NAMES[g["mode"]],
           f"{100 * statistics.fmean(g['dense_values']):.1f} ({_vals('accuracy', {'values': g['dense_values']})})",
           _vals("accuracy", {"values": g["codec_values"]}),
           f"{100 * g['codec']:.1f} ± {100 * g['codec_std']:.1f}", f"{g['gap_pp']:+.1f} pp",
@@ -173,8 +177,7 @@ def markdown(rows: List[dict], goal: List[dict], b2a: List[dict], timing: List[d
         dense = find(rows, task, "dense", group=group)
         body = []
         for r in tr:
-            cells = [name(r), {"dense": "optimizer", "recipe": "recipe (corr. + masking + warm-up)",
-                               "corr": "correction", "opt": "in optimizer"}.get(r["mode"], r["mode"]),
+            cells = [name(r), MODE_NAMES.get(r["mode"], r["mode"]),
                      fmt(metric, r["final"]),
                      fmt_bytes(r["bytes_per_step"]),
                      f"{100 * r['bytes_per_step'] / dense['bytes_per_step']:.1f}%" if dense else "–"]
@@ -223,8 +226,8 @@ def plot(rows: List[dict], path: str) -> Optional[str]:
         for r in tr:
             c = r["curve"]
             ys = [100 * m for m in c["mean"]]
-            ls = "--" if r["mode"] == "opt" else "-"
-            lab = f"{name(r)}{' (opt)' if r['mode'] == 'opt' else ''}"
+            ls = {"opt": "--", "warm": ":"}.get(r["mode"], "-")
+            lab = f"{name(r)}{ {'opt': ' (opt)', 'warm': ' (warm-up)'}.get(r['mode'], '')}"
             row[0].plot(c["step"], ys, color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)
             xb = [max(b, 1.0) / 1e6 for b in c["bytes"]]
             row[1].plot(xb[1:], ys[1:], color=colors.get(name(r)), ls=ls, lw=1.2, label=lab)

@@ -47,6 +47,7 @@ def summarize(grid, results: Dict[RunSpec, dict]) -> List[dict]:
                "method": cfg.method, "r_factor": cfg.r_factor, "density": cfg.density,
                "workers": cfg.workers, "error_feedback": cfg.error_feedback, "warmup": cfg.warmup,
                "momentum": cfg.momentum, "momentum_mode": cfg.momentum_mode, "lr": r0["lr"],
+               "codec_warmup_epochs": cfg.codec_warmup_epochs,
                "steps": r0["steps"], "batch_size": r0["batch_size"], "seeds": [s.seed for s in specs],
                "final": _agg([r["final"] for r in rs]),
                "final_eval_loss": _agg([r["final_eval_loss"] for r in rs]),

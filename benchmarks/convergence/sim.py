@@ -97,6 +97,7 @@ class RunSpec:
     rank: Optional[int] = None        # powersgd's approximation rank (None: the codec's default)
     chunk: Optional[int] = None       # onebit's entries per scale (None: the codec's default, per tensor)
     merge: Optional[str] = None       # the aggregation (None: the method's default)
+    codec_warmup_epochs: float = 0.0  # codecs: dense steps over these epochs (library's start_iter)
 
     def __post_init__(self):
         if self.momentum_mode not in MOMENTUM_MODES:
@@ -164,8 +165,11 @@ def reducer_kwargs(spec: RunSpec, steps: int, steps_per_epoch: Optional[int] = N
     if spec.merge is not None:
         kw["merge"] = spec.merge
     if spec.method != "dense":
-        if is_codec(spec.method):
-            pass  # no density, so no density warm-up
+        if is_codec(spec.method):  # no density, so no density warm-up; a dense one instead
+            if spec.codec_warmup_epochs > 0:
+                if steps_per_epoch is None:
+                    raise ValueError("codec_warmup_epochs needs steps_per_epoch")
+                kw["start_iter"] = int(round(spec.codec_warmup_epochs * steps_per_epoch))
         elif spec.warmup:
             kw["warmup"] = warmup_schedule(steps)
         elif spec.warmup_epochs > 0:

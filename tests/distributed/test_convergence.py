@@ -204,17 +204,19 @@ def test_codecs_group_quick(codecs_quick):
     from benchmarks.convergence import tasks
 
     path, res = codecs_quick
-    rows = {(r["label"], r["momentum_mode"]): r for r in res["summary"]}
+    rows = {(r["label"], r["mode"]): r for r in res["summary"]}
     for label in ("onebit", "powersgd(r=4)", "qsgd"):
-        for mode in ("corr", "opt"):
+        for mode in ("warm", "corr", "opt"):
             assert (label, mode) in rows, (label, mode)
     for r in res["summary"]:
         assert not r["diverged"] and r["total_bytes"] > 0, r["label"]
     params = list(tasks.get("digits").build_model().parameters())
     n = sum(p.numel() for p in params)
     assert rows[("onebit", "corr")]["bytes_per_step"] == 3 * (-(-n // 8) + 4 * len(params))
-    dense = rows[("dense", "opt")]["bytes_per_step"]
+    dense = rows[("dense", "dense")]["bytes_per_step"]
     assert rows[("powersgd(r=4)", "corr")]["bytes_per_step"] < 0.2 * dense
+    for label in ("onebit", "powersgd(r=4)", "qsgd"):  # 6 steps inside the dense warm-up
+        assert rows[(label, "warm")]["bytes_per_step"] == dense
     assert {(g["method"], g["mode"]) for g in res["goals"]} >= {("onebit", "corr"), ("powersgd(r=4)", "corr")}
     assert res["bytes_to_accuracy"]
     assert os.path.getsize(str(path).replace(".json", ".png")) > 0
