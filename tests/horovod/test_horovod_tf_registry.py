@@ -13,6 +13,13 @@ residual_r = acc_r − decode(encode(acc_r)), as
 collectives/payloads.PayloadAllGather and error feedback compute it); mass
 conservation; bytes as the PyTorch transport counts them ((P−1)·payload
 each way for the payload allgather, no headers).
+
+The codecs' dense warm-up (``start_iter=2``: onebit eagerly and traced,
+qsgd traced; frameworks/horovod_tf/warmup.py) against the torch
+``GradientReducer`` with the same settings on the same gradients in the
+same job, bit for bit on every rank and step (both sum the warm-up steps
+with the same ``ProcessGroupGloo`` allreduce); warm-up steps are the plain
+sum with a zero residual and a dense step's bytes, later steps the codec's.
 """
 import os
 import pickle
@@ -130,3 +137,52 @@ def test_merge_the_layer_lacks_is_refused_at_construction():
         SparseCompression("onebit", merge="reduce_scatter_payloads")
     for method, kw in (("onebit", {}), ("powersgd", {"rank": 2}), ("gtopk", {})):
         SparseCompression(method, **kw)
+
+
+WARM_FIELDS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sent", "header_bytes_received",
+               "control_bytes", "messages_sent", "numel", "k", "sent_entries", "rounds", "dense_bytes")
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", ["onebit_warm", "onebit_warm_graph", "qsgd_warm_graph"])
+def test_codec_dense_warmup_start_iter_equals_the_torch_reducer(name):
+    """Steps 0 and 1 (before start_iter=2) are the dense method's step: the
+    sum over the ranks (float64 sum to fp32 tolerance; the torch reducer's
+    bits), residual zero, the ring allreduce's bytes (= dense_bytes), 2(P−1)
+    rounds; steps 2 and 3 the codec's payload allgather with a residual.
+    Every step: the torch reducer's bits and statistics, the same bits on
+    every rank; final residuals the reducer's; mass conserved."""
+    runs = [ok(res, name) for res in results()]
+    assert "'start_iter': 2" in runs[0]["repr"], runs[0]["repr"]
+    steps, N = len(runs[0]["tf"]), sum(a.size for a in runs[0]["raw"][0])
+    assert steps == 4
+    for s in range(steps):
+        warm = s < 2
+        if warm:  # op=Sum: the plain sum of the ranks' gradients (gloo's order: fp32 tolerance)
+            want = sum(_flat(run["raw"][s]).astype(np.float64) for run in runs)
+            assert np.allclose(_flat(runs[0]["tf"][s]), want, rtol=1e-6, atol=1e-6), (name, s)
+        for r, run in enumerate(runs):
+            for i, (a, b) in enumerate(zip(run["tf"][s], run["torch"][s])):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert a.tobytes() == b.tobytes(), (
+                    f"{name} rank {r} step {s} tensor {i}: TF differs from the torch reducer "
+                    f"(max |diff| {np.abs(a.astype(np.float64) - b).max():.3g})")
+                assert a.tobytes() == runs[0]["tf"][s][i].tobytes(), f"{name} rank {r} step {s}: ranks disagree"
+            t, ts = run["traffic"][s], run["torch_stats"][s]
+            for key in WARM_FIELDS:
+                assert t[key] == ts[key], (name, s, key, t[key], ts[key])
+            resid = _flat([run["residuals"][s][k] for k in sorted(run["residuals"][s])])
+            assert t["numel"] == t["sent_entries"] == N and t["header_bytes_sent"] == 0
+            if warm:
+                assert ts["aggregation"] == "dense" and not resid.any(), (name, s)
+                ring = 2 * (P - 1) * 4 * N // P
+                assert t["payload_bytes_sent"] == t["payload_bytes_received"] == ring == t["dense_bytes"], t
+                assert t["messages_sent"] == t["rounds"] == 2 * (P - 1), t
+            else:
+                assert ts["aggregation"] == "allgather_payloads" and resid.any(), (name, s)
+                assert 0 < t["payload_bytes_sent"] < t["dense_bytes"] / 2 and t["rounds"] == P - 1, t
+    for r, run in enumerate(runs):
+        last = run["residuals"][-1]
+        for key, a in last.items():
+            assert a.tobytes() == run["torch_residuals"]["t" + key[1:]].tobytes(), f"{name} rank {r} residual {key}"
+    _check_mass([{"raw": run["raw"], "out": run["tf"], "residuals": run["residuals"][-1]} for run in runs])

@@ -14,7 +14,9 @@ From the core, not re-derived: segments and k (``layout.segment_ks``,
 ``ReducerConfig.density_at``), the consistency fingerprint
 (``consistency.describe_layout`` / ``fingerprint``), the butterfly schedule
 (``collectives/schedule.py``), the traffic record (``traffic.StepTraffic``)
-and the selection itself (the compressor objects).
+and the selection itself (the compressor objects).  A codec's dense
+warm-up (``start_iter``: the dense method's step before it) is
+:mod:`.warmup`.
 
 Exchanges (issue #15): on the gloo side channel of :mod:`.side` by default
 (``exchange="gloo"``: no Horovod op in the step), or as Horovod ops
@@ -37,6 +39,7 @@ from ...layout import global_segment_name, segment_ks
 from ...traffic import STATS_FIELDS
 from . import selection
 from . import small as small_part
+from . import warmup
 from ._guard import hvd, tf
 from .collectives import Contribution, aggregate
 from .fused import fused_ok, select_aggregate
@@ -294,14 +297,17 @@ def _sparse(comp, ops, acc, offsets, ks, seg_names, step, dtype, wire, N, averag
         return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
                                                n_msgs * (0 if P == 1 else 2 * (P - 1)))
     if getattr(cmp, "kind", "selector") == "codec":
-        blob, mine, spec = selection.encode(acc, offsets, cmp, **common)
-        res = aggregate(cfg.aggregation, ops, Contribution(N, dtype, None, comp=cmp, blob=blob, mine=mine,
-                                                           spec=spec))
-        update = res.vals / divisor if average else res.vals
-        # error feedback: acc less this worker's contribution as it decodes;
-        # no momentum masking (as the reducer: only selected entries restart)
-        return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32), tf.constant(N, tf.int64),
-                                               tf.constant(res.rounds, tf.int64))
+        def codec():
+            blob, mine, spec = selection.encode(acc, offsets, cmp, **common)
+            res = aggregate(cfg.aggregation, ops, Contribution(N, dtype, None, comp=cmp, blob=blob, mine=mine,
+                                                               spec=spec))
+            update = res.vals / divisor if average else res.vals
+            # error feedback: acc less this worker's contribution as it decodes;
+            # no momentum masking (as the reducer: only selected entries restart)
+            return ops.keep(update, acc - mine) + (ops.traffic(), tf.zeros([0], tf.int32),
+                                                   tf.constant(N, tf.int64), tf.constant(res.rounds, tf.int64))
+        # steps before the codec's start_iter: the dense method's step (.warmup)
+        return warmup.unless_warm(ops, cmp, step, lambda: warmup.dense_step(ops, acc, average), codec)
     if fused_ok(cmp, cfg.aggregation, ops, int8):  # select + the core's aggregation in one call (.fused)
         # (int8: wire_vals are the values as they decode, in acc's dtype)
         idx, wire_vals, alive, r_idx, r_vals, fix_i, fix_v, rounds = select_aggregate(
