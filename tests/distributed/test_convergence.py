@@ -220,3 +220,18 @@ def test_codecs_group_quick(codecs_quick):
     assert {(g["method"], g["mode"]) for g in res["goals"]} >= {("onebit", "corr"), ("powersgd(r=4)", "corr")}
     assert res["bytes_to_accuracy"]
     assert os.path.getsize(str(path).replace(".json", ".png")) > 0
+
+
+def test_momentum_long_budgets_reach_the_grid():
+    """``--long``: every recipe run of a task gets LONG_BUDGET's steps and
+    warm-up epochs (the short budget's otherwise)."""
+    from benchmarks.convergence import momentum as mom
+
+    steps = {t: b["steps"] for t, b in mom.LONG_BUDGET.items()}
+    warmup = {t: b["warmup_epochs"] for t, b in mom.LONG_BUDGET.items()}
+    g = mom.grid((0,), ("glyphs", "charlm"), resnet=True, steps=steps, warmup=warmup)
+    for grp, s in g:
+        assert s.steps == mom.LONG_BUDGET[s.task]["steps"], (grp, s)
+        if grp in ("recipe", "resnet") and s.method != "dense":  # (canonical dense specs carry none)
+            assert s.warmup_epochs == mom.LONG_BUDGET[s.task]["warmup_epochs"], (grp, s)
+    assert {s.steps for _, s in mom.grid((0,), ("glyphs",), resnet=False)} == {mom.BUDGET["glyphs"]["steps"]}
