@@ -203,7 +203,7 @@ def gloo_check() -> List[dict]:
 
     out = []
     for s in gloo_specs():
-        c = gloo.compare(sim.run(study._task(s.task), s, keep_params=True), gloo.run(s))
+        c = gloo.compare(gloo.simulated(sim.run, study._task(s.task), s, keep_params=True), gloo.run(s))
         out.append({"config": f"{s.task} {s.label} P={s.workers} {MODE_TEXT[variant(s)]}, "
                               f"{s.lr_schedule} lr, {s.steps} steps",
                     "params_bitwise_equal": c["params_bitwise_equal"],

@@ -82,6 +82,22 @@ def worker(ctx, spec_d: dict) -> dict:
     return out
 
 
+def simulated(fn, *args, **kw):
+    """``fn(*args, **kw)`` (a simulation to compare with :func:`run`) on one
+    thread, as the launcher's workers run (OMP_NUM_THREADS=1): with more,
+    the gradients' convolutions and matmuls split their sums differently
+    and the runs part by an ulp (a check in a process that kept torch's
+    default thread count reported 1e-9 differences)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(spec: sim.RunSpec, timeout: float = 600.0) -> dict:
     """Train ``spec`` on ``spec.workers`` gloo processes; return rank 0's
     history, the mean training loss and bytes per step over ranks, and the

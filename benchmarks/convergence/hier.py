@@ -43,7 +43,7 @@ from gtopk_plugin.config import ReducerConfig
 from gtopk_plugin.reducer import k_for
 from gtopk_plugin.testing import Oracle
 
-from . import momentum, sim
+from . import gloo, momentum, sim
 
 TASKS = ("digits", "glyphs")
 METHODS = ("topk", "gtopk")
@@ -188,15 +188,8 @@ def gloo_check(cases=None) -> List[dict]:
     """Simulation (:class:`HierReduction`) vs real ``HierarchicalReducer``
     on gloo: final weights bit for bit, byte formula vs the counters."""
     out = []
-    threads = torch.get_num_threads()
     for s, nodes in cases or gloo_specs():
-        # the launcher's workers run one thread (OMP_NUM_THREADS=1): so must
-        # the simulation, or the gradients' matmuls split their sums differently
-        torch.set_num_threads(1)
-        try:
-            simulated = run_one(s, nodes, keep_params=True)
-        finally:
-            torch.set_num_threads(threads)
+        simulated = gloo.simulated(run_one, s, nodes, keep_params=True)  # one thread, as the workers
         real = gloo_run(s, nodes)
         ps, pr = simulated["params"], real["params"]
         db = max(abs(a - b) for a, b in zip(simulated["bytes_per_step_curve"], real["inter_bytes_per_step"]))

@@ -306,7 +306,7 @@ def gloo_check() -> List[dict]:
 
     out = []
     for s_ in gloo_specs():
-        simulated = sim.run(study._task(s_.task), s_, keep_params=True)
+        simulated = gloo.simulated(sim.run, study._task(s_.task), s_, keep_params=True)
         c = gloo.compare(simulated, gloo.run(s_))
         out.append({"config": f"{s_.task} {s_.label} P={s_.workers} d={s_.density:g} {s_.momentum_mode}"
                               f"{' nesterov' if s_.nesterov else ''}"
