@@ -231,12 +231,14 @@ class SparseCompression(tf.Module):
                                                      ("dense_below", c.dense_below),
                                                      ("wire_rounding", c.wire_rounding))
                         if v != _DEFAULTS[k])
-        if c.hyper:
-            extra += f", hyper={dict(c.hyper)!r}"
+        if c.hyper:  # the method's own hyper-parameters, as keywords (Compression.<method>(..., k=v))
+            extra += "".join(f", {k}={v!r}" for k, v in dict(c.hyper).items())
         if self.momentum_correction:
             extra += ", momentum_correction=True"
         if self.wire_dtype is not None:
             extra += f", value_dtype=tf.{self.wire_dtype.name}"
+        if getattr(self.compressor, "kind", "selector") == "codec":  # no density: Compression.onebit(...)
+            return f"Compression.{c.method}({extra[2:]})"
         return f"Compression.{c.method}({c.density!r}{extra})"
 
     # Horovod's own tape/optimizer call these: say plainly that they cannot run us.
