@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
     p.add_argument("--long", action="store_true",
                    help="--group momentum: the long budgets where dense has plateaued (momentum.LONG_BUDGET: "
-                        "digits 1056, glyphs 2800, charlm 2110, ResNet 1400 steps); results "
+                        "digits 1056, glyphs 2800, charlm 4220, ResNet 1400 steps); results "
                         "convergence_momentum_long.*, docs section '--group momentum --long'"),
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="simulation processes (one thread each)")
