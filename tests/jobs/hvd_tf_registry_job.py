@@ -16,7 +16,6 @@ runs: per step, beside the torch reducer's updates and statistics).
 """
 import os
 import pickle
-import socket
 import sys
 import traceback
 
@@ -37,6 +36,7 @@ hvd.init()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 import tf_user_compressors  # noqa: E402,F401  (registers firstk_user, half_tf_user)
 
+from hvd_tf_torch_group import init_torch_group  # noqa: E402
 from gtopk_plugin import GradientReducer  # noqa: E402
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape  # noqa: E402
@@ -64,22 +64,14 @@ STAT_FIELDS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sen
                "control_bytes", "messages_sent", "numel", "k", "sent_entries", "rounds", "dense_bytes")
 
 
-def init_torch_group():
-    port = 0
-    if R == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = int(hvd.broadcast(tf.constant(port, tf.int64), root_rank=0, name="registry_job.port"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=R, world_size=P)
-
-
 def grads_for(step):
     rng = np.random.default_rng(1000 * step + R)
     return [(rng.standard_normal(s) * 3).astype(np.float32) for s in SHAPES]
 
 
-def run(comp, graph):
+def make_step(comp, graph):
+    """The TF layer's step on fresh variables: grads in, reduced grads out
+    (``graph``: inside ``tf.function``)."""
     variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
 
     def step_fn(*grads):
@@ -87,8 +79,11 @@ def run(comp, graph):
             loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
         return DistributedGradientTape(tape, compression=comp, op=hvd.Sum).gradient(loss, variables)
 
-    if graph:
-        step_fn = tf.function(step_fn)
+    return tf.function(step_fn) if graph else step_fn
+
+
+def run(comp, graph):
+    step_fn = make_step(comp, graph)
     raw, out = [], []
     for s in range(STEPS):
         g = grads_for(s)
@@ -102,15 +97,7 @@ def run_warm(factory, graph, torch_kw):
     """The TF layer and the torch reducer (op sum) on the same gradients,
     step by step: updates, TF residuals and traffic, torch statistics."""
     comp = factory()
-    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
-
-    def step_fn(*grads):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
-        return DistributedGradientTape(tape, compression=comp, op=hvd.Sum).gradient(loss, variables)
-
-    if graph:
-        step_fn = tf.function(step_fn)
+    step_fn = make_step(comp, graph)
     reducer = GradientReducer(op="sum", transport=TorchDistributedTransport(), **torch_kw)
     names = [f"t{i:04d}" for i in range(len(SHAPES))]  # the TF layer's positional names
     out = {k: [] for k in ("raw", "tf", "torch", "residuals", "traffic", "torch_stats")}
@@ -130,7 +117,7 @@ def run_warm(factory, graph, torch_kw):
 
 
 def main():
-    init_torch_group()
+    init_torch_group("registry_job")
     res = {"rank": R, "size": P}
     for name, spec in list(RUNS.items()) + list(WARM.items()):
         try:

@@ -17,7 +17,6 @@ torch updates, TF's last-step traffic and the torch reducer's last stats.
 """
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -36,6 +35,8 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 torch.set_num_threads(1)
 hvd.init()
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from hvd_tf_torch_group import init_torch_group  # noqa: E402
 from gtopk_plugin import GradientReducer  # noqa: E402
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape  # noqa: E402
@@ -76,16 +77,6 @@ RESUME = {
     "gtopk_int8_stochastic_resume": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8,
                                                                wire_rounding="stochastic", seed=1), False),
 }
-
-
-def init_torch_group():
-    port = 0
-    if R == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = int(hvd.broadcast(tf.constant(port, tf.int64), root_rank=0, name="rounds_job.port"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=R, world_size=P)
 
 
 def grads_for(step):
@@ -192,7 +183,7 @@ def run_resume(factory, graph):
 
 
 def main():
-    init_torch_group()
+    init_torch_group("rounds_job")
     res = {"rank": R, "size": P}
     for name, spec in list(RUNS.items()) + list(DENSE_BELOW.items()) + list(RESUME.items()):
         fn = run_dense_below if name in DENSE_BELOW else run_resume if name in RESUME else run
