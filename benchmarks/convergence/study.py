@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import time
 from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -203,8 +204,8 @@ def execute(specs: Sequence[RunSpec], jobs: int = 1, keep_params: Sequence[RunSp
     line, and from which runs already finished are taken instead of rerun
     (a long study killed half-way resumes).  ``in_order``: run in the given
     (priority) order instead of longest first.  ``budget_s``: start no new
-    run after this many seconds (one process only); the runs left out are
-    simply missing from the result."""
+    run after this many seconds; the runs left out are simply missing from
+    the result."""
     import torch
     from tqdm import tqdm
 
@@ -233,9 +234,22 @@ def execute(specs: Sequence[RunSpec], jobs: int = 1, keep_params: Sequence[RunSp
                 bar.update(1)
         else:
             ctx = mp.get_context("spawn")
+            done: "queue.Queue" = queue.Queue()
+            t_start = time.monotonic()
             with ctx.Pool(jobs, initializer=_init_worker, initargs=(nice,)) as pool:
-                it = pool.imap_unordered(_run_one, [(s, s in keep) for s in order])
-                for s, r in it:
+                # ``jobs`` runs in flight, started in order, none after the budget
+                todo, running = list(order), 0
+                while todo or running:
+                    while todo and running < jobs and (budget_s is None or
+                                                       time.monotonic() - t_start <= budget_s):
+                        s = todo.pop(0)
+                        pool.apply_async(_run_one, ((s, s in keep),), callback=done.put,
+                                         error_callback=lambda e, s=s: done.put((s, {"error": repr(e)})))
+                        running += 1
+                    if not running:
+                        break  # the budget is spent and nothing is left in flight
+                    s, r = done.get()
+                    running -= 1
                     results[s] = r
                     _journal_add(journal, s, r)
                     bar.set_postfix_str(f"{s.task} {s.label} P={s.workers} d={s.density:g}")
