@@ -33,17 +33,26 @@ from hvd_launch import JOBS, elastic_hosts, horovodrun  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORLD_SIZES = [2, 3, 4]
+# The checks of the layer around the reduction (warnings, broadcast, elastic
+# round trip, fp16/bf16 gradients, GradScaler) run at P = 2 and 3 only: at
+# P = 4 the job oversubscribes this machine's 2 cores and those parts took
+# ~50 s of the suite while testing nothing the butterfly's shape changes
+# (P = 3 already folds a rank in and runs a butterfly round).  Dense,
+# sparse and bad-input checks run at every P.
+LAYER_SIZES = [2, 3]
 
 
 _JOBS = {}
 
 
 def job(np_):
-    """Results of the "main" job at np_ (run once per module)."""
+    """Results of the "main" job at np_ (run once per module; the "core"
+    job -- dense, sparse, bad inputs -- where np_ is not in LAYER_SIZES)."""
     if np_ not in _JOBS:
         with tempfile.TemporaryDirectory(prefix="gtopk-hvd-") as d:
             t0 = time.time()
-            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_torch_jobs.py"), "main", d])
+            which = "main" if np_ in LAYER_SIZES else "core"
+            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_torch_jobs.py"), which, d])
             assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
             res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(np_)]
             print(f"horovodrun -np {np_} main job: {time.time() - t0:.1f} s")
@@ -211,7 +220,7 @@ def test_sparse_traffic_matches_design(P):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("P", WORLD_SIZES)
+@pytest.mark.parametrize("P", LAYER_SIZES)
 def test_skip_synchronize_broadcast_and_elastic_round_trip(P):
     results = job(P)
     for r, res in enumerate(results):
@@ -267,7 +276,7 @@ def test_bad_input_raises_clearly_on_every_rank(P):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("P", WORLD_SIZES)
+@pytest.mark.parametrize("P", LAYER_SIZES)
 def test_fp16_and_bf16_gradients(P):
     results = job(P)
     for dtype in (torch.float16, torch.bfloat16):
@@ -289,7 +298,7 @@ def test_fp16_and_bf16_gradients(P):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("P", WORLD_SIZES)
+@pytest.mark.parametrize("P", LAYER_SIZES)
 def test_grad_scaler_overflow_skips_the_step_on_every_rank(P):
     results = job(P)
     for r, res in enumerate(results):
@@ -303,7 +312,7 @@ def test_grad_scaler_overflow_skips_the_step_on_every_rank(P):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("P", [3, 4])
+@pytest.mark.parametrize("P", [3])
 def test_process_set_of_ranks_0_and_1(P):
     res = [ok(r, "procset") for r in job(P)]
     assert [r["included"] for r in res] == [True, True] + [False] * (P - 2)
