@@ -62,11 +62,15 @@ BUDGET = {
 # 2018, §3.3: 25% → 0.1% density over the first four epochs) where the
 # short budgets could only afford a fraction of one.  Same lr and cosine
 # schedule.
-LONG_BUDGET = {"digits": dict(steps=1056, warmup_epochs=4.0),        # 48 epochs
-               "glyphs": dict(steps=2800, warmup_epochs=4.0),        # 30 epochs
-               "charlm": dict(steps=4220, warmup_epochs=0.5),        # 20 epochs (10 were not enough for
-                                                                     # dense; a longer warm-up did worse)
-               "glyphs_resnet": dict(steps=1400, warmup_epochs=4.0)}  # 15 epochs
+LONG_BUDGET = {"digits": dict(steps=1056, warmup_epochs=4.0, recipe=dict(r_factor=2.0)),   # 48 epochs
+               "glyphs": dict(steps=2800, warmup_epochs=4.0, recipe=dict(r_factor=2.0)),   # 30 epochs
+               # 40 epochs (10 were not enough for dense, and at 20 the sparse
+               # runs were still closing in: gTop-k 8.3% behind at 10, 2.2% at
+               # 20, seed 0); a longer warm-up did worse; no momentum masking
+               # (on the LSTM it held top-k and threshold 5-6% behind at 20
+               # epochs, 0.8-0.9% without it)
+               "charlm": dict(steps=8440, warmup_epochs=0.5, recipe=dict(r_factor=2.0, momentum_mode="corr")),
+               "glyphs_resnet": dict(steps=1400, warmup_epochs=4.0, recipe=dict(r_factor=2.0))}  # 15 epochs
 ADAMW_WEIGHT_DECAY = 0.01
 # The recipe (DGC, Lin et al. 2018, §3): momentum correction + factor
 # masking + exponential density warm-up from 25%; no local clipping (see
@@ -75,27 +79,32 @@ RECIPE = dict(momentum=MOMENTUM, momentum_mode="dgc", warmup_start=0.25)
 
 
 def spec(task: str, method: str, workers: int = 4, density: float = 0.01, seed: int = 0,
-         variant: str = "recipe", steps: Optional[int] = None, warmup_epochs: Optional[float] = None) -> RunSpec:
+         variant: str = "recipe", steps: Optional[int] = None, warmup_epochs: Optional[float] = None,
+         recipe: Optional[dict] = None) -> RunSpec:
     """The RunSpec of one (task, method, P, density, variant); ``steps`` and
-    ``warmup_epochs`` default to the task's :data:`BUDGET`."""
+    ``warmup_epochs`` default to the task's :data:`BUDGET`; ``recipe``:
+    changes to :data:`RECIPE` (and rTop-k's r) for the task (``--long``:
+    ``LONG_BUDGET[task]["recipe"]``)."""
     b = BUDGET[task]
     kw = dict(task=task, method=method, workers=workers, density=density, seed=seed,
               steps=steps or b["steps"], lr=b["lr"], lr_schedule="cosine")
     wu = b["warmup_epochs"] if warmup_epochs is None else warmup_epochs
+    recipe = dict(RECIPE, **(recipe or {}))
     if variant == "recipe":
-        kw.update(RECIPE, warmup_epochs=wu)
+        kw.update(recipe, warmup_epochs=wu)
     elif variant == "no_warmup":
-        kw.update(RECIPE)
+        kw.update(recipe)
     elif variant == "no_masking":
-        kw.update(RECIPE, momentum_mode="corr", warmup_epochs=wu)
+        kw.update(recipe, momentum_mode="corr", warmup_epochs=wu)
     elif variant == "opt":          # momentum in the optimizer, no correction
         kw.update(momentum=MOMENTUM, momentum_mode="opt", warmup_epochs=wu)
+        kw.update({k: v for k, v in recipe.items() if k == "r_factor"})
     elif variant == "nesterov":     # the recipe with Nesterov
-        kw.update(RECIPE, nesterov=True, warmup_epochs=wu)
+        kw.update(recipe, nesterov=True, warmup_epochs=wu)
     elif variant == "nesterov_opt":
         kw.update(momentum=MOMENTUM, momentum_mode="opt", nesterov=True, warmup_epochs=wu)
     elif variant == "clip":
-        kw.update(RECIPE, warmup_epochs=wu, clip_norm=CLIP[task])
+        kw.update(recipe, warmup_epochs=wu, clip_norm=CLIP[task])
     elif variant == "adamw":
         kw.update(optimizer="adamw", lr=b["adamw_lr"], weight_decay=ADAMW_WEIGHT_DECAY, warmup_epochs=wu)
     else:
@@ -133,9 +142,13 @@ def canonical(s: RunSpec) -> RunSpec:
 
 
 def variant_of(s: RunSpec) -> str:
+    # a --long run is one at its task's long budget (its own warm-up and recipe)
+    lb = LONG_BUDGET.get(s.task, {})
+    recipe = lb.get("recipe") if s.steps == lb.get("steps") else None
     for v in VARIANTS:
         try:
-            if spec(s.task, s.method, s.workers, s.density, s.seed, v, s.steps) == s:
+            if spec(s.task, s.method, s.workers, s.density, s.seed, v, s.steps, s.warmup_epochs or None,
+                    recipe) == s:
                 return v
         except (KeyError, ValueError):
             pass
@@ -143,17 +156,20 @@ def variant_of(s: RunSpec) -> str:
 
 
 def grid(seeds: Sequence[int] = (0,), tasks: Sequence[str] = TASKS, resnet: bool = True,
-         steps: Optional[Dict[str, int]] = None, warmup: Optional[Dict[str, float]] = None
-         ) -> List[Tuple[str, RunSpec]]:
+         steps: Optional[Dict[str, int]] = None, warmup: Optional[Dict[str, float]] = None,
+         recipes: Optional[Dict[str, dict]] = None) -> List[Tuple[str, RunSpec]]:
     """(group, spec) in priority order: the recipe grid the goals need first,
-    then the comparisons, density 0.001, the ResNet.  ``steps``/``warmup``:
-    per-task overrides of the budget (``--long``)."""
-    steps, warmup = steps or {}, warmup or {}
+    then the comparisons, density 0.001, the ResNet.  ``steps``/``warmup``/
+    ``recipes``: per-task overrides of the budget and recipe (``--long``)."""
+    steps, warmup, recipes = steps or {}, warmup or {}, recipes or {}
     out: List[Tuple[str, RunSpec]] = []
+
+    def one(task, method, P, d, sd, variant):
+        return spec(task, method, P, d, sd, variant, steps.get(task), warmup.get(task), recipes.get(task))
 
     def add(group, task, method, P=4, d=0.01, variant="recipe"):
         for sd in seeds:
-            out.append((group, spec(task, method, P, d, sd, variant, steps.get(task), warmup.get(task))))
+            out.append((group, one(task, method, P, d, sd, variant)))
 
     # the goal grid, one seed at a time (a run cut short by --budget-min
     # has every task and P for the first seeds)
@@ -161,7 +177,7 @@ def grid(seeds: Sequence[int] = (0,), tasks: Sequence[str] = TASKS, resnet: bool
         for t in tasks:
             for P in (4, 8):
                 for m in METHODS:
-                    out.append(("recipe", spec(t, m, P, 0.01, sd, "recipe", steps.get(t), warmup.get(t))))
+                    out.append(("recipe", one(t, m, P, 0.01, sd, "recipe")))
     if resnet:
         for m in ("dense", "topk", "gtopk"):
             add("resnet", "glyphs_resnet", m)
@@ -471,7 +487,9 @@ def main(args) -> int:
         steps = {t: args.steps for t in list(TASKS) + ["glyphs_resnet"]} if args.steps else \
             {t: b["steps"] for t, b in LONG_BUDGET.items()} if long else None
         warmup = {t: b["warmup_epochs"] for t, b in LONG_BUDGET.items()} if long else None
-        g = grid(tuple(range(args.seeds)), tasks, resnet="glyphs" in args.tasks, steps=steps, warmup=warmup)
+        recipes = {t: b["recipe"] for t, b in LONG_BUDGET.items()} if long else None
+        g = grid(tuple(range(args.seeds)), tasks, resnet="glyphs" in args.tasks, steps=steps, warmup=warmup,
+                 recipes=recipes)
     specs = study.unique_specs(g)
     journal = None if args.quick else json_path.replace(".json", ".journal.jsonl")
     print(f"momentum group: {len(specs)} simulated runs on {args.jobs} process(es)"
@@ -502,6 +520,7 @@ def main(args) -> int:
             "python": platform.python_version(), "torch": __import__("torch").__version__,
             "machine": platform.machine(), "jobs": args.jobs, "runs": len(results),
             "seeds": args.seeds if not args.quick else 1, "budget": budget, "recipe": RECIPE,
+            "recipe_by_task": {t: b["recipe"] for t, b in LONG_BUDGET.items()} if long else {},
             "adamw_weight_decay": ADAMW_WEIGHT_DECAY, "clip": CLIP, "wall_s": wall,
             "cpu_s": sum(r.get("cpu_s", 0.0) for r in results.values()), "reused_from_journal": reused, "failed": [s.as_dict() for s in failed],
             "not_run": [s.as_dict() for s in specs if s not in results and s not in failed]}

@@ -229,9 +229,20 @@ def test_momentum_long_budgets_reach_the_grid():
 
     steps = {t: b["steps"] for t, b in mom.LONG_BUDGET.items()}
     warmup = {t: b["warmup_epochs"] for t, b in mom.LONG_BUDGET.items()}
-    g = mom.grid((0,), ("glyphs", "charlm"), resnet=True, steps=steps, warmup=warmup)
+    recipes = {t: b["recipe"] for t, b in mom.LONG_BUDGET.items()}
+    g = mom.grid((0,), ("glyphs", "charlm"), resnet=True, steps=steps, warmup=warmup, recipes=recipes)
     for grp, s in g:
         assert s.steps == mom.LONG_BUDGET[s.task]["steps"], (grp, s)
         if grp in ("recipe", "resnet") and s.method != "dense":  # (canonical dense specs carry none)
             assert s.warmup_epochs == mom.LONG_BUDGET[s.task]["warmup_epochs"], (grp, s)
-    assert {s.steps for _, s in mom.grid((0,), ("glyphs",), resnet=False)} == {mom.BUDGET["glyphs"]["steps"]}
+            # the long recipe: rTop-k keeps k of the top 2k; the LSTM without masking
+            assert s.r_factor == (2.0 if s.method == "rtopk" else 4.0), s
+            assert s.momentum_mode == ("corr" if s.task == "charlm" else "dgc"), s
+        # every run is labelled with the variant that made it (the markdown
+        # tables select rows by it), long budgets included
+        assert mom.variant_of(s) != "?", s
+    short = mom.grid((0,), ("glyphs", "charlm"), resnet=False)
+    assert {s.steps for _, s in short if s.task == "glyphs"} == {mom.BUDGET["glyphs"]["steps"]}
+    # the short budget keeps the plain recipe (masking, r = 4)
+    assert {(s.momentum_mode, s.r_factor) for grp, s in short if grp == "recipe" and s.method == "rtopk"} == \
+        {("dgc", 4.0)}
