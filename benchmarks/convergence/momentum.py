@@ -363,10 +363,13 @@ def markdown(rows: List[dict], goal: List[dict], meta: dict, plot: Optional[str]
         dense = [r for r in rows if r["task"] == t and r["method"] == "dense" and r["variant"] == "recipe"]
         pl = "; ".join(f"P={r['workers']}: {r['plateau']['change']:+.2f} {r['plateau']['unit']}" for r in dense
                        if r.get("plateau"))
+        rec = dict(meta["recipe"], **meta.get("recipe_by_task", {}).get(t, {}))
         body.append([t, str(info["steps"]), f"{info['epochs']:.1f}", f"{info['lr']:g}", f"{info['adamw_lr']:g}",
-                     f"{info['warmup_epochs']:g} ({info['warmup_steps']} steps)", pl or "–"])
+                     f"{info['warmup_epochs']:g} ({info['warmup_steps']} steps)",
+                     "on" if rec.get("momentum_mode") == "dgc" else "off", f"{rec.get('r_factor', 4.0):g}",
+                     pl or "–"])
     parts.append(_table(["task", "steps", "epochs", "SGD lr (m=0.9, cosine)", "AdamW lr", "warm-up epochs",
-                         "dense change over the last 20% of steps"], body))
+                         "momentum masking", "rTop-k r", "dense change over the last 20% of steps"], body))
     parts.append("### Goal: the recipe at density 0.01 vs dense SGD with momentum 0.9 "
                  "(rows 'nesterov': Nesterov momentum in both)")
     parts.append(_table(["task", "P", "momentum", "method", "dense", "sparse", "gap", "bytes vs dense", "goal holds"],
