@@ -55,6 +55,10 @@ ROWS = [
     ("powerSGD_hook rank 4", "torch", {"hook": "powersgd", "rank": 4}),
     ("sparse_hook gtopk 1%", "ours", {"method": "gtopk", "density": 0.01}),
     ("sparse_hook gtopk 0.1%", "ours", {"method": "gtopk", "density": 0.001}),
+    # the same, each DDP bucket reduced on its own (coalesce_buckets=False):
+    # what one consistency check and one exchange per round per STEP saves
+    ("sparse_hook gtopk 0.1% per bucket", "ours", {"method": "gtopk", "density": 0.001,
+                                                   "coalesce_buckets": False}),
     ("sparse_hook topk 0.1%", "ours", {"method": "topk", "density": 0.001}),
     ("sparse_hook onebit", "ours", {"method": "onebit"}),
 ]
@@ -100,11 +104,15 @@ class _AllreduceCounter:
         @functools.wraps(hook)
         def counted(state, bucket):
             self.buckets += 1
+            before = getattr(state, "last_stats", None)
             fut = hook(state, bucket)
-            # sparse_hook reduces inside the call (no clip_norm): its stats are this bucket's
-            sec = getattr(getattr(state, "last_stats", None), "seconds", None)
-            for k, v in (sec or {}).items():
-                self.phases[k] = self.phases.get(k, 0.0) + v
+            # sparse_hook reduces inside some calls (every call, or only at the
+            # step's last bucket when it coalesces): count the stats of the
+            # reduce calls made in this one
+            st = getattr(state, "last_stats", None)
+            if st is not None and st is not before:
+                for k, v in (st.seconds or {}).items():
+                    self.phases[k] = self.phases.get(k, 0.0) + v
             return fut
         if rename:
             # DDP refuses a hook *named* bf16_compress_hook unless CUDA+NCCL
@@ -139,7 +147,8 @@ def _build(name, kind, spec, widths, P, counter):
     state = None
     if kind == "ours":
         state = gp.torch_ddp.SparseState(method=spec["method"], density=spec.get("density", 0.01),
-                                         named_parameters=model.named_parameters())
+                                         named_parameters=model.named_parameters(),
+                                         coalesce_buckets=spec.get("coalesce_buckets", True))
         ddp.register_comm_hook(state, counter.bucket_hook(gp.torch_ddp.sparse_hook))
     elif spec["hook"] == "noop":
         ddp.register_comm_hook(None, counter.bucket_hook(_noop_hook))

@@ -83,10 +83,19 @@ class SparseState(ParameterNaming):
             any rank makes every rank's update +inf for that step (so every
             rank's scaler skips it and lowers its scale; state untouched;
             ``nonfinite`` defaults to "propagate").
+        coalesce_buckets: reduce all DDP buckets of a step in ONE
+            ``reduce`` call when the step's last bucket is ready (default
+            True; issue #15).  The hook computes on the backward thread, so
+            reducing bucket by bucket overlaps nothing with the rest of
+            backward; it only multiplies the fixed costs: one cross-rank
+            consistency check and one exchange per butterfly round per
+            bucket instead of per step.  DDP waits for the buckets' futures
+            only after the last bucket's hook has run, so holding the
+            earlier ones back is legal.  False: each bucket is reduced as
+            DDP hands it over (granularity "global" then selects per bucket).
         clip_norm: DGC local clipping: the global norm is taken over all
             buckets of a step, so with ``clip_norm`` the buckets of a step
-            are reduced together when the last one is ready (no overlap of
-            communication with the rest of backward).
+            are always held back until the last one is ready.
 
         hierarchical: two-level reduction (issue #18,
             :class:`gtopk_plugin.hierarchical.HierarchicalReducer`): dense
@@ -104,10 +113,12 @@ class SparseState(ParameterNaming):
     ``param.grad`` after ``backward()`` is the averaged sparse update, as with
     DDP's default allreduce.
 
-    With granularity "layer" (the default) every method gives exactly what
-    one ``GradientReducer.reduce`` over all parameters gives, whatever DDP's
-    bucket layout (random draws are keyed by step and tensor name, not by a
-    running stream).  Granularity "global" selects per DDP bucket.
+    Every method gives exactly what one ``GradientReducer.reduce`` over all
+    parameters gives, whatever DDP's bucket layout: with
+    ``coalesce_buckets`` (the default) that is the call the hook makes; with
+    it off, granularity "layer" still does (random draws are keyed by step
+    and tensor name, not by a running stream), while granularity "global"
+    then selects per DDP bucket.
 
     ``last_step_traffic`` sums the reducer's byte counts over the buckets of
     the last completed step (``bytes_sent``, ``dense_bytes``, ...): a
@@ -119,7 +130,7 @@ class SparseState(ParameterNaming):
                  timeout: Optional[float] = None, momentum_correction: bool = False,
                  optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
                  hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
-                 **reducer_kwargs):
+                 coalesce_buckets: bool = True, **reducer_kwargs):
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
                              "process_group=<torch.distributed group> instead of transport=")
@@ -154,6 +165,9 @@ class SparseState(ParameterNaming):
             named_parameters = list(named_parameters)
         elif optimizer is not None:
             raise ValueError("optimizer= is only used with momentum_correction=True")
+        if not isinstance(coalesce_buckets, bool):
+            raise ValueError(f"coalesce_buckets must be True or False, got {coalesce_buckets!r}")
+        self.coalesce_buckets = coalesce_buckets
         self.grad_scaler = grad_scaler
         # -- hyper-parameters (kept so that unpickling can rebuild the reducer) --
         self._reducer_kwargs = dict(reducer_kwargs, method=method, density=density)
@@ -166,7 +180,7 @@ class SparseState(ParameterNaming):
         self._needs_optimizer = False
         if momentum_correction:
             self.reducer.correct_momentum(optimizer, named_parameters)
-        # buckets of the current step held back for clipping (see sparse_hook)
+        # buckets of the current step held back (coalescing, clipping: see sparse_hook)
         self._pending: List[tuple] = []
         # GradScaler.get_scale() of the current step (read at its first bucket)
         self._step_scale: Optional[float] = None
@@ -241,6 +255,7 @@ class SparseState(ParameterNaming):
                            "saved SparseState.")
         return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
                 "timeout": self.timeout, "state": self.state_dict(), "hierarchy": self._hier,
+                "coalesce_buckets": self.coalesce_buckets,
                 "momentum_correction": self.reducer.binding is not None,
                 "last_step_traffic": self.last_step_traffic}
 
@@ -251,6 +266,7 @@ class SparseState(ParameterNaming):
         self.process_group = None  # the default group, resolved lazily
         self.timeout = d["timeout"]
         self._hier = d.get("hierarchy")
+        self.coalesce_buckets = d.get("coalesce_buckets", True)
         self.reducer = _make_reducer(self._reducer_kwargs, self._hier, None, self.timeout)
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
@@ -321,23 +337,41 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
                            "model.named_parameters()) before training")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
-    if state.reducer.config.clip_norm is None:
-        _reduce_bucket(state, item, bucket.is_last(), None)
+    if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
+        _finish_bucket(state, item, _reduce(state, [item], bucket.is_last(), None))
         return fut
-    # Local clipping needs this worker's norm over the whole step: hold the
-    # buckets back (DDP waits for the futures only after the last bucket's
-    # hook has run) and reduce them all, in order, when the last is ready.
+    # Hold the bucket back (DDP waits for the futures only after the last
+    # bucket's hook has run) and reduce the step's buckets when the last is
+    # ready: all in one call (coalesce_buckets), or in order with the
+    # step's local norm for clipping.
     state._pending.append(item)
     if bucket.is_last():
         pending, state._pending = state._pending, []
-        norm = local_grad_norm([g for it in pending for g in it[1]])
-        for j, it in enumerate(pending):
-            _reduce_bucket(state, it, j == len(pending) - 1, norm)
+        try:
+            norm = None
+            if state.reducer.config.clip_norm is not None:
+                norm = local_grad_norm([g for it in pending for g in it[1]])
+            if state.coalesce_buckets:
+                updates = _reduce(state, pending, True, norm)
+                for it in pending:
+                    _finish_bucket(state, it, updates)
+            else:
+                for j, it in enumerate(pending):
+                    _finish_bucket(state, it, _reduce(state, [it], j == len(pending) - 1, norm))
+        except BaseException as exc:
+            # the held-back futures must not stay pending forever
+            for it in pending:
+                if not it[4].done():
+                    it[4].set_exception(exc)
+            raise
     return fut
 
 
-def _reduce_bucket(state: SparseState, item, last: bool, grad_norm) -> None:
-    names, grads, buffer, index, fut = item
+def _reduce(state: SparseState, items, last: bool, grad_norm) -> dict:
+    """One ``reduce`` over the gradients of ``items`` (DDP buckets): the
+    averaged updates by parameter name."""
+    names = [n for it in items for n in it[0]]
+    grads = [g for it in items for g in it[1]]
     # The loss scale changes only in scaler.update(), after the step: read it
     # once per step (get_scale() synchronises with the device), not per bucket.
     if state.grad_scaler is not None and state._step_scale is None:
@@ -350,6 +384,11 @@ def _reduce_bucket(state: SparseState, item, last: bool, grad_norm) -> None:
         raise
     state._step_scale = None if last else state._step_scale
     state._record_traffic(last)
+    return updates
+
+
+def _finish_bucket(state: SparseState, item, updates: dict) -> None:
+    names, grads, buffer, index, fut = item
     total = sum(g.numel() for g in grads)
     if total != buffer.numel():
         raise RuntimeError(f"DDP bucket {index} buffer has {buffer.numel()} elements but "

@@ -91,6 +91,7 @@ def _equivalence(rank, world, kwargs, named):
     ref = copy.deepcopy(model)
     state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters() if named else None,
                                      **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "coalesce_buckets"}  # the hook's own
     layouts = []
     ddp = _ddp(model, state, layouts)
     reducer = gp.GradientReducer(**kwargs)
@@ -100,7 +101,10 @@ def _equivalence(rank, world, kwargs, named):
     for step in range(STEPS):
         del layouts[:]
         opt_ddp.zero_grad()
+        control = state.reducer.transport.counters.control_bytes
         _loss(ddp, step, rank).backward()
+        # one consistency check (4 int64) per reduce() call
+        rep.setdefault("checks", []).append((state.reducer.transport.counters.control_bytes - control) // 32)
         rep["layouts"].append(list(layouts))
         # The hook's names for the model's parameters (automatic: "paramN").
         key = {n: state.name_of(p) for n, p in model.named_parameters()}
@@ -190,6 +194,12 @@ EQUIVALENCE = [
     # rTop-k's per-rank draws are keyed by (seed, step, name, rank), so the
     # bucket layout does not change them.
     (dict(method="rtopk", density=DENSITY, merge="gtopk", seed=4), True),
+    # each bucket reduced on its own (coalesce_buckets=False): granularity
+    # "layer" still gives the one-call result
+    (dict(method="gtopk", density=DENSITY, warmup=[0.5, 0.25], coalesce_buckets=False), True),
+    # coalesced (the default): even granularity "global" selects over the
+    # whole step, as one reduce() over all parameters does
+    (dict(method="gtopk", density=DENSITY, granularity="global"), False),
 ]
 RESUME = [
     # (reducer kwargs, named parameters, DDP bucket_cap_mb)
@@ -222,6 +232,12 @@ def test_hook_matches_reducer_and_oracle(reports):
             assert max(e["oracle_diff"]) <= 1e-6, f"{what}: hook vs Oracle {e['oracle_diff']}"
             assert e["params_equal"] == [True] * STEPS, what
             assert e["state_step"] == e["reducer_step"] == STEPS, what
+            # coalesced: ONE reduce() (one cross-rank check) per step whatever
+            # the bucket count; otherwise one per bucket
+            per_step = [len(lay) for lay in e["layouts"]]
+            assert max(per_step) > 1, f"{what}: the test needs steps with several buckets"
+            expect = per_step if kw.get("coalesce_buckets") is False else [1] * STEPS
+            assert e["checks"] == expect, f"{what}: checks per step {e['checks']} != {expect}"
             if named:
                 assert set(e["names"]) == {"head.weight", "head.bias", "inp.weight", "inp.bias",
                                            "mid.weight", "mid.bias"}
@@ -307,6 +323,7 @@ def test_public_imports():
     (dict(density="x"), "density"),
     (dict(op="mean"), "op"),
     (dict(granularity="bucket"), "granularity"),
+    (dict(coalesce_buckets=1), "coalesce_buckets"),
     (dict(r_factor=0.5), "r_factor"),
     (dict(value_dtype=torch.int32), "value_dtype"),
     (dict(nonfinite="ignore"), "nonfinite"),

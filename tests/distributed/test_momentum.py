@@ -259,7 +259,8 @@ def test_ddp_hook_clipping_across_buckets_and_loss_scale():
     """clip_norm over all buckets of a step (held back until the last) and a
     scripted loss scale that changes: the hook, with gradients scaled by the
     loss scale, gives the same weights as the unscaled hook at P = 2."""
-    kw = dict(method="topk", density=0.2, clip_norm=0.05)
+    # bucket by bucket (coalesce_buckets=False): the norm is still the step's
+    kw = dict(method="topk", density=0.2, clip_norm=0.05, coalesce_buckets=False)
     scales = [1.0, 8.0, 8.0, 2.0 ** 20, 4.0]
     plain = run_workers(2, ddp_momentum, kw, DDP_STEPS, False, 1e-3, timeout=240)
     scaled = run_workers(2, ddp_momentum, kw, DDP_STEPS, False, 1e-3, scales, timeout=240)

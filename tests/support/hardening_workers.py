@@ -81,7 +81,8 @@ def methods(rank, P, steps=4):
 
 def ddp_buckets(rank, P, steps=4):
     """DDP with one bucket per layer (two layers of the same size) and the
-    library's hook with random-k, granularity="global": each layer's grad
+    library's hook with random-k, granularity="global", each bucket reduced
+    on its own (coalesce_buckets=False): each layer's grad
     after backward is its bucket's update; its nonzeros are the positions
     drawn for that bucket."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -90,7 +91,8 @@ def ddp_buckets(rank, P, steps=4):
     model = torch.nn.Sequential(torch.nn.Linear(20, 20, bias=False), torch.nn.Tanh(),
                                 torch.nn.Linear(20, 20, bias=False))
     state = gp.torch_ddp.SparseState(method="randomk", density=0.1, granularity="global", seed=9,
-                                     named_parameters=model.named_parameters())
+                                     named_parameters=model.named_parameters(),
+                                     coalesce_buckets=False)  # per-bucket draws are the point
     ddp = DDP(model, bucket_cap_mb=0.001)  # 1 KB < one 20x20 fp32 weight: one bucket each
     log = []
 

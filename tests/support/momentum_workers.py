@@ -60,12 +60,19 @@ def ddp_momentum(rank, world_size, kw, steps, nesterov=False, weight_decay=0.0, 
     scaler = _FixedScaler(scaler_scales) if scaler_scales else None
     state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), momentum_correction=True,
                                      optimizer=opt, grad_scaler=scaler, **kw)
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
+    calls = []  # DDP buckets (hook calls) per step: the hook may reduce them in one call
+
+    def hook(st, bucket):
+        calls.append(bucket.index())
+        return gp.torch_ddp.sparse_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
     local, params_before = [], []
     for s in range(steps):
         params_before.append({n: p.detach().clone() for n, p in model.named_parameters()})
         x, y = _batch(s, rank)
         opt.zero_grad()
+        del calls[:]
         loss = ((ddp(x) - y) ** 2).mean()
         if scaler is not None:
             scaler.current = scaler_scales[s]
@@ -79,7 +86,7 @@ def ddp_momentum(rank, world_size, kw, steps, nesterov=False, weight_decay=0.0, 
             scaler.step_done()
     return {"params": [{n: p.detach().clone() for n, p in model.named_parameters()}],
             "before": params_before, "momentum": opt.param_groups[0]["momentum"],
-            "wd": opt.param_groups[0]["weight_decay"], "buckets": state.last_step_traffic["buckets"],
+            "wd": opt.param_groups[0]["weight_decay"], "buckets": len(calls),
             "state": state.state_dict()}
 
 
