@@ -171,6 +171,11 @@ struct ExpBits<double> {
                           kSign = 0x8000000000000000ull;
 };
 
+// Accumulators of at least this many bytes are written with non-temporal
+// stores: no cache holds them until their next use (the next step), so a
+// normal store would only add a read of each line for ownership.
+constexpr int64_t kStreamBytes = int64_t(4) << 20;
+
 // out[i] = g[i] (+ r[i]) for i in [b, e); true when g[b, e) is all finite.
 template <typename scalar_t>
 inline bool compensate_range(scalar_t* out, const scalar_t* g, const scalar_t* r, int64_t b, int64_t e) {
@@ -193,6 +198,46 @@ inline bool compensate_range(scalar_t* out, const scalar_t* g, const scalar_t* r
     }
   }
   return (bad & E::kSign) == 0;
+}
+
+// compensate_range for a large float32 accumulator: the same sums, written
+// with non-temporal stores (kStreamBytes); the caller fences (_mm_sfence)
+// before the result is read.
+inline bool compensate_range_stream(float* out, const float* g, const float* r, int64_t b, int64_t e) {
+#if defined(__SSE2__)
+  using E = ExpBits<float>;
+  int64_t i = b;
+  uint32_t bad = 0;
+  for (; i < e && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) {
+    uint32_t w;
+    std::memcpy(&w, g + i, sizeof(w));
+    bad |= (w & E::kExp) + E::kLsb;
+    out[i] = r != nullptr ? g[i] + r[i] : g[i];
+  }
+  const __m128i expm = _mm_set1_epi32(static_cast<int32_t>(E::kExp));
+  const __m128i lsb = _mm_set1_epi32(static_cast<int32_t>(E::kLsb));
+  __m128i badv = _mm_setzero_si128();
+  if (r != nullptr) {
+    for (; i + 4 <= e; i += 4) {
+      const __m128 gv = _mm_loadu_ps(g + i);
+      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
+      _mm_stream_ps(out + i, _mm_add_ps(gv, _mm_loadu_ps(r + i)));
+    }
+  } else {
+    for (; i + 4 <= e; i += 4) {
+      const __m128 gv = _mm_loadu_ps(g + i);
+      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
+      _mm_stream_ps(out + i, gv);
+    }
+  }
+  alignas(16) uint32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), badv);
+  bad |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+  const bool tail_ok = compensate_range<float>(out, g, r, i, e);
+  return (bad & E::kSign) == 0 && tail_ok;
+#else
+  return compensate_range<float>(out, g, r, b, e);
+#endif
 }
 
 template <typename scalar_t>

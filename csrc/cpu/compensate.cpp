@@ -19,6 +19,8 @@
 
 #include <ATen/OpMathType.h>
 
+#include <type_traits>
+
 namespace gtopk {
 namespace cpu {
 namespace {
@@ -62,8 +64,19 @@ bool compensate(const at::Tensor& out, const at::Tensor& grad,
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* g = grad.data_ptr<scalar_t>();
     const scalar_t* r = has_r ? residual->data_ptr<scalar_t>() : nullptr;
+    const bool stream = std::is_same<scalar_t, float>::value && n * int64_t(sizeof(scalar_t)) >= kStreamBytes;
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-      if (!compensate_range<scalar_t>(o, g, r, b, e)) finite.store(false, std::memory_order_relaxed);
+      bool ok;
+      if (stream) {  // a large float32 buffer: non-temporal stores (common.h)
+        ok = compensate_range_stream(reinterpret_cast<float*>(o), reinterpret_cast<const float*>(g),
+                                     reinterpret_cast<const float*>(r), b, e);
+#if defined(__SSE2__)
+        _mm_sfence();  // visible before the result is read (another thread may)
+#endif
+      } else {
+        ok = compensate_range<scalar_t>(o, g, r, b, e);
+      }
+      if (!ok) finite.store(false, std::memory_order_relaxed);
     });
   });
   return finite.load();

@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 namespace gtopk {
 namespace cpu {
@@ -61,10 +62,16 @@ struct Cands {
 // Writes x[s, e) (segment-local) before it is read: the fused
 // compensation (acc = grad + residual) of compensate_select_topk.
 using Producer = std::function<void(int64_t, int64_t)>;
+// A producer that also scans what it writes: fc(s, e, L, c) writes x[s, e)
+// and appends its entries with key >= L to c in position order (float32:
+// compensate_collect_f32, one loop, non-temporal stores).
+template <typename M>
+using FusedCollect = std::function<void(int64_t, int64_t, typename M::key_t, Cands<M>&)>;
 
 template <typename M, bool kTies>
 bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_t eq_cap,
-             int64_t cap, Cands<M>& out, const Producer* produce = nullptr) {
+             int64_t cap, Cands<M>& out, const Producer* produce = nullptr,
+             const FusedCollect<M>* fc = nullptr, int64_t reserve = 0) {
   using K = typename M::key_t;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
   std::vector<Cands<M>> part(nblk);  // candidates of each block (or thread range)
@@ -107,6 +114,17 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
     // fallback paths read the whole, compensated, buffer)
     parallel_dynamic(nblk, [&](int64_t, int64_t blk) {
       const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
+      if (reserve > 0) {
+        part[blk].pos.reserve(reserve);
+        part[blk].bits.reserve(reserve);
+      }
+      if (fc != nullptr && !stop.load(std::memory_order_relaxed)) {
+        (*fc)(s0, e0, L, part[blk]);  // written and scanned in one loop
+        const int64_t added = part[blk].size();
+        if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap)
+          stop.store(true, std::memory_order_relaxed);
+        return;
+      }
       if (produce != nullptr) (*produce)(s0, e0);
       if (stop.load(std::memory_order_relaxed)) return;
       int64_t unused = 0;
@@ -134,6 +152,98 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
     std::copy(part[b].bits.begin(), part[b].bits.end(), out.bits.begin() + start[b]);
   });
   return true;
+}
+
+// out[b, e) = g[b, e) (+ r[b, e)) for float32 and every entry with key >= L
+// appended to c (position i + shift, the sum's bits), in one loop: the sums
+// are compared in registers, so the accumulator is never read back.  With
+// kStream (a large accumulator, which no cache holds until its next use)
+// it is written with non-temporal stores, so its lines are not first read
+// for ownership either (issue #15: 3 transfers of N instead of 4).  Bit for bit
+// compensate_range + collect (one IEEE addition per element).  Returns
+// whether g[b, e) is all finite.
+template <bool kRes, bool kStream>
+bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t b, int64_t e,
+                            uint32_t L, int64_t shift, Cands<Mag<float>>& c) {
+  using M = Mag<float>;
+  using E = ExpBits<float>;
+  uint32_t bad = 0;
+  auto one = [&](int64_t i) {
+    uint32_t w;
+    std::memcpy(&w, g + i, sizeof(w));
+    bad |= (w & E::kExp) + E::kLsb;
+    const float v = kRes ? g[i] + r[i] : g[i];
+    out[i] = v;
+    uint32_t vb;
+    std::memcpy(&vb, &v, sizeof(vb));
+    if (M::key(vb) >= L) {
+      c.pos.push_back(i + shift);
+      c.bits.push_back(vb);
+    }
+  };
+  int64_t i = b;
+#if defined(__SSE2__)
+  for (; i < e && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) one(i);
+  const __m128i expm = _mm_set1_epi32(static_cast<int32_t>(E::kExp));
+  const __m128i lsb = _mm_set1_epi32(static_cast<int32_t>(E::kLsb));
+  const __m128i absm = _mm_set1_epi32(0x7FFFFFFF);
+  const __m128i lm1 = _mm_set1_epi32(static_cast<int32_t>(L) - 1);
+  __m128i badv = _mm_setzero_si128();
+  for (; i + 16 <= e; i += 16) {
+    __m128 v[4];
+    __m128i hit[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m128 gv = _mm_loadu_ps(g + i + 4 * q);
+      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
+      v[q] = kRes ? _mm_add_ps(gv, _mm_loadu_ps(r + i + 4 * q)) : gv;
+      if (kStream) {
+        _mm_stream_ps(out + i + 4 * q, v[q]);
+      } else {
+        _mm_store_ps(out + i + 4 * q, v[q]);
+      }
+      hit[q] = _mm_cmpgt_epi32(_mm_and_si128(_mm_castps_si128(v[q]), absm), lm1);
+    }
+    if (!_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(hit[0], hit[1]), _mm_or_si128(hit[2], hit[3]))))
+      continue;  // the usual case: no candidate among the 16
+    alignas(16) uint32_t vb[16];
+    uint32_t mk = 0;
+    for (int q = 0; q < 4; ++q) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(vb + 4 * q), _mm_castps_si128(v[q]));
+      mk |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(hit[q]))) << (4 * q);
+    }
+    while (mk) {
+      const int j = __builtin_ctz(mk);
+      mk &= mk - 1;
+      c.pos.push_back(i + j + shift);  // key >= L exactly (NaN bits exceed kInf >= L)
+      c.bits.push_back(vb[j]);
+    }
+  }
+  alignas(16) uint32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), badv);
+  bad |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+  if (kStream) _mm_sfence();  // the non-temporal stores are visible before any later read of out
+#endif
+  for (; i < e; ++i) one(i);
+  return (bad & E::kSign) == 0;
+}
+
+// compensate_collect_f32 for float32; other types never take the fused
+// collect (compensate_select_topk passes no FusedCollect for them).
+template <typename scalar_t>
+bool fused_collect_range(scalar_t*, const scalar_t*, const scalar_t*, int64_t, int64_t,
+                         typename Mag<scalar_t>::key_t, int64_t, Cands<Mag<scalar_t>>&, bool) {
+  TORCH_INTERNAL_ASSERT(false, "gtopk: fused collect is float32 only");
+  return false;
+}
+template <>
+bool fused_collect_range<float>(float* out, const float* g, const float* r, int64_t b, int64_t e,
+                                uint32_t L, int64_t shift, Cands<Mag<float>>& c, bool stream) {
+  if (stream) {
+    return r != nullptr ? compensate_collect_f32<true, true>(out, g, r, b, e, L, shift, c)
+                        : compensate_collect_f32<false, true>(out, g, r, b, e, L, shift, c);
+  }
+  return r != nullptr ? compensate_collect_f32<true, false>(out, g, r, b, e, L, shift, c)
+                      : compensate_collect_f32<false, false>(out, g, r, b, e, L, shift, c);
 }
 
 inline void prefetch(const void* q) {
@@ -470,7 +580,8 @@ void topk_segment(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k,
 // result is topk_segment's on the produced buffer (it is uniquely defined).
 template <typename M, typename I>
 void topk_segment_fused(const typename M::bits_t* p, int64_t lo, int64_t n, int64_t k, I* out,
-                        typename M::bits_t* vout, const Producer& produce) {
+                        typename M::bits_t* vout, const Producer& produce,
+                        const FusedCollect<M>* fc = nullptr) {
   using K = typename M::key_t;
   auto produce_all = [&] { at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) { produce(b, e); }); };
   if (k <= 0 || n == 0 || k >= n || n <= kSmall) {
@@ -483,7 +594,9 @@ void topk_segment_fused(const typename M::bits_t* p, int64_t lo, int64_t n, int6
   if (sample_bound<M>(p, n, k, L, est, &produce)) {
     Cands<M> c;
     const int64_t cap = std::max(4 * est, 4 * k) + 4096;
-    if (collect<M, false>(p, n, L, 0, cap, c, &produce) && c.size() >= k) {
+    // room for a block's expected candidates and then some (no regrowth)
+    const int64_t reserve = est / std::max<int64_t>(1, n / kBlock) * 5 / 4 + 64;
+    if (collect<M, false>(p, n, L, 0, cap, c, &produce, fc, reserve) && c.size() >= k) {
       const auto tr = resolve(c, std::numeric_limits<K>::max(), k, k);
       emit(c, lo, tr.first, tr.second, out, vout);
       return;
@@ -753,13 +866,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compensate_select_topk(
     };
     const auto* p = reinterpret_cast<const typename M::bits_t*>(a);
     auto* v = reinterpret_cast<typename M::bits_t*>(vals.data_ptr<scalar_t>());
+    const bool stream = acc.numel() * acc.element_size() >= kStreamBytes;
     GTOPK_DISPATCH_INDEX(idx.scalar_type(), "compensate_select_topk", [&] {
       index_t* out = idx.data_ptr<index_t>();
       for_segments(o, S, [&](int64_t s) {
         const int64_t lo = o[s];
         const Producer produce = [&, lo](int64_t b, int64_t e) { produce_global(lo + b, lo + e); };
+        // float32: the collect pass writes and scans in one loop
+        const FusedCollect<M> fc = [&, lo](int64_t b, int64_t e, typename M::key_t L, Cands<M>& c) {
+          b += lo;
+          e += lo;
+          int64_t t = std::upper_bound(tstart.begin(), tstart.end(), b) - tstart.begin() - 1;
+          while (b < e && t < T) {
+            const int64_t stop = std::min(e, tstart[t + 1]);
+            const int64_t base = tstart[t];
+            if (!fused_collect_range<scalar_t>(a + base, gp[t], r == nullptr ? nullptr : r + base,
+                                               b - base, stop - base, L, base - lo, c, stream))
+              bad[t].store(true, std::memory_order_relaxed);
+            b = stop;
+            ++t;
+          }
+        };
         topk_segment_fused<M>(p + lo, lo, o[s + 1] - lo, ks[s], out + out_off[s], v + out_off[s],
-                              produce);
+                              produce, std::is_same<scalar_t, float>::value ? &fc : nullptr);
       });
     });
   });

@@ -569,3 +569,85 @@ def test_selection_benchmark_smoke(tmp_path, capsys):
     rows = res["grid"]
     assert len(rows) == 2 and all(r["threshold_recall"] >= 0.9 for r in rows)
     assert "torch.topk" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_fused_compensation_and_selection_match_reference(threads, dtype, nthreads):
+    """compensate_select_topk (float32: written with non-temporal stores and
+    scanned in the same loop) against the reference: idx, vals, the finite
+    flags and every bit of acc.  Odd tensor boundaries and an acc that is not
+    16-byte aligned (the scalar head and tail of the vector loop), NaN/Inf
+    gradients, a NaN made by the residual alone (ranks as +inf, gradient
+    finite), sampled bounds at 1 % and 0.1 % of a 300k segment, accumulators
+    past 4 MB (non-temporal stores), and the fallback when the bound fails
+    (heavy ties: every block still written)."""
+    threads(nthreads)
+    g = torch.Generator().manual_seed(23)
+    sizes = [0, 3, 701, 20_001, 300_003]
+    N = sum(sizes)
+    layer = torch.tensor([0] + np.cumsum(sizes).tolist())
+
+    def check(grads, residual, offsets, ks, shift):
+        n = sum(x.numel() for x in grads)
+        base = torch.full((n + shift,), 7.0, dtype=dtype)
+        acc, ref_acc = base[shift:], torch.full((n,), 7.0, dtype=dtype)
+        got = cpu.compensate_select_topk(acc, grads, residual, offsets, torch.tensor(ks))
+        ref = reference.compensate_select_topk(ref_acc, grads, residual, offsets, torch.tensor(ks))
+        for a, b in zip(got, ref):
+            assert_same(a, b)
+        assert_same(acc, ref_acc)
+        return got
+
+    for bad in ((), (3,), (2, 4)):
+        grads = []
+        for t, n in enumerate(sizes):
+            x = torch.randn(n, generator=g).to(dtype)
+            if n > 50:
+                x[10:30] = 0.5
+                x[30:40] = -0.0
+            if t in bad:
+                x[n // 3] = float("nan") if t % 2 else -float("inf")
+            grads.append(x)
+        for residual in (None, (torch.randn(N, generator=g) * 0.5).to(dtype)):
+            if residual is not None:
+                residual[N - 5] = float("nan")  # the sum is NaN, the gradient finite
+            for offsets, ks in ((layer, [1, 1, 50, 200, 3000]), (layer, [0, 3, 700, 1, 300]),
+                                (torch.tensor([0, N]), [3200])):
+                for shift in (0, 1):
+                    _, _, finite = check(grads, residual, offsets, ks, shift)
+                    assert finite.tolist() == [t not in bad for t in range(len(sizes))]
+    # past 4 MB: float32 is written with non-temporal stores
+    big = [torch.randn(700_001, generator=g).to(dtype), torch.randn(400_003, generator=g).to(dtype)]
+    big[1][123] = float("inf")
+    for ks in ([7000, 4000], [700, 400]):
+        for shift in (0, 1):
+            _, _, finite = check(big, torch.randn(1_100_004, generator=g).to(dtype),
+                                 torch.tensor([0, 700_001, 1_100_004]), ks, shift)
+            assert finite.tolist() == [True, False]
+    zeros = [torch.zeros(200_000, dtype=dtype)]
+    zeros[0][[5, 77, 100_000]] = torch.tensor([1.0, -2.0, 0.5], dtype=dtype)
+    for ks in ([2], [3000]):
+        check(zeros, None, torch.tensor([0, 200_000]), ks, 1)
+    check([torch.zeros(1_100_000, dtype=dtype)], None, torch.tensor([0, 1_100_000]), [5000], 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compensate_matches_reference_small_and_streamed(dtype):
+    """compensate against the reference, bit for bit with its finite flag:
+    small buffers (normal stores) and a float32 buffer past 4 MB (written
+    with non-temporal stores), out aligned and not 16-byte aligned, with
+    and without residual, NaN/Inf anywhere in the gradient."""
+    g = torch.Generator().manual_seed(29)
+    for n in (5, 20_001, 1_200_007):
+        for bad_at in (None, 0, n // 2, n - 1):
+            grad = torch.randn(n, generator=g).to(dtype)
+            if bad_at is not None:
+                grad[bad_at] = float("nan") if bad_at % 2 else float("inf")
+            for residual in (None, torch.randn(n, generator=g).to(dtype)):
+                for shift in (0, 1, 3):
+                    base = torch.full((n + shift,), 7.0, dtype=dtype)
+                    out, ref_out = base[shift:], torch.empty(n, dtype=dtype)
+                    ok = cpu.compensate(out, grad, residual)
+                    assert ok == reference.compensate(ref_out, grad, residual) == (bad_at is None)
+                    assert_same(out, ref_out)
