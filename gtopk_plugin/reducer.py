@@ -38,7 +38,7 @@ from .reducer_state import ReducerState
 from .layout import (Segments, all_finite, clip_scale, flat_dtype, global_segment_name,  # noqa: F401
                      k_for, local_grad_norm, segment_ks, validate_grads)
 from .stats import ReduceStats
-from .update_buffers import UpdateBuffers
+from .update_buffers import UpdateBuffers, check_out
 
 Tensor = torch.Tensor
 _all_finite = all_finite  # the name before the split (issue #16)
@@ -162,7 +162,8 @@ class GradientReducer(ReducerState):
 
     # ------------------------------------------------------------------ API
     def reduce(self, grads: Mapping[str, Tensor], *, advance_step: bool = True,
-               grad_norm: Optional[float] = None, loss_scale: Optional[float] = None) -> Dict[str, Tensor]:
+               grad_norm: Optional[float] = None, loss_scale: Optional[float] = None,
+               out: Optional[Mapping[str, Tensor]] = None) -> Dict[str, Tensor]:
         """Reduce ``grads`` (name -> dense gradient) across all ranks and return
         name -> dense update (same shapes and dtypes).  Collective: every rank
         calls it with the same names, shapes and dtypes.
@@ -177,25 +178,28 @@ class GradientReducer(ReducerState):
         the gradients carry (``GradScaler.get_scale()``); residuals and
         velocities are kept in the scale of the latest call and rescaled
         exactly (powers of two) when it changes, and the clipping threshold
-        is scaled with it.
+        is scaled with it.  ``out``: name -> contiguous tensor like the
+        gradient (it may be the gradient itself: it is written only after
+        the gradients were read) to receive each update, returned as the
+        dict; a sparse update then costs a zero fill and O(k) writes there.
 
         Memory (issue #15): no N-sized allocation in steady state on the
         sparse butterfly path.  Residuals and the scratch accumulator are
-        persistent per layout (see :mod:`.compress.error_feedback`), and the
-        returned updates are views into persistent buffers that are reused
-        once the caller has dropped every tensor of an earlier call (see
-        :class:`UpdateBuffers`): hold on to them as long as you need them,
-        but do not write into them (a later step may reuse the storage once
-        they are gone).  Dense results are fresh tensors of their own.
+        persistent per layout (see :mod:`.compress.error_feedback`); without
+        ``out`` the updates are views into persistent buffers, reused once
+        the caller has dropped every tensor of an earlier call (see
+        :class:`UpdateBuffers`): do not write into them.  Dense results are
+        fresh tensors of their own.
         """
         parts = self._small and small_tensors.split(grads, self._small.threshold)
-        kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale)
+        kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
         return self._small.reduce(self, *parts, **kw) if parts else self._reduce(grads, **kw)
 
-    def _reduce(self, grads, *, advance_step, grad_norm, loss_scale):
+    def _reduce(self, grads, *, advance_step, grad_norm, loss_scale, out=None):
         t0 = time.perf_counter()
         cfg = self.config
         bad, names, tensors = validate_grads(grads)
+        bad = bad or check_out(out, names, tensors)
         density = cfg.density_at(self.step)
         layout, sizes = self._layout(names, tensors, density)
         P = self.transport.size
@@ -241,7 +245,7 @@ class GradientReducer(ReducerState):
                 raise consistency.NonFiniteGradientError(
                     f"gtopk_plugin: non-finite gradient (NaN or Inf) in {detail}; nothing was "
                     "applied and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
-            return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step)
+            return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step, out)
 
         if not fused:
             flatres, acc = self._compensate(names, sizes, tensors, dtype, grad_norm, loss_scale, P)
@@ -284,7 +288,7 @@ class GradientReducer(ReducerState):
         t3 = time.perf_counter()
         divisor = P if cfg.op == "average" else 1
         update, nnz = self._updates.result(agg, (tuple(names), dtype, acc.device), numel, divisor,
-                                           flatres.bufs, cfg.kernels)
+                                           flatres.bufs, cfg.kernels, out and [out[n] for n in names])
         # Residual: acc less what reached the global result, as it travelled
         # (error feedback, the same wrapper for selectors and codecs).
         sent_vals = wire.values(wire_vals, dtype)  # the int8 wire decoded (exact)
@@ -300,8 +304,9 @@ class GradientReducer(ReducerState):
             self.momentum.mask_(names, idx)
         selected = int(vals.numel())
         sent = numel if idx is None else int(idx.numel())
-        out = {n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
-               for n, u, t in zip(names, torch.split(update, sizes), tensors)}
+        res = {n: out[n] for n in names} if out is not None else {
+            n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
+            for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
         self.last_stats = ReduceStats.from_counters(
@@ -310,7 +315,7 @@ class GradientReducer(ReducerState):
             result_nnz=int(nnz), sent_entries=sent, rounds=agg.rounds, seconds=seconds, dtype=dtype)
         if advance_step:
             self.step += 1
-        return out
+        return res
 
     def _compensate(self, names, sizes, tensors, dtype, grad_norm, loss_scale, P):
         """The general path's ``acc = grad (clipped, + weight decay, through
@@ -386,11 +391,12 @@ class GradientReducer(ReducerState):
             layout.append(("hyper",) + tuple(sorted(self.compressor.hyper.items())))
         return layout, sizes
 
-    def _skip(self, names, tensors, sizes, density, P, before, seconds, advance_step):
+    def _skip(self, names, tensors, sizes, density, P, before, seconds, advance_step, out=None):
         """nonfinite="skip": every rank returns zero updates for this step and
         keeps its residuals; the step's gradients are dropped on all ranks."""
         fill = math.inf if self.config.nonfinite == "propagate" else 0.0
-        out = {n: torch.full_like(t, fill) for n, t in zip(names, tensors)}
+        out = {n: out[n].fill_(fill) if out is not None else torch.full_like(t, fill)
+               for n, t in zip(names, tensors)}
         numel = sum(sizes)
         st = ReduceStats(method=self.config.method, aggregation=self.aggregation, step=self.step,
                          world_size=P, numel=numel, k=0, density=density, skipped=True,

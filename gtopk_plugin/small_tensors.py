@@ -33,6 +33,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from .layout import all_finite, local_grad_norm, validate_grads
+from .update_buffers import check_out
 
 Tensor = torch.Tensor
 
@@ -71,7 +72,7 @@ class SmallTensors:
             momentum=cfg.momentum, nesterov=cfg.nesterov, dampening=cfg.dampening,
             momentum_masking=cfg.momentum_masking, clip_norm=cfg.clip_norm)
 
-    def reduce(self, red, small, rest, *, advance_step, grad_norm, loss_scale) -> Dict[str, Tensor]:
+    def reduce(self, red, small, rest, *, advance_step, grad_norm, loss_scale, out=None) -> Dict[str, Tensor]:
         """One ``red.reduce()`` call split in two (see the module docstring)."""
         dense = self.dense
         dense.step, dense.binding = red.step, red.binding
@@ -82,26 +83,29 @@ class SmallTensors:
             except RuntimeError:
                 grad_norm = None  # invalid input: the check below raises
         bad, names, tensors = validate_grads(small)
+        bad = bad or check_out(out, names, tensors)
         if not rest:  # nothing to compress: the dense reducer alone (its check)
-            out = dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale)
-            return self._finish(red, out, dense.last_stats, None, advance_step)
+            res = dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
+            return self._finish(red, res, dense.last_stats, None, advance_step)
         # the method's call carries the small tensors' check
         layout = [("dense_below", self.threshold)] + [
             (n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)]
         nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)] if bad is None else []
         red._also = (layout, nonfinite, bad)
         try:
-            out = red._reduce(rest, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale)
+            res = red._reduce(rest, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
         finally:
             red._also = None
         main = red.last_stats
         if main.skipped:  # every rank skips the whole step (nonfinite="skip"/"propagate")
             fill = float("inf") if red.config.nonfinite == "propagate" else 0.0
-            out.update({n: torch.full_like(t, fill) for n, t in small.items()})
+            res.update({n: out[n].fill_(fill) if out is not None else torch.full_like(t, fill)
+                        for n, t in small.items()})
             main.numel += sum(t.numel() for t in small.values())
-            return self._finish(red, out, None, main, advance_step)
-        out.update(dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale))
-        return self._finish(red, out, dense.last_stats, main, advance_step)
+            return self._finish(red, res, None, main, advance_step)
+        res.update(dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale,
+                                out=out))
+        return self._finish(red, res, dense.last_stats, main, advance_step)
 
     @staticmethod
     def _finish(red, out, small_stats, main_stats, advance_step):

@@ -4,7 +4,7 @@ per layout; see :class:`UpdateBuffers` for the lifetime contract of the
 tensors ``reduce()`` returns."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -62,7 +62,8 @@ class UpdateBuffers:
     def __init__(self):
         self._rings: Dict[tuple, list] = {}
 
-    def result(self, agg, key, numel: int, divisor: int, layout_bufs, kernels_backend=None):
+    def result(self, agg, key, numel: int, divisor: int, layout_bufs, kernels_backend=None,
+               outs: Optional[List[Tensor]] = None):
         """``(update, nnz)``: the aggregated result ``agg`` (an
         ``Aggregated``) divided by ``divisor`` (P for op="average", else 1)
         as the dense update of layout ``key`` = (names, dtype, device).
@@ -72,8 +73,12 @@ class UpdateBuffers:
         layout's residual/accumulator) is divided in place and handed out
         as is, no further N-sized buffer touched; any other dense result is
         copied into a ring buffer; a sparse one is written in O(k) (the
-        previous result's entries zeroed, this one's set)."""
+        previous result's entries zeroed, this one's set).  With ``outs``
+        (the caller's tensors, in layout order) the update goes there
+        instead: ``(None, nnz)``."""
         dtype, device = key[1], key[2]
+        if outs:
+            return None, write_into(agg, outs, divisor)
         if agg.idx is None and _owned(agg.vals, dtype, numel, layout_bufs):
             return agg.vals, kernels.div_count_(agg.vals, divisor, kernels=kernels_backend)
         if agg.idx is None:
@@ -126,3 +131,54 @@ class UpdateBuffers:
             prev = none
         entry["prev"] = "dense" if idx is None else idx.clone()
         return buf, prev
+
+
+def check_out(out, names, tensors) -> Optional[str]:
+    """Local checks of ``reduce(..., out=)``: an error message (the
+    consistency check makes every rank raise it) or ``None``."""
+    if out is None:
+        return None
+    if not isinstance(out, Mapping):
+        return f"out must be a dict name -> tensor; got {type(out).__name__}"
+    for n, t in zip(names, tensors):
+        o = out.get(n)
+        if not isinstance(o, torch.Tensor):
+            return f"out has no tensor for gradient {n!r}"
+        if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device or not o.is_contiguous():
+            return (f"out[{n!r}] must be a contiguous tensor of the gradient's shape, dtype and device "
+                    f"({tuple(t.shape)}, {t.dtype}, {t.device}); got {tuple(o.shape)}, {o.dtype}, "
+                    f"{o.device}{'' if o.is_contiguous() else ', not contiguous'}")
+    return None
+
+
+def write_into(agg, outs: List[Tensor], divisor: int) -> Tensor:
+    """The aggregated result ``agg`` divided by ``divisor``, written into
+    the caller's tensors ``outs`` (the layout's tensors in order; each may
+    have its own dtype); returns the number of nonzero entries.  Bit for bit
+    what :meth:`UpdateBuffers.result` hands out (the same true division in
+    the value dtype, then the tensor's dtype): a dense result divided
+    straight into them, a sparse one as a zero fill plus O(k) writes -- no
+    update buffer, and no copy of one (issue #15)."""
+    vals = agg.vals
+    if agg.idx is None:
+        off, nnz = 0, 0
+        for t in outs:
+            v = vals[off:off + t.numel()].view(t.shape)
+            torch.div(v, divisor, out=t) if divisor != 1 else t.copy_(v)
+            nnz += int(torch.count_nonzero(t))
+            off += t.numel()
+        return torch.tensor(nnz)
+    idx = agg.idx
+    if divisor != 1:
+        vals = vals / divisor
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        idx, order = torch.sort(idx)
+        vals = vals[order]
+    sizes = torch.tensor([0] + [t.numel() for t in outs], device=idx.device).cumsum(0)
+    cuts = torch.searchsorted(idx, sizes.to(idx.dtype)).tolist()
+    for j, t in enumerate(outs):
+        t.zero_()
+        a, b = cuts[j], cuts[j + 1]
+        if b > a:
+            t.view(-1).index_copy_(0, (idx[a:b] - int(sizes[j])).long(), vals[a:b].to(t.dtype))
+    return torch.count_nonzero(vals)

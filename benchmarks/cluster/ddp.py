@@ -359,7 +359,8 @@ def table(res) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         tx = f"{r['tx_bytes_per_step']:,.0f}" if r["tx_bytes_per_step"] is not None else "–"
-        lines.append(f"| {r['name']} | {r['median_ms']:.1f} | {r['ratio_to_best_pytorch']:.2f} | "
+        ratio = r["ratio_to_best_pytorch"]  # None when --rows leaves out every PyTorch hook
+        lines.append(f"| {r['name']} | {r['median_ms']:.1f} | {'–' if ratio is None else f'{ratio:.2f}'} | "
                      f"{r['bytes_per_step']:,.0f} | {tx} | {r['buckets_per_step']} | {_ph(r)} "
                      f"| {'n/a (nothing averaged)' if r['kind'] == 'floor' else 'yes' if r['params_identical'] else 'NO'} |")
     return "\n".join(lines)

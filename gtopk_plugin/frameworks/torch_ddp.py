@@ -33,6 +33,7 @@ from ..hierarchical import HierarchicalReducer
 from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
 from ..traffic import StepTraffic
+from .ddp_buckets import finish_bucket, reduce_buckets
 from .ddp_naming import ParameterNaming
 from .torch_distributed import TorchDistributedTransport
 
@@ -338,7 +339,7 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
     if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
-        _finish_bucket(state, item, _reduce(state, [item], bucket.is_last(), None))
+        finish_bucket(item, reduce_buckets(state, [item], bucket.is_last(), None))
         return fut
     # Hold the bucket back (DDP waits for the futures only after the last
     # bucket's hook has run) and reduce the step's buckets when the last is
@@ -352,12 +353,12 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
             if state.reducer.config.clip_norm is not None:
                 norm = local_grad_norm([g for it in pending for g in it[1]])
             if state.coalesce_buckets:
-                updates = _reduce(state, pending, True, norm)
+                updates = reduce_buckets(state, pending, True, norm)
                 for it in pending:
-                    _finish_bucket(state, it, updates)
+                    finish_bucket(it, updates)
             else:
                 for j, it in enumerate(pending):
-                    _finish_bucket(state, it, _reduce(state, [it], j == len(pending) - 1, norm))
+                    finish_bucket(it, reduce_buckets(state, [it], j == len(pending) - 1, norm))
         except BaseException as exc:
             # the held-back futures must not stay pending forever
             for it in pending:
@@ -365,40 +366,3 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
                     it[4].set_exception(exc)
             raise
     return fut
-
-
-def _reduce(state: SparseState, items, last: bool, grad_norm) -> dict:
-    """One ``reduce`` over the gradients of ``items`` (DDP buckets): the
-    averaged updates by parameter name."""
-    names = [n for it in items for n in it[0]]
-    grads = [g for it in items for g in it[1]]
-    # The loss scale changes only in scaler.update(), after the step: read it
-    # once per step (get_scale() synchronises with the device), not per bucket.
-    if state.grad_scaler is not None and state._step_scale is None:
-        state._step_scale = float(state.grad_scaler.get_scale())
-    try:  # only the step's last bucket advances the step (warm-up, random-k draws)
-        updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=last,
-                                       grad_norm=grad_norm, loss_scale=state._step_scale)
-    except BaseException:
-        state._step_scale = None  # a failed step: read the scale afresh next time
-        raise
-    state._step_scale = None if last else state._step_scale
-    state._record_traffic(last)
-    return updates
-
-
-def _finish_bucket(state: SparseState, item, updates: dict) -> None:
-    names, grads, buffer, index, fut = item
-    total = sum(g.numel() for g in grads)
-    if total != buffer.numel():
-        raise RuntimeError(f"DDP bucket {index} buffer has {buffer.numel()} elements but "
-                           f"its gradients have {total}; unsupported bucket layout")
-    # Already divided by P (op="average"); DDP copies the future's value into
-    # the gradients as is.  Each update goes straight into its slice of the
-    # bucket buffer (the gradients are consumed): no bucket-sized allocation
-    # (issue #15), and the reducer's update buffer is free for its next call.
-    off = 0
-    for n, g in zip(names, grads):
-        buffer.narrow(0, off, g.numel()).copy_(updates[n].reshape(-1))
-        off += g.numel()
-    fut.set_result(buffer)
