@@ -198,9 +198,15 @@ class _SparsePath:
                 g = g.to_dense()
             prepared[n] = g * pre if pre != 1.0 else g
         scaled = self._grad_scaler is not None or pre != 1.0
+        # the updates go straight into the (dense, contiguous) p.grad tensors,
+        # which the reducer reads before it writes them: no copy of an
+        # update buffer in synchronize() (issue #15)
+        kw = {}
+        if self._hierarchy is None and all(not g.is_sparse and g.is_contiguous() for g in grads.values()):
+            kw["out"] = grads
         out = self._reducer.reduce(prepared, advance_step=(i == len(self._buckets) - 1),
                                    grad_norm=self._step_grad_norm,
-                                   loss_scale=self._step_loss_scale if scaled else None)
+                                   loss_scale=self._step_loss_scale if scaled else None, **kw)
         return out, self._reducer.last_stats
 
     def _synchronize_path(self):
@@ -234,7 +240,7 @@ class _SparsePath:
                         u = torch.full_like(u, float("nan"))
                     if p.grad.is_sparse:
                         p.grad = u.to_sparse()
-                    else:
+                    elif u.data_ptr() != p.grad.data_ptr():  # not written in place (out=)
                         p.grad.copy_(u)
         finally:
             self._reset_sparse_step()
