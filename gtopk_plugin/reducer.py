@@ -163,7 +163,7 @@ class GradientReducer(ReducerState):
     # ------------------------------------------------------------------ API
     def reduce(self, grads: Mapping[str, Tensor], *, advance_step: bool = True,
                grad_norm: Optional[float] = None, loss_scale: Optional[float] = None,
-               out: Optional[Mapping[str, Tensor]] = None) -> Dict[str, Tensor]:
+               out: Optional[Mapping[str, Tensor]] = None, out_reuse: bool = False) -> Dict[str, Tensor]:
         """Reduce ``grads`` (name -> dense gradient) across all ranks and return
         name -> dense update (same shapes and dtypes).  Collective: every rank
         calls it with the same names, shapes and dtypes.
@@ -182,6 +182,8 @@ class GradientReducer(ReducerState):
         gradient (it may be the gradient itself: it is written only after
         the gradients were read) to receive each update, returned as the
         dict; a sparse update then costs a zero fill and O(k) writes there.
+        ``out_reuse=True`` promises that ``out`` holds what this reducer
+        wrote there last, untouched since: only those entries are cleared.
 
         Memory (issue #15): no N-sized allocation in steady state on the
         sparse butterfly path.  Residuals and the scratch accumulator are
@@ -192,10 +194,11 @@ class GradientReducer(ReducerState):
         fresh tensors of their own.
         """
         parts = self._small and small_tensors.split(grads, self._small.threshold)
-        kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
+        kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale, out=out,
+                  out_reuse=out_reuse)
         return self._small.reduce(self, *parts, **kw) if parts else self._reduce(grads, **kw)
 
-    def _reduce(self, grads, *, advance_step, grad_norm, loss_scale, out=None):
+    def _reduce(self, grads, *, advance_step, grad_norm, loss_scale, out=None, out_reuse=False):
         t0 = time.perf_counter()
         cfg = self.config
         bad, names, tensors = validate_grads(grads)
@@ -288,7 +291,8 @@ class GradientReducer(ReducerState):
         t3 = time.perf_counter()
         divisor = P if cfg.op == "average" else 1
         update, nnz = self._updates.result(agg, (tuple(names), dtype, acc.device), numel, divisor,
-                                           flatres.bufs, cfg.kernels, out and [out[n] for n in names])
+                                           flatres.bufs, cfg.kernels, out and [out[n] for n in names],
+                                           out_reuse)
         # Residual: acc less what reached the global result, as it travelled
         # (error feedback, the same wrapper for selectors and codecs).
         sent_vals = wire.values(wire_vals, dtype)  # the int8 wire decoded (exact)
@@ -352,31 +356,6 @@ class GradientReducer(ReducerState):
             res_parts = [None] * len(parts)
         return f, acc, parts, res_parts
 
-    def correct_momentum(self, optimizer, named_parameters) -> "GradientReducer":
-        """Turn on DGC momentum correction with ``optimizer``'s own settings:
-        its SGD momentum (nesterov, dampening) and weight decay move in
-        front of the compressor, read from its param groups at every call,
-        and ``optimizer.step()`` runs with momentum and weight decay 0 for
-        those groups (restored right after the step).  ``named_parameters``
-        gives the names this reducer sees.  Returns ``self``.
-
-        Raises ``ValueError`` for optimizers without SGD momentum (Adam,
-        AdamW: use plain error feedback)."""
-        from .compress.optimizer_binding import OptimizerBinding
-
-        if self.binding is not None:
-            self.binding.remove()
-        self.binding = OptimizerBinding(optimizer, named_parameters)
-        return self
-
-    def reset(self) -> None:
-        """Forget residuals and velocities (e.g. after the set of parameters changed)."""
-        self.memory.reset()
-        self.momentum.reset()
-        self._updates.clear()
-        if self._small is not None:
-            self._small.reset()
-
     # ------------------------------------------------------------ internals
     def _layout(self, names, tensors, density):
         """The call's fingerprint for the cross-rank consistency check (the
@@ -395,6 +374,7 @@ class GradientReducer(ReducerState):
         """nonfinite="skip": every rank returns zero updates for this step and
         keeps its residuals; the step's gradients are dropped on all ranks."""
         fill = math.inf if self.config.nonfinite == "propagate" else 0.0
+        self._updates.forget_outs()  # every entry of out is written now
         out = {n: out[n].fill_(fill) if out is not None else torch.full_like(t, fill)
                for n, t in zip(names, tensors)}
         numel = sum(sizes)

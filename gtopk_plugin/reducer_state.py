@@ -10,8 +10,9 @@ from typing import Optional
 
 class ReducerState:
     """Mixin of :class:`gtopk_plugin.GradientReducer` (uses its ``config``,
-    ``step``, ``memory``, ``momentum``, ``compressor``, ``loss_scale`` and
-    ``_small``, the dense side of ``dense_below``)."""
+    ``step``, ``memory``, ``momentum``, ``compressor``, ``loss_scale``,
+    ``binding``, ``_updates`` and ``_small``, the dense side of
+    ``dense_below``)."""
 
     def _follow_loss_scale(self, loss_scale: Optional[float]) -> None:
         """Keep residuals and velocities in the units of the incoming
@@ -53,3 +54,28 @@ class ReducerState:
         self.compressor.load_state_dict(sd.get("compressor", {}))
         if self._small is not None:
             self._small.load_state_dict(sd.get("small", {}))
+
+    def correct_momentum(self, optimizer, named_parameters) -> "ReducerState":
+        """Turn on DGC momentum correction with ``optimizer``'s own settings:
+        its SGD momentum (nesterov, dampening) and weight decay move in
+        front of the compressor, read from its param groups at every call,
+        and ``optimizer.step()`` runs with momentum and weight decay 0 for
+        those groups (restored right after the step).  ``named_parameters``
+        gives the names this reducer sees.  Returns ``self``.
+
+        Raises ``ValueError`` for optimizers without SGD momentum (Adam,
+        AdamW: use plain error feedback)."""
+        from .compress.optimizer_binding import OptimizerBinding
+
+        if self.binding is not None:
+            self.binding.remove()
+        self.binding = OptimizerBinding(optimizer, named_parameters)
+        return self
+
+    def reset(self) -> None:
+        """Forget residuals and velocities (e.g. after the set of parameters changed)."""
+        self.memory.reset()
+        self.momentum.reset()
+        self._updates.clear()
+        if self._small is not None:
+            self._small.reset()

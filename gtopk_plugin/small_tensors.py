@@ -72,7 +72,8 @@ class SmallTensors:
             momentum=cfg.momentum, nesterov=cfg.nesterov, dampening=cfg.dampening,
             momentum_masking=cfg.momentum_masking, clip_norm=cfg.clip_norm)
 
-    def reduce(self, red, small, rest, *, advance_step, grad_norm, loss_scale, out=None) -> Dict[str, Tensor]:
+    def reduce(self, red, small, rest, *, advance_step, grad_norm, loss_scale, out=None,
+               out_reuse=False) -> Dict[str, Tensor]:
         """One ``red.reduce()`` call split in two (see the module docstring)."""
         dense = self.dense
         dense.step, dense.binding = red.step, red.binding
@@ -93,7 +94,8 @@ class SmallTensors:
         nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)] if bad is None else []
         red._also = (layout, nonfinite, bad)
         try:
-            res = red._reduce(rest, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
+            res = red._reduce(rest, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out,
+                              out_reuse=out_reuse)
         finally:
             red._also = None
         main = red.last_stats

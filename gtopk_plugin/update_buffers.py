@@ -61,9 +61,12 @@ class UpdateBuffers:
 
     def __init__(self):
         self._rings: Dict[tuple, list] = {}
+        # out= tensors a sparse result was last written into, per layout:
+        # (their data_ptrs, the result's sorted indices); see write_into
+        self._outs: Dict[tuple, tuple] = {}
 
     def result(self, agg, key, numel: int, divisor: int, layout_bufs, kernels_backend=None,
-               outs: Optional[List[Tensor]] = None):
+               outs: Optional[List[Tensor]] = None, out_reuse: bool = False):
         """``(update, nnz)``: the aggregated result ``agg`` (an
         ``Aggregated``) divided by ``divisor`` (P for op="average", else 1)
         as the dense update of layout ``key`` = (names, dtype, device).
@@ -75,10 +78,18 @@ class UpdateBuffers:
         copied into a ring buffer; a sparse one is written in O(k) (the
         previous result's entries zeroed, this one's set).  With ``outs``
         (the caller's tensors, in layout order) the update goes there
-        instead: ``(None, nnz)``."""
+        instead: ``(None, nnz)``; with ``out_reuse`` and the same tensors
+        as this layout's last sparse result, only that result's entries are
+        cleared first (O(k) instead of a zero fill)."""
         dtype, device = key[1], key[2]
         if outs:
-            return None, write_into(agg, outs, divisor)
+            ptrs = tuple(t.data_ptr() for t in outs)
+            last = self._outs.pop(key, None)
+            prev = last[1] if out_reuse and last is not None and last[0] == ptrs else None
+            nnz, idx = write_into(agg, outs, divisor, prev)
+            if out_reuse and idx is not None:
+                self._outs[key] = (ptrs, idx)
+            return None, nnz
         if agg.idx is None and _owned(agg.vals, dtype, numel, layout_bufs):
             return agg.vals, kernels.div_count_(agg.vals, divisor, kernels=kernels_backend)
         if agg.idx is None:
@@ -96,6 +107,12 @@ class UpdateBuffers:
 
     def clear(self) -> None:
         self._rings.clear()
+        self._outs.clear()
+
+    def forget_outs(self) -> None:
+        """Every out= tensor was overwritten (a skipped step's fill): the
+        next sparse result into them zero-fills them first."""
+        self._outs.clear()
 
     def take(self, key, numel: int, dtype, device, idx: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         """``(buf, prev)``: a buffer of ``numel`` for this step's result at
@@ -151,14 +168,16 @@ def check_out(out, names, tensors) -> Optional[str]:
     return None
 
 
-def write_into(agg, outs: List[Tensor], divisor: int) -> Tensor:
+def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = None):
     """The aggregated result ``agg`` divided by ``divisor``, written into
     the caller's tensors ``outs`` (the layout's tensors in order; each may
-    have its own dtype); returns the number of nonzero entries.  Bit for bit
-    what :meth:`UpdateBuffers.result` hands out (the same true division in
-    the value dtype, then the tensor's dtype): a dense result divided
-    straight into them, a sparse one as a zero fill plus O(k) writes -- no
-    update buffer, and no copy of one (issue #15)."""
+    have its own dtype).  Returns ``(nnz, idx)``: the number of nonzero
+    entries and, for a sparse result, its sorted indices.  Bit for bit what
+    :meth:`UpdateBuffers.result` hands out (the same true division in the
+    value dtype, then the tensor's dtype): a dense result divided straight
+    into them, a sparse one as a zero fill -- or, given ``prev`` (the sorted
+    indices of the sparse result the tensors hold), zeros at ``prev`` only
+    -- plus O(k) writes: no update buffer, and no copy of one (issue #15)."""
     vals = agg.vals
     if agg.idx is None:
         off, nnz = 0, 0
@@ -167,18 +186,23 @@ def write_into(agg, outs: List[Tensor], divisor: int) -> Tensor:
             torch.div(v, divisor, out=t) if divisor != 1 else t.copy_(v)
             nnz += int(torch.count_nonzero(t))
             off += t.numel()
-        return torch.tensor(nnz)
+        return torch.tensor(nnz), None
     idx = agg.idx
     if divisor != 1:
         vals = vals / divisor
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
         idx, order = torch.sort(idx)
         vals = vals[order]
-    sizes = torch.tensor([0] + [t.numel() for t in outs], device=idx.device).cumsum(0)
-    cuts = torch.searchsorted(idx, sizes.to(idx.dtype)).tolist()
+    starts = torch.tensor([0] + [t.numel() for t in outs], device=idx.device).cumsum(0)
+    cuts = torch.searchsorted(idx, starts.to(idx.dtype)).tolist()
+    pcuts = None if prev is None else torch.searchsorted(prev, starts.to(prev.dtype)).tolist()
     for j, t in enumerate(outs):
-        t.zero_()
+        flat, s = t.view(-1), int(starts[j])
+        if pcuts is None:
+            t.zero_()
+        elif pcuts[j + 1] > pcuts[j]:
+            flat.index_fill_(0, (prev[pcuts[j]:pcuts[j + 1]] - s).long(), 0)
         a, b = cuts[j], cuts[j + 1]
         if b > a:
-            t.view(-1).index_copy_(0, (idx[a:b] - int(sizes[j])).long(), vals[a:b].to(t.dtype))
-    return torch.count_nonzero(vals)
+            flat.index_copy_(0, (idx[a:b] - s).long(), vals[a:b].to(t.dtype))
+    return torch.count_nonzero(vals), idx.clone()

@@ -2,6 +2,8 @@
 ``GradientReducer.reduce`` calls and their results into the buckets'
 futures.  An item is ``(names, gradients, bucket buffer, bucket index,
 future)``; the gradients are views into the buffer."""
+import torch
+
 from ..reducer import GradientReducer
 
 
@@ -14,16 +16,13 @@ def reduce_buckets(state, items, last: bool, grad_norm) -> dict:
     grads = [g for it in items for g in it[1]]
     for it in items:
         _check_bucket(it)
-    # the gradients themselves receive the updates: DDP's bucket.gradients()
-    # are contiguous views into the bucket buffer, and the reducer writes
-    # them only after it has read them
-    out = dict(zip(names, grads)) if isinstance(state.reducer, GradientReducer) else None
+    out = _result_views(state, items) if isinstance(state.reducer, GradientReducer) else None
     # The loss scale changes only in scaler.update(), after the step: read it
     # once per step (get_scale() synchronises with the device), not per bucket.
     if state.grad_scaler is not None and state._step_scale is None:
         state._step_scale = float(state.grad_scaler.get_scale())
     try:  # only the step's last bucket advances the step (warm-up, random-k draws)
-        kw = {} if out is None else {"out": out}
+        kw = {} if out is None else {"out": out, "out_reuse": True}
         updates = state.reducer.reduce(dict(zip(names, grads)), advance_step=last,
                                        grad_norm=grad_norm, loss_scale=state._step_scale, **kw)
     except BaseException:
@@ -42,14 +41,43 @@ def _check_bucket(item) -> None:
                            f"its gradients have {total}; unsupported bucket layout")
 
 
-def finish_bucket(item, updates: dict) -> None:
+def _result_views(state, items) -> dict:
+    """name -> view of the bucket's persistent result buffer, laid out as
+    the bucket buffer (each gradient at its own offset).
+
+    The future's value need not be the bucket buffer: DDP views whatever
+    tensor the future holds at the bucket's offsets and copies from there
+    into ``.grad`` (as it does from its own allreduce's buffer), and it
+    never writes into it.  So each bucket gets a buffer of its own, kept
+    across steps: the reducer writes the sparse update there with
+    ``out_reuse`` -- clearing only the previous step's entries, O(k) --
+    instead of zero-filling the bucket buffer (N) or copying an update
+    into it (N).  Buffers of an old bucket layout (DDP rebuilds its
+    buckets after the first iteration) are dropped."""
+    out = {}
+    for names, grads, buffer, index, fut in items:
+        key = tuple(names)
+        buf = state._results.get(key)
+        if buf is None or buf.numel() != buffer.numel() or buf.dtype != buffer.dtype:
+            for old in [k for k in state._results if set(k) & set(key)]:
+                del state._results[old]
+            buf = state._results[key] = torch.zeros_like(buffer)
+        base = buffer.storage_offset()
+        for n, g in zip(names, grads):
+            out[n] = buf.narrow(0, g.storage_offset() - base, g.numel()).view(g.shape)
+    return out
+
+
+def finish_bucket(state, item, updates: dict) -> None:
     names, grads, buffer, index, fut = item
     # Already divided by P (op="average"); DDP copies the future's value into
-    # the gradients as is.  Each update goes into its gradient's slice of the
-    # bucket buffer (the gradients are consumed): no bucket-sized allocation
-    # (issue #15).  A flat reducer wrote them there itself (out=); the
-    # hierarchical one hands out its update buffer, copied here.
+    # the gradients as is.  A flat reducer wrote the updates into this
+    # bucket's result buffer (out=, see _result_views); the hierarchical one
+    # hands out its update buffer, copied into the bucket's gradients (which
+    # are consumed): no bucket-sized allocation either way (issue #15).
+    if isinstance(state.reducer, GradientReducer):
+        fut.set_result(state._results[tuple(names)])
+        return
     for n, g in zip(names, grads):
-        if updates[n].data_ptr() != g.data_ptr():
-            g.copy_(updates[n])
+        g.copy_(updates[n])
     fut.set_result(buffer)

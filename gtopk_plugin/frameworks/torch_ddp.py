@@ -181,6 +181,8 @@ class SparseState(ParameterNaming):
         self._needs_optimizer = False
         if momentum_correction:
             self.reducer.correct_momentum(optimizer, named_parameters)
+        # each bucket's persistent result buffer (ddp_buckets._result_views)
+        self._results: dict = {}
         # buckets of the current step held back (coalescing, clipping: see sparse_hook)
         self._pending: List[tuple] = []
         # GradScaler.get_scale() of the current step (read at its first bucket)
@@ -272,7 +274,7 @@ class SparseState(ParameterNaming):
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
         self._traffic_acc, self._intra = StepTraffic(), [0, 0]
-        self._pending = []
+        self._pending, self._results = [], {}
         self._step_scale = None
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
@@ -339,7 +341,7 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
     if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
-        finish_bucket(item, reduce_buckets(state, [item], bucket.is_last(), None))
+        finish_bucket(state, item, reduce_buckets(state, [item], bucket.is_last(), None))
         return fut
     # Hold the bucket back (DDP waits for the futures only after the last
     # bucket's hook has run) and reduce the step's buckets when the last is
@@ -355,10 +357,10 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
             if state.coalesce_buckets:
                 updates = reduce_buckets(state, pending, True, norm)
                 for it in pending:
-                    finish_bucket(it, updates)
+                    finish_bucket(state, it, updates)
             else:
                 for j, it in enumerate(pending):
-                    finish_bucket(it, reduce_buckets(state, [it], j == len(pending) - 1, norm))
+                    finish_bucket(state, it, reduce_buckets(state, [it], j == len(pending) - 1, norm))
         except BaseException as exc:
             # the held-back futures must not stay pending forever
             for it in pending:

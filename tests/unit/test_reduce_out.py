@@ -109,3 +109,50 @@ def test_bad_out_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         red.reduce(grads, out=out)
     assert red.step == 0 and not red.memory.residuals  # nothing applied
+
+
+@pytest.mark.parametrize("kw", [
+    dict(method="gtopk", density=0.02, nonfinite="skip"),
+    dict(method="topk", density=0.05, warmup=[1.0, 0.5]),   # a dense step first, then sparse
+    dict(method="randomk", density=0.05, seed=2, nonfinite="skip"),
+])
+def test_out_reuse_over_steps_matches_fresh_results(kw):
+    """The same out tensors every step with out_reuse=True (what the DDP
+    hook does with its per-bucket result buffers): every update equals the
+    reducer without out, bit for bit, over 10 steps whose selections move,
+    through a skipped step (NaN) and a dense warm-up step."""
+    a, b = _red(**kw), _red(**kw)
+    out = {n: torch.full_like(t, 99.0) for n, t in _grads(0).items()}
+    for s in range(10):
+        grads = _grads(700 + s)
+        if s == 4 and kw.get("nonfinite") == "skip":
+            grads["t2"][1] = float("nan")
+        got = a.reduce(grads, out=out, out_reuse=True)
+        want = b.reduce({n: t.clone() for n, t in grads.items()})
+        for n in want:
+            assert got[n] is out[n] and torch.equal(got[n], want[n]), (s, n)
+    # new tensors mid-way: zero-filled, not trusted
+    out2 = {n: torch.full_like(t, -5.0) for n, t in out.items()}
+    grads = _grads(900)
+    got = a.reduce(grads, out=out2, out_reuse=True)
+    want = b.reduce({n: t.clone() for n, t in grads.items()})
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_out_reuse_clears_only_the_previous_entries():
+    """O(k): with out_reuse the reducer clears only the entries its previous
+    result set -- an entry written behind its back survives (the promise
+    broken on purpose), while without out_reuse the tensors are zero-filled."""
+    for reuse in (True, False):
+        red, ref = _red(method="gtopk", density=0.01), _red(method="gtopk", density=0.01)
+        out = {n: torch.zeros_like(t) for n, t in _grads(3).items()}
+        red.reduce(_grads(3), out=out, out_reuse=reuse)
+        want1 = ref.reduce(_grads(3))
+        want2 = ref.reduce(_grads(4))
+        # a position neither step selects
+        free = int(torch.nonzero((want1["t0"] == 0) & (want2["t0"] == 0))[0])
+        out["t0"][free] = 42.0
+        red.reduce(_grads(4), out=out, out_reuse=reuse)
+        assert float(out["t0"][free]) == (42.0 if reuse else 0.0), reuse
+        out["t0"][free] = 0.0
+        assert all(torch.equal(out[n], want2[n]) for n in want2)
