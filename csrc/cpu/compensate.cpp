@@ -156,6 +156,42 @@ void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Ten
 // reference.div_count_) and its number of nonzero entries, in one pass (the
 // reducer's stats count them; torch.count_nonzero materialises a bool
 // tensor and costs three reads).
+namespace {
+
+// div_count_ of float32 x[b, e) in place: SSE2, one read and one write per
+// element.  The true division, as scalar code does it (divps rounds like
+// the scalar division); for a power-of-two divisor the multiplication by
+// its reciprocal, which is exact and so bit for bit the same quotient.
+// Returns the number of nonzero quotients (NaN counts, -0.0 does not).
+int64_t div_count_f32(float* p, int64_t b, int64_t e, int64_t divisor) {
+  const bool pow2 = (divisor & (divisor - 1)) == 0;
+  const float d = static_cast<float>(divisor);
+  int64_t c = 0, i = b;
+  auto one = [&](int64_t j) {
+    const float v = pow2 ? p[j] * (1.0f / d) : p[j] / d;
+    p[j] = v;
+    c += v != 0.0f;
+  };
+#if defined(__SSE2__)
+  for (; i < e && (reinterpret_cast<uintptr_t>(p + i) & 15) != 0; ++i) one(i);
+  const __m128 dv = _mm_set1_ps(d), rv = _mm_set1_ps(1.0f / d), zero = _mm_setzero_ps();
+  __m128i cnt = _mm_setzero_si128();  // per-lane counts, at most (e - b) / 4 < 2^31 each
+  for (; i + 4 <= e; i += 4) {
+    const __m128 x = _mm_load_ps(p + i);
+    const __m128 v = pow2 ? _mm_mul_ps(x, rv) : _mm_div_ps(x, dv);
+    _mm_store_ps(p + i, v);
+    cnt = _mm_sub_epi32(cnt, _mm_castps_si128(_mm_cmpneq_ps(v, zero)));  // -1 per nonzero
+  }
+  alignas(16) int32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), cnt);
+  c += int64_t(lanes[0]) + lanes[1] + lanes[2] + lanes[3];
+#endif
+  for (; i < e; ++i) one(i);
+  return c;
+}
+
+}  // namespace
+
 int64_t div_count_(const at::Tensor& x, int64_t divisor) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(),
               "div_count_: x must be a contiguous 1-D CPU tensor");
@@ -167,7 +203,9 @@ int64_t div_count_(const at::Tensor& x, int64_t divisor) {
     const opmath_t d = static_cast<opmath_t>(divisor);
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
       int64_t c = 0;
-      if (divisor == 1) {
+      if (std::is_same<scalar_t, float>::value && divisor != 1) {
+        c = div_count_f32(reinterpret_cast<float*>(p), b, e, divisor);
+      } else if (divisor == 1) {
         for (int64_t i = b; i < e; ++i) c += static_cast<opmath_t>(p[i]) != opmath_t(0);
       } else {
         for (int64_t i = b; i < e; ++i) {

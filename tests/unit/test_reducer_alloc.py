@@ -338,9 +338,16 @@ def test_div_count_matches_numpy(kern, dtype):
     x = torch.randn(100_003, generator=g).to(dtype)
     x[::5] = 0
     x[7] = 1e-45 if dtype == torch.float32 else 0  # a denormal that divides to zero
-    for divisor in (1, 3):
-        y = x.clone()
-        n = kernels.div_count_(y, divisor, kernels=kern)
-        want = (x / divisor) if divisor != 1 else x
-        assert torch.equal(y, want)
-        assert n == int(np.count_nonzero(want.double().numpy()))
+    x[8:12] = torch.tensor([float("nan"), float("inf"), -0.0, 3e-39 if dtype == torch.float32 else 1.0])
+    # the float32 kernel multiplies by the reciprocal of a power of two (exact)
+    # and divides otherwise: both must be the true division, bit for bit,
+    # also on an unaligned view (the SIMD loop's scalar head and tail)
+    for divisor in (1, 2, 3, 4, 7, 8):
+        for lo in (0, 1):
+            y = x[lo:].clone() if lo == 0 else x.clone()[lo:]
+            n = kernels.div_count_(y, divisor, kernels=kern)
+            want = (x[lo:] / divisor) if divisor != 1 else x[lo:]
+            assert torch.equal(y.isnan(), want.isnan())
+            ok = ~want.isnan()
+            assert torch.equal(y[ok], want[ok]) and torch.equal(y[ok].signbit(), want[ok].signbit())
+            assert n == int(np.count_nonzero(want.double().numpy()))
