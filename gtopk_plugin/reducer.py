@@ -206,7 +206,7 @@ class GradientReducer(ReducerState):
         density = cfg.density_at(self.step)
         layout, sizes = self._layout(names, tensors, density)
         P = self.transport.size
-        before = self.transport.counters.copy()
+        before, wait0 = self.transport.counters.copy(), self.transport.wait_seconds
         dtype = flat_dtype(tensors) if not bad else None
         # Fast path: nothing changes state before the cross-rank check, so
         # the compensation acc = grad + residual and the finiteness check run
@@ -313,6 +313,7 @@ class GradientReducer(ReducerState):
             for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
+        seconds["wait"] = self.transport.wait_seconds - wait0  # inside the transport's primitives
         self.last_stats = ReduceStats.from_counters(
             self.transport.counters.copy().minus(before), method=cfg.method, aggregation=aggregation,
             step=self.step, world_size=P, numel=numel, k=int(k.sum()), density=density, selected=selected,

@@ -136,6 +136,30 @@ bool strictly_increasing(const at::Tensor& idx_) {
   });
 }
 
+// member_sorted(values, ascending)[i]: values[i] occurs in `ascending`;
+// both ascending (the caller checks), one merge-like walk, O(n + m): the
+// survival test of a worker's own entries after each butterfly round,
+// without a binary search (cache miss) per entry.
+at::Tensor member_sorted(const at::Tensor& values_, const at::Tensor& ascending_) {
+  TORCH_CHECK(values_.dim() == 1 && ascending_.dim() == 1 &&
+                  values_.scalar_type() == ascending_.scalar_type(),
+              "member_sorted: two 1-D index tensors of one dtype expected");
+  const at::Tensor v = values_.contiguous(), a = ascending_.contiguous();
+  at::Tensor out = at::empty({v.numel()}, v.options().dtype(at::kBool));
+  bool* o = out.data_ptr<bool>();
+  GTOPK_DISPATCH_INDEX(v.scalar_type(), "member_sorted", [&] {
+    const index_t* pv = v.data_ptr<index_t>();
+    const index_t* pa = a.data_ptr<index_t>();
+    const int64_t n = v.numel(), m = a.numel();
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      while (j < m && pa[j] < pv[i]) ++j;
+      o[i] = j < m && pa[j] == pv[i];
+    }
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_select(
     const at::Tensor& idx_a_, const at::Tensor& val_a_, const at::Tensor& idx_b_,
     const at::Tensor& val_b_, const at::Tensor& offsets, const at::Tensor& k) {

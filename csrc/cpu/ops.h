@@ -23,6 +23,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_select(
     const at::Tensor& idx_a, const at::Tensor& val_a, const at::Tensor& idx_b,
     const at::Tensor& val_b, const at::Tensor& offsets, const at::Tensor& k);
 bool strictly_increasing(const at::Tensor& idx);
+at::Tensor member_sorted(const at::Tensor& values, const at::Tensor& ascending);
 
 // scatter.cpp
 at::Tensor scatter_update(int64_t numel, const at::Tensor& idx, const at::Tensor& vals,

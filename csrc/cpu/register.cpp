@@ -26,6 +26,7 @@ TORCH_LIBRARY(gtopk_cpu, m) {
   m.def("select_threshold", &gtopk::cpu::select_threshold);
   m.def("merge_select", &gtopk::cpu::merge_select);
   m.def("strictly_increasing", &gtopk::cpu::strictly_increasing);
+  m.def("member_sorted", &gtopk::cpu::member_sorted);
   m.def("scatter_update", &gtopk::cpu::scatter_update);
   // writes into `out` (the reducer's scratch accumulator): declared mutable
   m.def("compensate(Tensor(a!) out, Tensor grad, Tensor? residual) -> bool",

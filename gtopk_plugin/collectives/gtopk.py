@@ -58,14 +58,12 @@ class ButterflyResult:
     residual_add: Optional[Tuple[Tensor, Tensor]] = None
 
 
-def _member_of(values: Tensor, ascending: Tensor) -> Tensor:
+def _member_of(values: Tensor, ascending: Tensor, kernels_choice=None) -> Tensor:
     """``torch.isin(values, ascending)`` for a strictly ascending second
-    operand (every merged set is): a binary search per value instead of
-    isin's sort of both operands (~20x faster at k = 250k)."""
-    if ascending.numel() == 0:
-        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
-    pos = torch.searchsorted(ascending, values).clamp_(max=ascending.numel() - 1)
-    return ascending[pos] == values
+    operand (every merged set is): one merge-like walk on the CPU kernels
+    when ``values`` ascend too (a rank's own set does), else a binary
+    search per value (kernels.member_sorted); never isin's sort of both."""
+    return kernels.member_sorted(values, ascending, kernels=kernels_choice)
 
 
 class _Charges:
@@ -198,9 +196,9 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         cur_idx, cur_val, _, _ = merge(cur_idx, cur_val, o_idx, o_val)
         # An own entry survives only if its index is in every round's set.
         cur_long = cur_idx.long()
-        alive &= _member_of(own_idx, cur_long)
+        alive &= _member_of(own_idx, cur_long, kernels_choice)
         if folded_idx is not None:
-            folded_alive &= _member_of(folded_idx, cur_long)
+            folded_alive &= _member_of(folded_idx, cur_long, kernels_choice)
         if charges is not None:
             charges.survive(cur_long)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import pickle
+import time
 from dataclasses import dataclass, fields
 from typing import List, Optional
 
@@ -53,8 +54,21 @@ class Transport(abc.ABC):
     order) on all ranks, like any collective.
     """
 
+    #: seconds spent inside the engine's primitives (waiting on peers and
+    #: the link), cumulative; GradientReducer reports a call's share as
+    #: ``last_stats.seconds["wait"]``
+    wait_seconds: float = 0.0
+
     def __init__(self):
         self.counters = TrafficCounters()
+
+    def _wait_for(self, primitive, *args):
+        """Runs one of the ``_raw_*`` primitives, timing it (wait_seconds)."""
+        t0 = time.perf_counter()
+        try:
+            return primitive(*args)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     # -- identity ---------------------------------------------------------
     @property
@@ -99,12 +113,12 @@ class Transport(abc.ABC):
         if recv_nbytes is None:
             hs = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
             hr = torch.empty(1, dtype=torch.int64, device=dev)
-            self._raw_sendrecv(peer, hs, peer, hr)
+            self._wait_for(self._raw_sendrecv, peer, hs, peer, hr)
             self.counters.header_bytes_sent += _HEADER
             self.counters.header_bytes_received += _HEADER
             recv_nbytes = int(hr.item())
         recv = torch.empty(recv_nbytes, dtype=torch.uint8, device=dev)
-        self._raw_sendrecv(peer, send, peer, recv)
+        self._wait_for(self._raw_sendrecv, peer, send, peer, recv)
         self.counters.payload_bytes_sent += send.numel()
         self.counters.payload_bytes_received += recv_nbytes
         self.counters.messages_sent += 1
@@ -114,9 +128,9 @@ class Transport(abc.ABC):
         dev = self.comm_device(blob.device)
         blob = blob.to(dev)
         if with_header:
-            self._raw_send(peer, torch.tensor([blob.numel()], dtype=torch.int64, device=dev))
+            self._wait_for(self._raw_send, peer, torch.tensor([blob.numel()], dtype=torch.int64, device=dev))
             self.counters.header_bytes_sent += _HEADER
-        self._raw_send(peer, blob)
+        self._wait_for(self._raw_send, peer, blob)
         self.counters.payload_bytes_sent += blob.numel()
         self.counters.messages_sent += 1
 
@@ -124,11 +138,11 @@ class Transport(abc.ABC):
         dev = self.comm_device(torch.device(device))
         if nbytes is None:
             h = torch.empty(1, dtype=torch.int64, device=dev)
-            self._raw_recv(peer, h)
+            self._wait_for(self._raw_recv, peer, h)
             self.counters.header_bytes_received += _HEADER
             nbytes = int(h.item())
         blob = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        self._raw_recv(peer, blob)
+        self._wait_for(self._raw_recv, peer, blob)
         self.counters.payload_bytes_received += nbytes
         return blob
 
@@ -162,7 +176,7 @@ class Transport(abc.ABC):
             sizes = torch.zeros(P, dtype=torch.int64, device=self.comm_device(blob.device))
             sizes[r] = blob.numel()
             # a sum of one-hot vectors is an allgather of the sizes
-            self._raw_allreduce_sum_(sizes)
+            self._wait_for(self._raw_allreduce_sum_, sizes)
             self.counters.header_bytes_sent += _HEADER * (P - 1)
             self.counters.header_bytes_received += _HEADER * (P - 1)
             nbytes = sizes.tolist()
@@ -179,7 +193,7 @@ class Transport(abc.ABC):
         dev = self.comm_device(send.device)
         send = send.to(dev)
         recv = torch.empty(recv_nbytes, dtype=torch.uint8, device=dev)
-        self._raw_sendrecv(right, send, left, recv)
+        self._wait_for(self._raw_sendrecv, right, send, left, recv)
         self.counters.payload_bytes_sent += send.numel()
         self.counters.payload_bytes_received += recv_nbytes
         self.counters.messages_sent += 1
@@ -189,7 +203,7 @@ class Transport(abc.ABC):
         """In-place sum over ranks; counted with the ring model."""
         dev = self.comm_device(t.device)
         buf = t if t.device == dev else t.to(dev)
-        self._raw_allreduce_sum_(buf)
+        self._wait_for(self._raw_allreduce_sum_, buf)
         if buf is not t:
             t.copy_(buf)
         P = self.size
@@ -204,14 +218,14 @@ class Transport(abc.ABC):
         """Small int64 consistency vector, max over ranks (control traffic)."""
         dev = self.comm_device(t.device)
         buf = t.to(dev)
-        self._raw_allreduce_max_(buf)
+        self._wait_for(self._raw_allreduce_max_, buf)
         self.counters.control_bytes += buf.numel() * buf.element_size()
         return buf.to(t.device)
 
     def allgather_object(self, obj) -> list:
         """Picklable object from every rank (error paths only)."""
         self.counters.control_bytes += len(pickle.dumps(obj)) * self.size
-        return self._raw_allgather_object(obj)
+        return self._wait_for(self._raw_allgather_object, obj)
 
 
 class SingleProcessTransport(Transport):

@@ -101,6 +101,12 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k, *, kernels: Optional[st
     return _module(val_a.device, kernels).merge_select(idx_a, val_a, idx_b, val_b, offsets, k)
 
 
+def member_sorted(values, ascending, *, kernels: Optional[str] = None):
+    """``torch.isin(values, ascending)`` for strictly ascending ``ascending``
+    (and, for the CPU kernel's one walk, ascending ``values``): bool per value."""
+    return _module(values.device, kernels).member_sorted(values, ascending)
+
+
 def scatter_update(numel, idx, vals, divisor, dtype, *, kernels: Optional[str] = None):
     return _module(vals.device, kernels).scatter_update(numel, idx, vals, divisor, dtype)
 
@@ -150,6 +156,6 @@ from . import cuda as _cuda  # noqa: E402
 register_backend("cuda", loader=_cuda.load)
 
 
-__all__ = ["select_topk", "select_threshold", "merge_select", "scatter_update",
+__all__ = ["select_topk", "select_threshold", "merge_select", "member_sorted", "scatter_update",
            "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "backend", "register_backend",
            "reference", "index_dtype"]

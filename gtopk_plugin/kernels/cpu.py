@@ -169,6 +169,14 @@ def merge_select(idx_a, val_a, idx_b, val_b, offsets, k):
     return _ext.merge_select(idx_a, val_a, idx_b, val_b, *_seg(offsets, k))
 
 
+def member_sorted(values, ascending):
+    if (values.device.type != "cpu" or ascending.device.type != "cpu" or values.dtype not in _INDEX
+            or ascending.dtype != values.dtype or values.dim() != 1 or ascending.dim() != 1
+            or not (_ext.strictly_increasing(values) and _ext.strictly_increasing(ascending))):
+        return reference.member_sorted(values, ascending)
+    return _ext.member_sorted(values, ascending)
+
+
 def scatter_update(numel, idx, vals, divisor, dtype):
     if (dtype not in SUPPORTED or vals.device.type != "cpu" or idx.dtype not in _INDEX
             or not isinstance(divisor, int)):

@@ -395,5 +395,9 @@ def scatter_reset_(out, prev, idx, vals, divisor):
     return _cuda_fused.scatter_reset_(_rt, out, prev, idx, vals, divisor)
 
 
+def member_sorted(values, ascending):
+    return reference.member_sorted(values, ascending)  # torch.searchsorted runs on the device
+
+
 def div_count_(x, divisor):
     return _cuda_fused.div_count_(_rt, x, divisor)

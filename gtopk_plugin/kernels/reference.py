@@ -164,6 +164,16 @@ def merge_select(idx_a: Tensor, val_a: Tensor, idx_b: Tensor, val_b: Tensor,
     return uniq[keep].to(idx_a.dtype), vals[keep], keep_a, keep_b
 
 
+def member_sorted(values: Tensor, ascending: Tensor) -> Tensor:
+    """``torch.isin(values, ascending)`` for a strictly ascending second
+    operand (every merged gTop-k set is): a binary search per value instead
+    of isin's sort of both operands."""
+    if ascending.numel() == 0:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    pos = torch.searchsorted(ascending, values).clamp_(max=ascending.numel() - 1)
+    return ascending[pos] == values
+
+
 def topk_mask_sparse(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor) -> Tensor:
     """Boolean mask over a sparse set (ascending unique ``idx``) keeping the
     per-segment top-k by (|value| desc, index asc)."""

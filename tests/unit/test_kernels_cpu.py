@@ -651,3 +651,22 @@ def test_compensate_matches_reference_small_and_streamed(dtype):
                     ok = cpu.compensate(out, grad, residual)
                     assert ok == reference.compensate(ref_out, grad, residual) == (bad_at is None)
                     assert_same(out, ref_out)
+
+
+@pytest.mark.parametrize("itype", [torch.int32, torch.int64])
+def test_member_sorted_matches_numpy_isin(itype):
+    """member_sorted (the butterfly's survival test) against np.isin: the
+    CPU walk for ascending values, the reference's binary search for
+    unsorted ones, empty operands, values past either end."""
+    g = torch.Generator().manual_seed(31)
+    for n, m in ((0, 5), (5, 0), (1, 1), (3000, 7000), (250_000, 250_000)):
+        a = torch.sort(torch.randperm(4 * max(n, m, 1), generator=g)[:m]).values.to(itype)
+        v = torch.sort(torch.randperm(4 * max(n, m, 1), generator=g)[:n]).values.to(itype)
+        if n > 10 and m > 10:
+            v[n // 2] = a[m // 3]  # certainly shared entries
+        v = torch.unique(v)
+        for vals in (v, v[torch.randperm(v.numel(), generator=g)]):
+            want = np.isin(vals.numpy(), a.numpy())
+            for fn in (cpu.member_sorted, reference.member_sorted, kernels.member_sorted):
+                got = fn(vals, a)
+                assert got.dtype == torch.bool and np.array_equal(got.numpy(), want), (fn, n, m)
