@@ -76,11 +76,9 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
       u_n[s] = n;
       kept[s] = std::min(n, k);
       if (n > k && k > 0) {
-        std::nth_element(kp, kp + (k - 1), kp + n, std::greater<K>());
-        const K T = kp[k - 1];
-        // kp[0, k-1) holds keys >= T after nth_element: count those above T
+        const K T = kth_largest_radix(kp, n, k);
         int64_t gt = 0;
-        for (int64_t q = 0; q < k - 1; ++q) gt += kp[q] > T;
+        for (int64_t q = 0; q < n; ++q) gt += kp[q] > T;
         thr[s] = T;
         ties[s] = k - gt;
       }
