@@ -52,9 +52,9 @@ class UpdateBuffers:
 
     Reset cost: a sparse update rewrites only the entries the buffer's
     previous sparse result set (O(k)); after a dense result it is zeroed once.
-    Dense results (dense allreduce, the sparse allgather's summed vector) do
-    not use the ring: the aggregation's own fresh sum is divided in place and
-    returned, so those updates belong to the caller outright.
+    A dense result that is the aggregation's own fresh sum is divided in
+    place and returned, so that update belongs to the caller outright (the
+    sparse allgather's union is a sparse result like the butterfly's).
     """
 
     RING = 4
