@@ -23,6 +23,7 @@ import gtopk_plugin as gp
 from gtopk_plugin import kernels
 from gtopk_plugin.kernels import _build, cpu, reference
 from oracles import assert_values_equal, mag_np, merge_values_np, topk_np
+from test_kernels_cuda import _grads as cuda_grads
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -600,15 +601,7 @@ def test_fused_compensation_and_selection_match_reference(threads, dtype, nthrea
         return got
 
     for bad in ((), (3,), (2, 4)):
-        grads = []
-        for t, n in enumerate(sizes):
-            x = torch.randn(n, generator=g).to(dtype)
-            if n > 50:
-                x[10:30] = 0.5
-                x[30:40] = -0.0
-            if t in bad:
-                x[n // 3] = float("nan") if t % 2 else -float("inf")
-            grads.append(x)
+        grads = cuda_grads(dtype, sizes, g, bad=bad)  # the CUDA tests' gradient sets
         for residual in (None, (torch.randn(N, generator=g) * 0.5).to(dtype)):
             if residual is not None:
                 residual[N - 5] = float("nan")  # the sum is NaN, the gradient finite
