@@ -41,6 +41,8 @@ owns (``residual_add``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pickle
 from typing import Optional
 
@@ -174,6 +176,12 @@ def select_aggregate(ops, acc, offsets, ks, cmp, aggregation: str, wire_dtype, *
                             sum_dtype=x.dtype, static_count=True, kernels=kernels), transport)
         delta = transport.counters.copy().minus(before)
         reached = torch.ones(idx.numel(), dtype=torch.bool) if res.reached is None else res.reached
+        if aggregation == "allgather" and res.idx is not None:
+            # the core's allgather returns its sum as a sparse union; this
+            # layer's contract is the dense sum (the same bits: zeros elsewhere)
+            dense = torch.zeros(numel, dtype=res.vals.dtype)
+            dense[res.idx.long()] = res.vals
+            res = dataclasses.replace(res, idx=None, vals=dense)
         res_idx = torch.zeros(0, dtype=torch.int32) if res.idx is None else res.idx.to(torch.int32)
         fix_i, fix_v = res.residual_add if res.residual_add is not None else (torch.zeros(0), torch.zeros(0))
         sent = wire.values(wvals, x.dtype) if int8 else wvals  # int8: decoded (exact)
