@@ -58,14 +58,6 @@ class ButterflyResult:
     residual_add: Optional[Tuple[Tensor, Tensor]] = None
 
 
-def _member_of(values: Tensor, ascending: Tensor, kernels_choice=None) -> Tensor:
-    """``torch.isin(values, ascending)`` for a strictly ascending second
-    operand (every merged set is): one merge-like walk on the CPU kernels
-    when ``values`` ascend too (a rank's own set does), else a binary
-    search per value (kernels.member_sorted); never isin's sort of both."""
-    return kernels.member_sorted(values, ascending, kernels=kernels_choice)
-
-
 class _Charges:
     """Wire roundings this rank owns, kept only while they can still reach
     the result (DESIGN.md §3, precision).
@@ -92,7 +84,7 @@ class _Charges:
 
     def survive(self, cur_long: Tensor) -> None:
         if self.idx.numel():
-            keep = _member_of(self.idx, cur_long)
+            keep = kernels.member_sorted(self.idx, cur_long)
             self.idx, self.val = self.idx[keep], self.val[keep]
 
     def result(self) -> Optional[Tuple[Tensor, Tensor]]:
@@ -196,9 +188,9 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         cur_idx, cur_val, _, _ = merge(cur_idx, cur_val, o_idx, o_val)
         # An own entry survives only if its index is in every round's set.
         cur_long = cur_idx.long()
-        alive &= _member_of(own_idx, cur_long, kernels_choice)
+        alive &= kernels.member_sorted(own_idx, cur_long, kernels=kernels_choice)
         if folded_idx is not None:
-            folded_alive &= _member_of(folded_idx, cur_long, kernels_choice)
+            folded_alive &= kernels.member_sorted(folded_idx, cur_long, kernels=kernels_choice)
         if charges is not None:
             charges.survive(cur_long)
 

@@ -43,6 +43,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _cuda_fused, reference
+from .reference import member_sorted  # noqa: F401  (torch.searchsorted runs on the device)
 from ._cuda_layout import (  # noqa: F401  (re-exported: tests model the kernels with them)
     _IMAX, _INDEX, _VALUES, BINS, CHUNK, DIGIT, KERNEL_RUN, KERNEL_SAMPLE, ST_N, SUPPORTED, THREADS,
     _bound_rank, _cand_capacity, _Layout, _make_layout, _passes, _threshold_params, _work,
@@ -393,10 +394,6 @@ def subtract_at_(acc, idx, sent):
 
 def scatter_reset_(out, prev, idx, vals, divisor):
     return _cuda_fused.scatter_reset_(_rt, out, prev, idx, vals, divisor)
-
-
-def member_sorted(values, ascending):
-    return reference.member_sorted(values, ascending)  # torch.searchsorted runs on the device
 
 
 def div_count_(x, divisor):
