@@ -278,9 +278,11 @@ class GradientReducer(ReducerState):
         seconds["select"] = time.perf_counter() - t1 + t_comp
 
         t2 = time.perf_counter()
-        # a dense sum in the gradients' dtype goes straight into the update ring
-        out_buf = self._updates.take((tuple(names), dtype, acc.device), numel, dtype, acc.device, None)[0] \
-            if aggregation == "dense" and wire_vals.dtype == dtype else None
+        # A dense sum in the gradients' dtype is taken in place in the
+        # accumulator: such a step sends acc exactly, so its residual is zero
+        # and error feedback never reads acc again (commit_step); the update
+        # is then one division out of it (issue #15: no copy of N).
+        out_buf = acc if aggregation == "dense" and wire_vals is acc else None
         agg = (collectives.get("dense") if warm else self._aggregation)(Selection(
             idx=idx, vals=wire_vals, numel=numel, offsets=offsets, k=k,
             idx_dtype=kernels.index_dtype(numel), sum_dtype=dtype,

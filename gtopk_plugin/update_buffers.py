@@ -86,14 +86,17 @@ class UpdateBuffers:
             ptrs = tuple(t.data_ptr() for t in outs)
             last = self._outs.pop(key, None)
             prev = last[1] if out_reuse and last is not None and last[0] == ptrs else None
-            nnz, idx = write_into(agg, outs, divisor, prev)
+            nnz, idx = write_into(agg, outs, divisor, prev, kernels_backend)
             if out_reuse and idx is not None:
                 self._outs[key] = (ptrs, idx)
             return None, nnz
         if agg.idx is None and _owned(agg.vals, dtype, numel, layout_bufs):
             return agg.vals, kernels.div_count_(agg.vals, divisor, kernels=kernels_backend)
-        if agg.idx is None:
+        if agg.idx is None:  # e.g. the sum taken in the accumulator: one division out of it
             update, _ = self.take(key, numel, dtype, device, None)
+            if agg.vals.dtype == dtype and agg.vals.is_contiguous():
+                return update, kernels.div_count_(agg.vals.view(-1), divisor, out=update, kernels=kernels_backend)
+            # the division in the result's own dtype, then the update's
             torch.div(agg.vals, divisor, out=update) if divisor != 1 else update.copy_(agg.vals)
             return update, torch.count_nonzero(update)
         update, prev = self.take(key, numel, dtype, device, agg.idx)
@@ -168,7 +171,8 @@ def check_out(out, names, tensors) -> Optional[str]:
     return None
 
 
-def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = None):
+def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = None,
+               kernels_backend: Optional[str] = None):
     """The aggregated result ``agg`` divided by ``divisor``, written into
     the caller's tensors ``outs`` (the layout's tensors in order; each may
     have its own dtype).  Returns ``(nnz, idx)``: the number of nonzero
@@ -182,9 +186,12 @@ def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = N
     if agg.idx is None:
         off, nnz = 0, 0
         for t in outs:
-            v = vals[off:off + t.numel()].view(t.shape)
-            torch.div(v, divisor, out=t) if divisor != 1 else t.copy_(v)
-            nnz += int(torch.count_nonzero(t))
+            v = vals[off:off + t.numel()]
+            if t.dtype == v.dtype:  # one pass: divide into t and count
+                nnz += kernels.div_count_(v, divisor, out=t.view(-1), kernels=kernels_backend)
+            else:
+                torch.div(v.view(t.shape), divisor, out=t) if divisor != 1 else t.copy_(v.view(t.shape))
+                nnz += int(torch.count_nonzero(t))
             off += t.numel()
         return torch.tensor(nnz), None
     idx = agg.idx

@@ -151,35 +151,44 @@ void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Ten
   });
 }
 
-// A dense result divided in place by the number of workers (a true division
-// in the value type's opmath, as torch's x.div_(divisor) and
-// reference.div_count_) and its number of nonzero entries, in one pass (the
-// reducer's stats count them; torch.count_nonzero materialises a bool
-// tensor and costs three reads).
+// A dense result divided by the number of workers (a true division in the
+// value type's opmath, as torch's x.div(divisor) and reference.div_count_)
+// and its number of nonzero entries, in one pass (the reducer's stats count
+// them; torch.count_nonzero materialises a bool tensor and costs three
+// reads).  In place (out is x), or from x into out: the reducer sums a dense
+// step in its scratch accumulator and divides it straight into the update
+// (issue #15: one pass fewer than a copy, a sum in place and a division).
 namespace {
 
-// div_count_ of float32 x[b, e) in place: SSE2, one read and one write per
-// element.  The true division, as scalar code does it (divps rounds like
-// the scalar division); for a power-of-two divisor the multiplication by
-// its reciprocal, which is exact and so bit for bit the same quotient.
-// Returns the number of nonzero quotients (NaN counts, -0.0 does not).
-int64_t div_count_f32(float* p, int64_t b, int64_t e, int64_t divisor) {
+// div_count of float32 x[b, e) into y[b, e) (y may be x): SSE2, one read and
+// one write per element; out of place and large (kStreamBytes) the stores
+// are non-temporal -- the update is read next by the optimizer, not by this
+// core's cache -- and the caller fences.  The true division, as scalar code
+// does it (divps rounds like the scalar division); for a power-of-two
+// divisor the multiplication by its reciprocal, which is exact and so bit
+// for bit the same quotient.  Returns the number of nonzero quotients (NaN
+// counts, -0.0 does not).
+int64_t div_count_f32(const float* x, float* y, int64_t b, int64_t e, int64_t divisor, bool stream) {
   const bool pow2 = (divisor & (divisor - 1)) == 0;
   const float d = static_cast<float>(divisor);
   int64_t c = 0, i = b;
   auto one = [&](int64_t j) {
-    const float v = pow2 ? p[j] * (1.0f / d) : p[j] / d;
-    p[j] = v;
+    const float v = divisor == 1 ? x[j] : (pow2 ? x[j] * (1.0f / d) : x[j] / d);
+    y[j] = v;
     c += v != 0.0f;
   };
 #if defined(__SSE2__)
-  for (; i < e && (reinterpret_cast<uintptr_t>(p + i) & 15) != 0; ++i) one(i);
-  const __m128 dv = _mm_set1_ps(d), rv = _mm_set1_ps(1.0f / d), zero = _mm_setzero_ps();
+  for (; i < e && (reinterpret_cast<uintptr_t>(y + i) & 15) != 0; ++i) one(i);
+  const __m128 dv = _mm_set1_ps(d), rv = _mm_set1_ps(pow2 ? 1.0f / d : 1.0f), zero = _mm_setzero_ps();
   __m128i cnt = _mm_setzero_si128();  // per-lane counts, at most (e - b) / 4 < 2^31 each
   for (; i + 4 <= e; i += 4) {
-    const __m128 x = _mm_load_ps(p + i);
-    const __m128 v = pow2 ? _mm_mul_ps(x, rv) : _mm_div_ps(x, dv);
-    _mm_store_ps(p + i, v);
+    const __m128 xv = _mm_loadu_ps(x + i);
+    const __m128 v = pow2 ? _mm_mul_ps(xv, rv) : _mm_div_ps(xv, dv);  // 1: times 1.0, exact
+    if (stream) {
+      _mm_stream_ps(y + i, v);
+    } else {
+      _mm_store_ps(y + i, v);
+    }
     cnt = _mm_sub_epi32(cnt, _mm_castps_si128(_mm_cmpneq_ps(v, zero)));  // -1 per nonzero
   }
   alignas(16) int32_t lanes[4];
@@ -190,34 +199,57 @@ int64_t div_count_f32(float* p, int64_t b, int64_t e, int64_t divisor) {
   return c;
 }
 
-}  // namespace
-
-int64_t div_count_(const at::Tensor& x, int64_t divisor) {
+int64_t div_count_impl(const at::Tensor& x, const at::Tensor& out, int64_t divisor) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(),
               "div_count_: x must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 1 && out.is_contiguous() &&
+                  out.numel() == x.numel() && out.scalar_type() == x.scalar_type(),
+              "div_count_: out must be a contiguous 1-D CPU tensor like x");
   TORCH_CHECK(divisor >= 1, "div_count_: divisor must be >= 1");
+  const bool same = out.data_ptr() == x.data_ptr();
+  const char* xb = static_cast<const char*>(x.data_ptr());
+  const char* ob = static_cast<const char*>(out.data_ptr());
+  const int64_t nb = x.numel() * x.element_size();
+  TORCH_CHECK(same || ob + nb <= xb || xb + nb <= ob, "div_count_: out partly overlaps x");
+  const bool stream = !same && x.numel() * x.element_size() >= kStreamBytes;
   std::atomic<int64_t> total{0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "div_count_", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    scalar_t* p = x.data_ptr<scalar_t>();
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    scalar_t* q = out.data_ptr<scalar_t>();
     const opmath_t d = static_cast<opmath_t>(divisor);
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
       int64_t c = 0;
-      if (std::is_same<scalar_t, float>::value && divisor != 1) {
-        c = div_count_f32(reinterpret_cast<float*>(p), b, e, divisor);
+      if (std::is_same<scalar_t, float>::value && (divisor != 1 || !same)) {
+        c = div_count_f32(reinterpret_cast<const float*>(p), reinterpret_cast<float*>(q), b, e,
+                          divisor, stream);
       } else if (divisor == 1) {
-        for (int64_t i = b; i < e; ++i) c += static_cast<opmath_t>(p[i]) != opmath_t(0);
+        for (int64_t i = b; i < e; ++i) {
+          if (!same) q[i] = p[i];
+          c += static_cast<opmath_t>(p[i]) != opmath_t(0);
+        }
       } else {
         for (int64_t i = b; i < e; ++i) {
           const scalar_t v = static_cast<scalar_t>(static_cast<opmath_t>(p[i]) / d);
-          p[i] = v;
+          q[i] = v;
           c += static_cast<opmath_t>(v) != opmath_t(0);
         }
       }
       total.fetch_add(c, std::memory_order_relaxed);
     });
   });
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // the non-temporal stores, visible before the update is read
+#endif
   return total.load();
+}
+
+}  // namespace
+
+int64_t div_count_(const at::Tensor& x, int64_t divisor) { return div_count_impl(x, x, divisor); }
+
+int64_t div_count_into(const at::Tensor& x, int64_t divisor, const at::Tensor& out) {
+  return div_count_impl(x, out, divisor);
 }
 
 }  // namespace cpu

@@ -18,7 +18,7 @@
 //   gtopk_subtract_at_*     acc[idx] -= sent (the residual made in place);
 //   gtopk_zero_at_*         out[prev] = 0 (first half of scatter_reset_; the
 //                           second is scatter.cu's gtopk_scatter_*);
-//   gtopk_div_count_*       x /= divisor in place and the nonzero count.
+//   gtopk_div_count_*       y = x / divisor (y may be x) and the nonzero count.
 //
 // Arithmetic is torch's on CUDA: one addition or subtraction per element in
 // the opmath type (float for fp16/bf16), rounded to nearest-even into the
@@ -179,8 +179,8 @@ __device__ __forceinline__ void comp_collect(const gtopk_u64* gptr, const gtopk_
 }
 
 template <class V>
-__device__ __forceinline__ void div_count(typename V::bits_t* x, gtopk_i64 n, gtopk_i64 divisor,
-                                          gtopk_u64* count) {
+__device__ __forceinline__ void div_count(const typename V::bits_t* x, typename V::bits_t* y,
+                                          gtopk_i64 n, gtopk_i64 divisor, gtopk_u64* count) {
   __shared__ gtopk_u64 sh_scan[32];
   const gtopk_i64 first =
       static_cast<gtopk_i64>(blockIdx.x) * (GTOPK_THREADS * GTOPK_COMP_ITEMS) + threadIdx.x;
@@ -190,10 +190,8 @@ __device__ __forceinline__ void div_count(typename V::bits_t* x, gtopk_i64 n, gt
     const gtopk_i64 i = first + static_cast<gtopk_i64>(m) * GTOPK_THREADS;
     if (i >= n) break;
     typename V::bits_t b = x[i];
-    if (divisor != 1) {
-      b = V::from_op(V::mul(V::to_op(b), inv));
-      x[i] = b;
-    }
+    if (divisor != 1) b = V::from_op(V::mul(V::to_op(b), inv));
+    if (divisor != 1 || x != y) y[i] = b;
     cnt += V::key(b) != 0ull ? 1ull : 0ull;  // torch.count_nonzero: -0.0 is zero, NaN is not
   }
   gtopk_u64 tot;
@@ -225,8 +223,8 @@ __device__ __forceinline__ void div_count(typename V::bits_t* x, gtopk_i64 n, gt
     gtopk::comp_collect<V>(gptr, goff, T, r, acc, lay, S, thr, ctr + 2 * S, cand0, bad);     \
   }                                                                                          \
   extern "C" __global__ void __launch_bounds__(GTOPK_THREADS) gtopk_div_count_##VS(          \
-      V::bits_t* x, gtopk_i64 n, gtopk_i64 divisor, gtopk_u64* count) {                      \
-    gtopk::div_count<V>(x, n, divisor, count);                                               \
+      const V::bits_t* x, V::bits_t* y, gtopk_i64 n, gtopk_i64 divisor, gtopk_u64* count) {  \
+    gtopk::div_count<V>(x, y, n, divisor, count);                                            \
   }
 
 #define GTOPK_COMPENSATE_VALUE_INDEX(VS, V, IS, I)                                           \

@@ -86,10 +86,13 @@ def sharded_sum(vals: Tensor, acc_dtype: torch.dtype, transport: Transport, draw
 
 
 def _copy(sel: Selection, vals: Tensor) -> Tensor:
-    """``vals`` copied into ``sel.out`` where it fits, else a fresh clone:
-    the sum is taken in place on it, and ``vals`` (the accumulator, which
-    error feedback still reads) stays untouched."""
+    """The tensor the sum is taken in place on: ``vals`` itself when
+    ``sel.out`` is ``vals`` (the reducer's accumulator of a step whose
+    residual will be zero), else ``vals`` copied into ``sel.out`` where it
+    fits, else a fresh clone, so that ``vals`` stays untouched."""
     out = sel.out
+    if out is vals:  # the caller's own buffer, free to be summed in place
+        return out
     if out is not None and out.shape == vals.shape and out.dtype == vals.dtype and out.device == vals.device:
         return out.copy_(vals)
     return vals.clone()

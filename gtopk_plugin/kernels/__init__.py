@@ -127,10 +127,14 @@ def compensate_select_topk(acc, grads, residual, offsets, k, *, kernels: Optiona
     return _module(acc.device, kernels).compensate_select_topk(acc, grads, residual, offsets, k)
 
 
-def div_count_(x, divisor, *, kernels: Optional[str] = None) -> int:
-    """In place ``x /= divisor`` (nothing when 1); returns the number of
-    nonzero entries of the result, in one pass where the back end can."""
-    return _module(x.device, kernels).div_count_(x, divisor)
+def div_count_(x, divisor, *, out=None, kernels: Optional[str] = None) -> int:
+    """``out = x / divisor`` (a copy when 1; in place when ``out`` is None
+    or ``x``; ``out`` like ``x``, not partly overlapping it); returns the
+    number of nonzero entries of the result, in one pass where the back end
+    can."""
+    if out is None:
+        return _module(x.device, kernels).div_count_(x, divisor)
+    return _module(x.device, kernels).div_count_(x, divisor, out)
 
 
 def subtract_at_(acc, idx, sent, *, kernels: Optional[str] = None):

@@ -184,9 +184,11 @@ def scatter_reset_(rt, out, prev, idx, vals, divisor):
     return out
 
 
-def div_count_(rt, x, divisor) -> int:
-    if not (_dense(rt, x) and isinstance(divisor, int) and divisor >= 1):
-        return reference.div_count_(x, divisor)
+def div_count_(rt, x, divisor, out=None) -> int:
+    y = x if out is None else out
+    if not (_dense(rt, x) and isinstance(divisor, int) and divisor >= 1 and x.dim() == 1
+            and (y is x or (_dense(rt, y) and _like(y, x)))):
+        return reference.div_count_(x, divisor, out)
     n = x.numel()
     if n == 0:
         return 0
@@ -194,5 +196,5 @@ def div_count_(rt, x, divisor) -> int:
     vs, _ = _VALUES[x.dtype]
     with rt._On(x.device):
         rt._launch("compensate.cu", f"gtopk_div_count_{vs}", _cblocks(n),
-                   (rt._p(x), rt._i64(n), rt._i64(divisor), rt._p(count)))
+                   (rt._p(x), rt._p(y), rt._i64(n), rt._i64(divisor), rt._p(count)))
     return int(count.item())  # the one read-back

@@ -219,7 +219,11 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
                                        *_seg(offsets, k))
 
 
-def div_count_(x, divisor):
-    if not _cpu_float(x) or x.dim() != 1 or not x.is_contiguous() or not isinstance(divisor, int) or divisor < 1:
-        return reference.div_count_(x, divisor)
-    return int(_ext.div_count_(x, int(divisor)))
+def div_count_(x, divisor, out=None):
+    y = x if out is None else out
+    if (not _cpu_float(x, y) or x.dim() != 1 or y.shape != x.shape or y.dtype != x.dtype
+            or not x.is_contiguous() or not y.is_contiguous() or not isinstance(divisor, int) or divisor < 1):
+        return reference.div_count_(x, divisor, out)
+    if y is x or y.data_ptr() == x.data_ptr():
+        return int(_ext.div_count_(x, int(divisor)))
+    return int(_ext.div_count_into(x, int(divisor), y))

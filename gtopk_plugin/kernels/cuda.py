@@ -396,5 +396,5 @@ def scatter_reset_(out, prev, idx, vals, divisor):
     return _cuda_fused.scatter_reset_(_rt, out, prev, idx, vals, divisor)
 
 
-def div_count_(x, divisor):
-    return _cuda_fused.div_count_(_rt, x, divisor)
+def div_count_(x, divisor, out=None):
+    return _cuda_fused.div_count_(_rt, x, divisor, out)

@@ -13,7 +13,7 @@ gradients before selection; this only makes the kernels total functions).
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -250,13 +250,18 @@ def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Ten
     return idx, vals, torch.tensor(finite, dtype=torch.bool)
 
 
-def div_count_(x: Tensor, divisor: int) -> int:
-    """In place ``x /= divisor`` (a true division, nothing when 1) and the
-    number of nonzero entries afterwards: a dense result turned into the
-    update, and its count for the stats."""
-    if divisor != 1:
-        x.div_(divisor)
-    return int(torch.count_nonzero(x))
+def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:
+    """``out = x / divisor`` (a true division; a copy when 1), in place when
+    ``out`` is None or ``x``, and the number of nonzero entries of the
+    result: a dense result turned into the update, and its count for the
+    stats."""
+    if out is None or out is x:
+        out = x.div_(divisor) if divisor != 1 else x
+    elif divisor != 1:
+        torch.div(x, divisor, out=out)
+    else:
+        out.copy_(x)
+    return int(torch.count_nonzero(out))
 
 
 def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:

@@ -813,10 +813,10 @@ class _Emu:
     def zero_at(self, idx, n, out, numel):
         self.T(out)[self.T(idx).long()[:int(n)]] = 0
 
-    def div_count(self, x, n, divisor, count):
-        x = self.T(x)[:int(n)]
-        x.copy_(self._divide(x, int(divisor)))
-        self.T(count)[0] += int((keys_np(x) != 0).sum())
+    def div_count(self, x, y, n, divisor, count):
+        x, y = self.T(x)[:int(n)], self.T(y)[:int(n)]
+        y.copy_(self._divide(x, int(divisor)))
+        self.T(count)[0] += int((keys_np(y) != 0).sum())
 
     # -- merge.cu ------------------------------------------------------------
     def merge_bounds(self, ia, na, ib, nb, offsets, S, bnd):

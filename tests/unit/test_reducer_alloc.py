@@ -107,6 +107,32 @@ def test_no_n_sized_allocation_in_steady_state(method, allowed):
     assert len(big) <= allowed, big
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU extension did not build")
+@pytest.mark.parametrize("with_out", [False, True])
+def test_dense_step_is_two_passes(with_out):
+    """A dense step on the CPU kernels reads N twice: the fused compensation
+    into the accumulator (the sum is taken there) and one division out of it
+    into the update -- no torch copy, clone, division or count over N-sized
+    inputs (issue #15).  The result is still the exact sum / P."""
+    from torch.profiler import ProfilerActivity, profile
+
+    N = 1 << 16
+    g = {"a": torch.randn(N // 2), "b": torch.randn(N // 2)}
+    red = _red(method="dense", kernels="cpu")
+    out = {n: torch.empty_like(t) for n, t in g.items()} if with_out else None
+    for _ in range(2):
+        red.reduce(g, out=out)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        res = red.reduce(g, out=out)
+    big = [e.name for e in prof.events()
+           if any(len(s) == 1 and s[0] >= N // 2 for s in (e.input_shapes or []) if isinstance(s, list))
+           and not e.name.startswith("gtopk::") and e.name in
+           ("aten::copy_", "aten::clone", "aten::div", "aten::div_", "aten::count_nonzero", "aten::add")]
+    assert big == [], big
+    for n in g:
+        assert torch.equal(res[n], g[n])  # P = 1: the sum is the gradient
+
+
 def _rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -332,10 +358,17 @@ def test_subtract_at_and_scatter_reset_match_numpy(kern, dtype):
 
 
 @pytest.mark.parametrize("kern", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_div_count_matches_numpy(kern, dtype):
+@pytest.mark.parametrize("place", ["in", "out"])
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 100_003), (torch.float32, (1 << 20) + 3),
+                                     (torch.float64, 100_003), (torch.float16, 100_003),
+                                     (torch.bfloat16, 100_003)])
+def test_div_count_matches_numpy(kern, dtype, n, place):
+    """In place and from x into another tensor (the dense step divides its
+    sum out of the accumulator into the update: above 4 MB the float32
+    kernel streams those stores), against torch's division and numpy's
+    count."""
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(100_003, generator=g).to(dtype)
+    x = torch.randn(n, generator=g).to(dtype)
     x[::5] = 0
     x[7] = 1e-45 if dtype == torch.float32 else 0  # a denormal that divides to zero
     x[8:12] = torch.tensor([float("nan"), float("inf"), -0.0, 3e-39 if dtype == torch.float32 else 1.0])
@@ -344,10 +377,24 @@ def test_div_count_matches_numpy(kern, dtype):
     # also on an unaligned view (the SIMD loop's scalar head and tail)
     for divisor in (1, 2, 3, 4, 7, 8):
         for lo in (0, 1):
-            y = x[lo:].clone() if lo == 0 else x.clone()[lo:]
-            n = kernels.div_count_(y, divisor, kernels=kern)
+            src = x[lo:].clone() if lo == 0 else x.clone()[lo:]
+            if place == "in":
+                y = src
+                got = kernels.div_count_(y, divisor, kernels=kern)
+            else:  # out aligned differently from x: the head loop follows out
+                y = torch.full((n + 2,), 5.0, dtype=dtype)[1 - lo:1 - lo + n - lo]
+                got = kernels.div_count_(src, divisor, out=y, kernels=kern)
+                assert torch.equal(src.isnan(), x[lo:].isnan())  # x is only read
+                assert torch.equal(src[~src.isnan()], x[lo:][~x[lo:].isnan()])
             want = (x[lo:] / divisor) if divisor != 1 else x[lo:]
             assert torch.equal(y.isnan(), want.isnan())
             ok = ~want.isnan()
             assert torch.equal(y[ok], want[ok]) and torch.equal(y[ok].signbit(), want[ok].signbit())
-            assert n == int(np.count_nonzero(want.double().numpy()))
+            assert got == int(np.count_nonzero(want.double().numpy()))
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU extension did not build")
+def test_div_count_rejects_partial_overlap():
+    x = torch.zeros(1000)
+    with pytest.raises(RuntimeError, match="overlaps"):
+        kernels.div_count_(x[:900], 2, out=x[100:], kernels="cpu")
