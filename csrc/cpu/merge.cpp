@@ -10,7 +10,9 @@
 #include "ops.h"
 
 #include <functional>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace gtopk {
 namespace cpu {
@@ -23,24 +25,51 @@ inline T add0(T v) {
   return static_cast<T>(z + v);
 }
 
+// Same-size unsigned integer of a value type (float, double, Half, BFloat16).
+template <typename T>
+using UBits = typename std::conditional<
+    sizeof(T) == 2, uint16_t,
+    typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type>::type;
+
+// c ? x : y on the bits, without a branch (a float ternary may compile to
+// one, and which operand is taken is a coin toss on random index sets).
+template <typename T>
+inline T pick(bool c, T x, T y) {
+  using U = UBits<T>;
+  U bx, by;
+  std::memcpy(&bx, &x, sizeof(T));
+  std::memcpy(&by, &y, sizeof(T));
+  const U m = static_cast<U>(0) - static_cast<U>(c);
+  const U r = static_cast<U>((bx & m) | (by & static_cast<U>(~m)));
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+
 // Walk the union of operand ranges [i, ie) and [j, je) in ascending index
-// order, calling body(index, union value, position in a or -1, in b or -1).
+// order, calling body(index, union value, position in a, position in b) once
+// per union entry.  While both operands have entries left the step is
+// branch-free (which operand comes next is a coin toss on random index sets:
+// a mispredicted branch per entry was most of a round's merge time), and
+// body gets both current positions, i < ie and j < je, whichever entries the
+// step consumes: it may write per-position flags of both operands
+// unconditionally, since a flag written for an entry the step did not
+// consume is overwritten at the step that does.  On the tail (one operand
+// left) the other position is -1.
 template <typename scalar_t, typename index_t, typename F>
 inline void walk_union(const index_t* ia, const scalar_t* va, int64_t i, int64_t ie,
                        const index_t* ib, const scalar_t* vb, int64_t j, int64_t je, const F& body) {
-  while (i < ie || j < je) {
-    if (j >= je || (i < ie && static_cast<int64_t>(ia[i]) < static_cast<int64_t>(ib[j]))) {
-      body(ia[i], add0(va[i]), i, int64_t(-1));
-      ++i;
-    } else if (i >= ie || static_cast<int64_t>(ib[j]) < static_cast<int64_t>(ia[i])) {
-      body(ib[j], add0(vb[j]), int64_t(-1), j);
-      ++j;
-    } else {  // equal index: (0 + a) + b
-      body(ia[i], static_cast<scalar_t>(add0(va[i]) + vb[j]), i, j);
-      ++i;
-      ++j;
-    }
+  while (i < ie && j < je) {
+    const int64_t a = static_cast<int64_t>(ia[i]), b = static_cast<int64_t>(ib[j]);
+    const bool lt = a < b, gt = b < a;
+    const scalar_t x = add0(va[i]), y = add0(vb[j]);
+    const scalar_t sum = static_cast<scalar_t>(x + vb[j]);  // equal index: (0 + a) + b
+    body(static_cast<index_t>(lt ? a : b), pick(lt, x, pick(gt, y, sum)), i, j);
+    i += !gt;
+    j += !lt;
   }
+  for (; i < ie; ++i) body(ia[i], add0(va[i]), i, int64_t(-1));
+  for (; j < je; ++j) body(ib[j], add0(vb[j]), int64_t(-1), j);
 }
 
 // Two walks over the union per segment, nothing per union entry kept but its
@@ -97,24 +126,23 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
       const bool all = u_n[s] <= k, none = k == 0;
       const K T = thr[s];
       int64_t left = ties[s], w = start[s];
+      const int64_t end = start[s + 1];
+      index_t spare_i;  // where a step that keeps nothing writes once w == end
+      scalar_t spare_v;
       walk_union(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
                  [&](index_t idx, scalar_t v, int64_t pa, int64_t pb) {
-                   bool keep;
-                   if (all) {
-                     keep = true;
-                   } else if (none) {
-                     keep = false;
-                   } else {  // ties at T: the first (smallest-index) ones
-                     const K kk = key_of(v);
-                     keep = kk > T || (kk == T && left-- > 0);
-                   }
-                   if (pa >= 0) keep_a[pa] = keep;
+                   // branch-free: keep = all, or key > T, or a tie at T
+                   // while ties are left (the first, smallest-index, ones)
+                   const K kk = key_of(v);
+                   const bool tie = !all && !none && kk == T && left > 0;
+                   const bool keep = all || (!none && kk > T) || tie;
+                   left -= tie;
+                   if (pa >= 0) keep_a[pa] = keep;  // in the two-operand loop: always
                    if (pb >= 0) keep_b[pb] = keep;
-                   if (keep) {
-                     oi[w] = idx;
-                     ov[w] = v;
-                     ++w;
-                   }
+                   const bool room = w < end;
+                   *(room ? oi + w : &spare_i) = idx;
+                   *(room ? ov + w : &spare_v) = v;
+                   w += keep;
                  });
     }
   });
