@@ -37,6 +37,7 @@ namespace {
 
 constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cache pass
 constexpr int64_t kBlock = 1 << 16;      // elements per collect block
+constexpr int64_t kSub = 2048;           // two-phase sub-block of the fused collect (g and r in L1)
 constexpr int64_t kSampleRun = 128;     // the sampled bound reads runs of this many entries
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr int64_t kRefRun = 128;         // reference.THRESHOLD_RUN
@@ -189,7 +190,63 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
   const __m128i absm = _mm_set1_epi32(0x7FFFFFFF);
   const __m128i lm1 = _mm_set1_epi32(static_cast<int32_t>(L) - 1);
   __m128i badv = _mm_setzero_si128();
-  for (; i + 16 <= e; i += 16) {
+  // Two phases per sub-block of kSub entries (issue #15).  Phase 1 streams:
+  // sums, stores and compares with no data-dependent branch -- it records
+  // each group of 16's hit mask and, branch-free, the list of groups that
+  // hit -- so a mispredicted "any candidate here?" branch (one group in six
+  // at 1 % density) never stalls the stream.  Phase 2 walks only the listed
+  // groups and recomputes their sums from g and r, still in L1 (the stored
+  // sums went out non-temporally): the same IEEE addition, the same bits.
+  constexpr int kGroups = static_cast<int>(kSub / 16);
+  alignas(16) uint16_t masks[kGroups];
+  uint16_t hit_groups[kGroups];
+  int64_t n = c.size();
+  for (; i + kSub <= e; i += kSub) {
+    int nh = 0;
+    for (int grp = 0; grp < kGroups; ++grp) {
+      const int64_t o = i + 16 * grp;
+      uint32_t mk = 0;
+      for (int q = 0; q < 4; ++q) {
+        const __m128 gv = _mm_loadu_ps(g + o + 4 * q);
+        badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
+        const __m128 v = kRes ? _mm_add_ps(gv, _mm_loadu_ps(r + o + 4 * q)) : gv;
+        if (kStream) {
+          _mm_stream_ps(out + o + 4 * q, v);
+        } else {
+          _mm_store_ps(out + o + 4 * q, v);
+        }
+        const __m128i hit = _mm_cmpgt_epi32(_mm_and_si128(_mm_castps_si128(v), absm), lm1);
+        mk |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(hit))) << (4 * q);
+      }
+      masks[grp] = static_cast<uint16_t>(mk);
+      hit_groups[nh] = static_cast<uint16_t>(grp);
+      nh += mk != 0;
+    }
+    if (nh == 0) continue;
+    const int64_t need = n + 16 * static_cast<int64_t>(nh);
+    if (need > static_cast<int64_t>(c.pos.size())) {  // room for every hit, written by pointer
+      const size_t grow = static_cast<size_t>(std::max<int64_t>(need, 2 * static_cast<int64_t>(c.pos.size())));
+      c.pos.resize(grow);
+      c.bits.resize(grow);
+    }
+    int64_t* pos = c.pos.data();
+    uint32_t* bits = c.bits.data();
+    for (int t = 0; t < nh; ++t) {
+      const int64_t o = i + 16 * hit_groups[t];
+      uint32_t mk = masks[hit_groups[t]];
+      do {
+        const int j = __builtin_ctz(mk);
+        mk &= mk - 1;
+        const float v = kRes ? g[o + j] + r[o + j] : g[o + j];  // key >= L exactly (NaN bits too)
+        pos[n] = o + j + shift;
+        std::memcpy(bits + n, &v, sizeof(uint32_t));
+        ++n;
+      } while (mk);
+    }
+  }
+  c.pos.resize(static_cast<size_t>(n));
+  c.bits.resize(static_cast<size_t>(n));
+  for (; i + 16 <= e; i += 16) {  // the last groups of 16, as one per-group pass
     __m128 v[4];
     __m128i hit[4];
     for (int q = 0; q < 4; ++q) {
@@ -204,7 +261,7 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
       hit[q] = _mm_cmpgt_epi32(_mm_and_si128(_mm_castps_si128(v[q]), absm), lm1);
     }
     if (!_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(hit[0], hit[1]), _mm_or_si128(hit[2], hit[3]))))
-      continue;  // the usual case: no candidate among the 16
+      continue;  // no candidate among the 16
     alignas(16) uint32_t vb[16];
     uint32_t mk = 0;
     for (int q = 0; q < 4; ++q) {
@@ -214,7 +271,7 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
     while (mk) {
       const int j = __builtin_ctz(mk);
       mk &= mk - 1;
-      c.pos.push_back(i + j + shift);  // key >= L exactly (NaN bits exceed kInf >= L)
+      c.pos.push_back(i + j + shift);
       c.bits.push_back(vb[j]);
     }
   }
