@@ -298,18 +298,17 @@ class GradientReducer(ReducerState):
         # Residual: acc less what reached the global result, as it travelled
         # (error feedback, the same wrapper for selectors and codecs).
         sent_vals = wire.values(wire_vals, dtype)  # the int8 wire decoded (exact)
-        if idx is not None and agg.reached is not None and not bool(agg.reached.all()):
-            idx, wire_reached = idx[agg.reached], sent_vals[agg.reached]
-        else:
-            wire_reached = sent_vals
+        reached = agg.reached if idx is not None and agg.reached is not None and \
+            not bool(agg.reached.all()) else None  # None: every sent entry reached it
         exact = (warm or not self.codec) and wire_vals.dtype == dtype
-        self.memory.commit_step(flatres, acc, idx, wire_reached, exact, agg.residual_add, cfg.kernels)
+        self.memory.commit_step(flatres, acc, idx, sent_vals, exact, agg.residual_add, cfg.kernels,
+                                reached=reached)
         if self.momentum.enabled and idx is not None:
             # momentum factor masking: the velocity restarts where v was sent.
             # Not for dense methods: there u is the plain momentum buffer.
-            self.momentum.mask_(names, idx)
+            self.momentum.mask_(names, idx if reached is None else idx[reached])
         selected = int(vals.numel())
-        sent = numel if idx is None else int(idx.numel())
+        sent = numel if idx is None else int(idx.numel()) if reached is None else int(reached.sum())
         res = {n: out[n] for n in names} if out is not None else {
             n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
             for n, u, t in zip(names, torch.split(update, sizes), tensors)}

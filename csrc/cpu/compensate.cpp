@@ -85,13 +85,22 @@ bool compensate(const at::Tensor& out, const at::Tensor& grad,
 // acc[idx[j]] -= sent[j]: the error-feedback remainder made in place in the
 // accumulator, O(k) (reference: ErrorFeedback.remainder_ / subtract_at_).
 // Indices are unique (a selected set).  One subtraction in the value type.
-void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent) {
+// With a mask, only where it is true: the entries of this worker's
+// contribution that reached the result (no gather of them first).
+void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent,
+                  const c10::optional<at::Tensor>& mask) {
   TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 1 && acc.is_contiguous(),
               "subtract_at_: acc must be a contiguous 1-D CPU tensor");
   TORCH_CHECK(idx.dim() == 1 && sent.dim() == 1 && idx.numel() == sent.numel() &&
                   sent.scalar_type() == acc.scalar_type(),
               "subtract_at_: idx and sent must be 1-D of one length, sent in acc's dtype");
+  const bool has_m = mask.has_value() && mask->defined();
+  TORCH_CHECK(!has_m || (mask->scalar_type() == at::kBool && mask->dim() == 1 &&
+                         mask->numel() == idx.numel()),
+              "subtract_at_: mask must be a 1-D bool tensor like idx");
   const at::Tensor i = idx.contiguous(), v = sent.contiguous();
+  const at::Tensor mc = has_m ? mask->contiguous() : at::Tensor();
+  const bool* m = has_m ? mc.data_ptr<bool>() : nullptr;
   const int64_t n = i.numel(), numel = acc.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, acc.scalar_type(), "subtract_at_", [&] {
     scalar_t* a = acc.data_ptr<scalar_t>();
@@ -104,6 +113,7 @@ void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor
         if (j + kAhead < n) prefetch_rw(a + clamp_index(p[j + kAhead], numel));
         const int64_t q = static_cast<int64_t>(p[j]);
         TORCH_CHECK(q >= 0 && q < numel, "subtract_at_: index ", q, " out of range");
+        if (m != nullptr && !m[j]) continue;
         a[q] = static_cast<scalar_t>(a[q] - s[j]);
       }
     });

@@ -34,7 +34,8 @@ bool compensate(const at::Tensor& out, const at::Tensor& grad,
                 const c10::optional<at::Tensor>& residual);
 int64_t div_count_(const at::Tensor& x, int64_t divisor);
 int64_t div_count_into(const at::Tensor& x, int64_t divisor, const at::Tensor& out);
-void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent);
+void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor& sent,
+                  const c10::optional<at::Tensor>& mask);
 void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Tensor& idx,
                     const at::Tensor& vals, int64_t divisor);
 

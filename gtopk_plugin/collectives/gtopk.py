@@ -161,6 +161,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     # (their own wire values: nothing to round).  Every rank takes part in
     # every phase (see Transport.phase).
     folded_idx = folded_alive = None
+    merged = False  # whether cur is still this rank's own set
     if sched.fold_in is not None:
         send_to, recv_from = sched.fold_in.send_to, sched.fold_in.recv_from
         blob = transport.phase(send_to, wire.pack(cur_idx, vals, idx_dtype) if send_to is not None else None,
@@ -168,6 +169,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         if recv_from is not None:
             o_idx, o_val, _ = unpack(blob)
             cur_idx, cur_val, keep_a, keep_b = merge(cur_idx, cur_val, o_idx, o_val)
+            merged = True
             alive &= keep_a
             folded_idx, folded_alive = o_idx.long(), keep_b
 
@@ -185,10 +187,15 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         if peer is None:
             continue
         o_idx, o_val, _ = unpack(blob)
-        cur_idx, cur_val, _, _ = merge(cur_idx, cur_val, o_idx, o_val)
+        first = not merged  # this rank's own set is operand a: its keep flags are the survival
+        cur_idx, cur_val, keep_a, _ = merge(cur_idx, cur_val, o_idx, o_val)
+        merged = True
         # An own entry survives only if its index is in every round's set.
-        cur_long = cur_idx.long()
-        alive &= kernels.member_sorted(own_idx, cur_long, kernels=kernels_choice)
+        cur_long = None if first and folded_idx is None and charges is None else cur_idx.long()
+        if first:
+            alive &= keep_a
+        else:
+            alive &= kernels.member_sorted(own_idx, cur_long, kernels=kernels_choice)
         if folded_idx is not None:
             folded_alive &= kernels.member_sorted(folded_idx, cur_long, kernels=kernels_choice)
         if charges is not None:

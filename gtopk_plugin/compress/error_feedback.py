@@ -123,11 +123,13 @@ class ErrorFeedback:
                 self.residuals[n] = v
 
     def commit_step(self, f: FlatResidual, acc: Tensor, idx: Optional[Tensor], sent: Tensor,
-                    exact: bool, residual_add=None, kernels: Optional[str] = None) -> None:
+                    exact: bool, residual_add=None, kernels: Optional[str] = None,
+                    reached: Optional[Tensor] = None) -> None:
         """The wrapper's one rule, for selectors and codecs alike (DESIGN.md
         §3): residual = ``acc`` less what this worker's contribution was as
-        it travelled and reached the result.  ``idx``/``sent``: the reached
-        entries and their wire values (``idx is None``: ``sent`` is a dense
+        it travelled and reached the result.  ``idx``/``sent``: the sent
+        entries and their wire values, of which those where ``reached``
+        (bool, like ``idx``; ``None``: all) reached it (``idx is None``: ``sent`` is a dense
         vector -- the accumulator as sent, or a codec's payload decoded);
         ``exact``: a dense ``sent`` equal to ``acc`` bit for bit (the
         residual is then zero); ``residual_add``: (int64 indices, values) of
@@ -143,7 +145,7 @@ class ErrorFeedback:
             acc.sub_(sent)  # the wire value (or decode) widened to acc's dtype, one rounding
         else:
             # O(k): the accumulator becomes the residual in place
-            _kernels.subtract_at_(acc, idx, sent, kernels=kernels)
+            _kernels.subtract_at_(acc, idx, sent, mask=reached, kernels=kernels)
         if extra:
             acc.index_add_(0, residual_add[0].long(), residual_add[1].to(acc.dtype))
         self.commit_accumulator(f)

@@ -137,9 +137,12 @@ def div_count_(x, divisor, *, out=None, kernels: Optional[str] = None) -> int:
     return _module(x.device, kernels).div_count_(x, divisor, out)
 
 
-def subtract_at_(acc, idx, sent, *, kernels: Optional[str] = None):
-    """In place ``acc[idx] -= sent`` (unique ``idx``); returns ``acc``."""
-    return _module(acc.device, kernels).subtract_at_(acc, idx, sent)
+def subtract_at_(acc, idx, sent, *, mask=None, kernels: Optional[str] = None):
+    """In place ``acc[idx] -= sent`` (unique ``idx``), where ``mask`` (bool,
+    like ``idx``; default: everywhere) is true; returns ``acc``."""
+    if mask is None:
+        return _module(acc.device, kernels).subtract_at_(acc, idx, sent)
+    return _module(acc.device, kernels).subtract_at_(acc, idx, sent, mask)
 
 
 def scatter_reset_(out, prev, idx, vals, divisor, *, kernels: Optional[str] = None):

@@ -193,10 +193,12 @@ def compensate(out, grad, residual):
     return bool(_ext.compensate(out, grad.reshape(-1).contiguous(), residual))
 
 
-def subtract_at_(acc, idx, sent):
-    if not _cpu_float(acc) or acc.dim() != 1 or not acc.is_contiguous() or idx.dtype not in _INDEX:
-        return reference.subtract_at_(acc, idx, sent)
-    _ext.subtract_at_(acc, idx, sent.to(acc.dtype))
+def subtract_at_(acc, idx, sent, mask=None):
+    if (not _cpu_float(acc) or acc.dim() != 1 or not acc.is_contiguous() or idx.dtype not in _INDEX
+            or (mask is not None and (mask.dtype != torch.bool or mask.device.type != "cpu"
+                                      or mask.shape != idx.shape))):
+        return reference.subtract_at_(acc, idx, sent, mask)
+    _ext.subtract_at_(acc, idx, sent.to(acc.dtype), mask)
     return acc
 
 

@@ -388,7 +388,9 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
     return _cuda_fused.compensate_select_topk(_rt, acc, grads, residual, offsets, k)
 
 
-def subtract_at_(acc, idx, sent):
+def subtract_at_(acc, idx, sent, mask=None):
+    if mask is not None:  # a gather on the device, then the kernel
+        idx, sent = idx[mask], sent[mask]
     return _cuda_fused.subtract_at_(_rt, acc, idx, sent)
 
 

@@ -264,9 +264,13 @@ def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:
     return int(torch.count_nonzero(out))
 
 
-def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor) -> Tensor:
+def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     """In place ``acc[idx] -= sent`` (unique ``idx``; one subtraction in
-    ``acc``'s dtype): the accumulator turned into the new residual, O(k)."""
+    ``acc``'s dtype): the accumulator turned into the new residual, O(k).
+    ``mask`` (bool, like ``idx``): only the entries where it is true (those
+    of this worker's contribution that reached the result)."""
+    if mask is not None:
+        idx, sent = idx[mask], sent[mask]
     if idx.numel():
         i = idx.long()
         acc[i] = acc[i] - sent.to(acc.dtype)

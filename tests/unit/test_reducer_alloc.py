@@ -342,6 +342,17 @@ def test_subtract_at_and_scatter_reset_match_numpy(kern, dtype):
     want = acc.float().numpy().copy()
     want[idx.long().numpy()] = (acc[idx.long()] - sent).float().numpy()
     np.testing.assert_array_equal(a1.float().numpy(), want)
+    # masked: only the entries that reached the result (numpy's own mask)
+    mask = torch.rand(300, generator=g) < 0.5
+    a2 = acc.clone()
+    kernels.subtract_at_(a2, idx, sent, mask=mask, kernels=kern)
+    want = acc.float().numpy().copy()
+    m, ii = mask.numpy(), idx.long().numpy()
+    want[ii[m]] = (acc.float().numpy()[ii[m]].astype(np.float64) - sent.float().numpy()[m]).astype(
+        {torch.float32: np.float32, torch.float64: np.float64}.get(dtype, np.float64))
+    if dtype in (torch.float16, torch.bfloat16):  # one rounding to the dtype, as torch rounds it
+        want[ii[m]] = torch.tensor(want[ii[m]]).to(dtype).float().numpy()
+    np.testing.assert_array_equal(a2.float().numpy(), want)
     out = torch.zeros(10_000, dtype=dtype)
     prev = torch.randperm(10_000, generator=g)[:200]
     out[prev] = 5
