@@ -331,13 +331,15 @@ K kth_largest(std::vector<K>& s, int64_t r) {
 
 // The r-th largest key (1-based) of a large key array: MSD radix histograms
 // (parallel) narrow the array to the bucket holding it, then kth_largest.
-// keys is consumed.
+// keys is consumed.  Digits of 8 bits: a 256-bin histogram stays in L1 and
+// costs nothing to clear, and one digit already narrows random keys ~256x
+// (16-bit digits cleared and scattered into 768 KB of tables per round).
 template <typename M>
 typename M::key_t kth_key(std::vector<typename M::key_t>& keys, int64_t r) {
   using K = typename M::key_t;
   int shift = M::kBits;  // keys agree on every bit from `shift` up
   while (static_cast<int64_t>(keys.size()) > (int64_t(1) << 16) && shift > 0) {
-    const int nb = std::min(16, shift), sh = shift - nb;
+    const int nb = std::min(8, shift), sh = shift - nb;
     const int64_t bins = int64_t(1) << nb;
     const K mask = static_cast<K>(bins - 1);
     const int64_t m = static_cast<int64_t>(keys.size());
@@ -384,6 +386,29 @@ std::pair<K, int64_t> resolve(const Cands<M>& c, K U, int64_t r, int64_t k) {
   return {T, k - gt};
 }
 
+// Candidates [j0, j1) with key > T and the first `ties` with key == T, in
+// order, written to out[0, n) / vout (n: how many that is).  Branch-free
+// (about one candidate in ten is dropped, at random positions): every
+// candidate is written, to the next slot while slots are left and to a
+// spare once they are not, and the slot advances when it is kept.
+template <typename M, typename I, typename K = typename M::key_t>
+inline void emit_range(const Cands<M>& c, int64_t j0, int64_t j1, int64_t lo, K T, int64_t ties,
+                       int64_t n, I* out, typename M::bits_t* vout) {
+  I spare_i;
+  typename M::bits_t spare_v;
+  int64_t w = 0, left = ties;
+  for (int64_t j = j0; j < j1; ++j) {
+    const K kk = c.key(j);
+    const bool tie = kk == T && left > 0;
+    const bool keep = kk > T || tie;
+    left -= tie;
+    const bool room = w < n;
+    *(room ? out + w : &spare_i) = static_cast<I>(lo + c.pos[j]);
+    *(room ? vout + w : &spare_v) = c.bits[j];
+    w += keep;
+  }
+}
+
 // Writes lo + position of every candidate with key > T and of the first
 // `ties` candidates with key == T (index order), ascending, to out.
 template <typename M, typename I, typename K = typename M::key_t>
@@ -393,14 +418,13 @@ void emit(const Cands<M>& c, int64_t lo, K T, int64_t ties, I* out,
   constexpr int64_t B = 1 << 16;
   const int64_t nb = (m + B - 1) / B;
   if (nb <= 1) {
-    int64_t o = 0, taken = 0;
+    int64_t gt = 0, eq = 0;
     for (int64_t j = 0; j < m; ++j) {
       const K kk = c.key(j);
-      if (kk > T || (kk == T && taken++ < ties)) {
-        out[o] = static_cast<I>(lo + c.pos[j]);
-        vout[o++] = c.bits[j];
-      }
+      gt += kk > T;
+      eq += kk == T;
     }
+    emit_range(c, 0, m, lo, T, std::min(eq, ties), gt + std::min(eq, ties), out, vout);
     return;
   }
   std::vector<int64_t> gt(nb, 0), eq(nb, 0), start(nb, 0), take(nb, 0);
@@ -424,17 +448,9 @@ void emit(const Cands<M>& c, int64_t lo, K T, int64_t ties, I* out,
     o += gt[b] + take[b];
   }
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t w = start[b], taken = 0;
-      const int64_t t = take[b];
-      for (int64_t j = b * B, e = std::min(m, j + B); j < e; ++j) {
-        const K kk = c.key(j);
-        if (kk > T || (kk == T && taken++ < t)) {
-          out[w] = static_cast<I>(lo + c.pos[j]);
-          vout[w++] = c.bits[j];
-        }
-      }
-    }
+    for (int64_t b = b0; b < b1; ++b)
+      emit_range(c, b * B, std::min(m, (b + 1) * B), lo, T, take[b], gt[b] + take[b],
+                 out + start[b], vout + start[b]);
   });
 }
 
