@@ -333,12 +333,14 @@ K kth_largest(std::vector<K>& s, int64_t r) {
 // (parallel) narrow the array to the bucket holding it, then kth_largest.
 // keys is consumed.  Digits of 8 bits: a 256-bin histogram stays in L1 and
 // costs nothing to clear, and one digit already narrows random keys ~256x
-// (16-bit digits cleared and scattered into 768 KB of tables per round).
+// (16-bit digits cleared and scattered into 768 KB of tables per round);
+// narrowed to 4096 keys before nth_element, whose data-dependent
+// partitioning mispredicts a branch per comparison on random keys.
 template <typename M>
 typename M::key_t kth_key(std::vector<typename M::key_t>& keys, int64_t r) {
   using K = typename M::key_t;
   int shift = M::kBits;  // keys agree on every bit from `shift` up
-  while (static_cast<int64_t>(keys.size()) > (int64_t(1) << 16) && shift > 0) {
+  while (static_cast<int64_t>(keys.size()) > (int64_t(1) << 12) && shift > 0) {
     const int nb = std::min(8, shift), sh = shift - nb;
     const int64_t bins = int64_t(1) << nb;
     const K mask = static_cast<K>(bins - 1);
