@@ -66,7 +66,9 @@ def configs(args) -> list:
                 for pol in parse_policies(args.policies):
                     out.append({"engine": eng, "method": red, "density": args.density, "policy": pol["policy"],
                                 "beta": pol["beta"], "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms,
-                                "name": f"{'dense' if red == 'dense' else _name(red, args.density)} {pol['name']}"})
+                                "bucket_cap_mb": args.elastic_bucket_mb,
+                                "name": f"{'dense' if red == 'dense' else _name(red, args.density)} {pol['name']}"
+                                        + (f" fused {args.elastic_bucket_mb:g} MiB" if args.elastic_bucket_mb else "")})
         else:
             raise SystemExit(f"unknown engine {eng!r} (ddp, horovod, elastic)")
     return out
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policies", default=DEFAULT_POLICIES)
     g.add_argument("--latency-ms", type=float, default=5.0, help="elastic rows: per-round latency (transport-side)")
     g.add_argument("--jitter-ms", type=float, default=0.2)
+    g.add_argument("--elastic-bucket-mb", type=float, default=0.0,
+                   help="elastic rows: fuse layers' reductions into buckets of this many MiB (0: per layer)")
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=600, help="steps per run (the fixed budget)")
     g.add_argument("--eval-every", type=int, default=25)

@@ -136,7 +136,7 @@ class _Elastic:
         inner = TorchDistributedTransport(dist.new_group(list(range(ctx.size))), timeout=ctx.timeout)
         self.tr = DelayedTransport(inner, run["latency_ms"] / 1e3, run["jitter_ms"] / 1e3,
                                    seed=1000 * ctx.rank + p["seed"])
-        kw = dict(policy=run["policy"], max_staleness=1)
+        kw = dict(policy=run["policy"], max_staleness=1, bucket_cap_mb=run.get("bucket_cap_mb", 0.0))
         if run.get("beta") is not None:
             kw["beta"] = run["beta"]
         if run["method"] == "dense":

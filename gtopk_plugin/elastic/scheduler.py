@@ -33,6 +33,7 @@ import torch
 from ..consistency import LayoutMismatchError, PeerInputError
 from .apply import OptimizerApplier, check_optimizer
 from .backend import AsyncReduction
+from .buckets import BucketedReduction
 from .core import ElasticCore
 from .policies import make_policy
 from .resolution import resolve
@@ -56,6 +57,13 @@ class ElasticScheduler:
             estimate of the gradient variance).
         max_staleness: int ≥ 0 (default 1): no parameter is used more than
             this many steps behind, whatever the policy.
+        bucket_cap_mb: fuse consecutive layers' reductions into buckets of
+            at least this many MiB of gradients (the step's last layer closes
+            its bucket), as Horovod's fusion buffer and DDP's buckets do:
+            one message per bucket instead of per layer where every message
+            pays a fixed latency; each layer still gets its update when its
+            bucket arrives.  0 (default): one reduction per layer, the
+            paper's granularity.
         momentum_correction: with a sparse ``reducer``, DGC momentum
             correction with the SGD optimizer's own momentum and weight
             decay (``GradientReducer.correct_momentum``): the velocity lives
@@ -96,7 +104,8 @@ class ElasticScheduler:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
                  policy: str = "norm", beta: float = 0.5, variance_factor: float = 1.0,
-                 max_staleness: int = 1, transport=None, momentum_correction: bool = False):
+                 max_staleness: int = 1, transport=None, momentum_correction: bool = False,
+                 bucket_cap_mb: float = 0.0):
         bad: Optional[str] = None
         try:
             if reducer is not None and getattr(getattr(reducer, "config", None), "clip_norm", None) is not None:
@@ -110,7 +119,7 @@ class ElasticScheduler:
                                      "reduction the optimizer's own momentum is already exact")
                 reducer.correct_momentum(optimizer, model.named_parameters())
             self.config = ElasticConfig(policy=policy, beta=beta, variance_factor=variance_factor,
-                                        max_staleness=max_staleness)
+                                        max_staleness=max_staleness, bucket_cap_mb=bucket_cap_mb)
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
             check_optimizer(optimizer)
@@ -137,6 +146,8 @@ class ElasticScheduler:
             except Exception as e:  # noqa: BLE001 - no process group etc.: the settings error is the news
                 raise ValueError(bad) from e
             raise ValueError(bad)
+        if self.config.bucket_cap_mb > 0:
+            backend = BucketedReduction(backend, max(1, int(self.config.bucket_cap_mb * 2 ** 20)))
         self.model = model
         self.optimizer = optimizer
         self.backend: AsyncReduction = backend
@@ -147,7 +158,7 @@ class ElasticScheduler:
         backend.setup([u.spec() for u in units], max_in_flight=s + 2)
         layout = [(u.name, tuple(u.param_names), tuple(tuple(p.shape) for p in u.params),
                    tuple(str(p.dtype) for p in u.params)) for u in units]
-        layout.append(("settings", "max_staleness", s))
+        layout.append(("settings", "max_staleness", s, "bucket_cap_mb", self.config.bucket_cap_mb))
         backend.agree(layout, None)
 
         self._applier = OptimizerApplier(optimizer, units)

@@ -24,12 +24,17 @@ class ElasticConfig:
     variance_factor: the user factor of B², finite and ≥ 0.
     max_staleness: hard bound, an int ≥ 0: no parameter is used more than this
         many steps behind, whatever the policy (0 is the barrier).
+    bucket_cap_mb: fuse consecutive layers' reductions until their
+        gradients reach this many MiB (the step's last layer closes its
+        bucket): fewer messages where each pays a fixed latency
+        (:mod:`.buckets`); 0 (default) reduces each layer on its own.
     """
 
     policy: str = "norm"
     beta: float = 0.5
     variance_factor: float = 1.0
     max_staleness: int = 1
+    bucket_cap_mb: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.policy, str) or self.policy not in ELASTIC_POLICIES:
@@ -43,6 +48,11 @@ class ElasticConfig:
         if not (vf >= 0.0) or math.isinf(vf):
             raise ValueError(f"variance_factor must be a finite number >= 0, e.g. 1.0; got {vf!r}")
         object.__setattr__(self, "variance_factor", vf)
+        cap = _number("bucket_cap_mb", self.bucket_cap_mb, "a finite number >= 0 (MiB), e.g. 25")
+        if not (cap >= 0.0) or math.isinf(cap):
+            raise ValueError(f"bucket_cap_mb must be a finite number >= 0 (MiB of gradients per fused "
+                             f"reduction; 0 reduces each layer on its own), e.g. 25; got {cap!r}")
+        object.__setattr__(self, "bucket_cap_mb", cap)
         s = self.max_staleness
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"max_staleness must be an int >= 0 (steps a parameter may lag behind; "

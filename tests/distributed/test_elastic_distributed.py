@@ -279,3 +279,43 @@ def test_byteps_adapter_against_fake_byteps_module():
         assert o["declared"] == res[0]["declared"] and o["declared"][0] == "gtopk.elastic.agree"
         assert o["bad_beta_one"][0] == ("ValueError" if r == 0 else "PeerInputError")
         assert o["bad_env"][0] == "ValueError" and "BYTEPS_ELASTIC_BETA" in o["bad_env"][1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [2, 3])
+def test_bucketed_reductions_fuse_layers_and_keep_the_results(P):
+    """bucket_cap_mb (issue #19: per-message latency): the launches that
+    reach the wrapped back end are one per bucket, cut alike on every rank;
+    barrier training still equals synchronous SGD (bit for bit at P = 2,
+    where a sum of two is the same in any ring order; to rounding at P = 3),
+    every configuration ends identical on all ranks, and a bad cap raises on
+    every rank."""
+    res = run_workers(P, ew.bucketed, timeout=250)
+    layers = 4  # make_model(): four Linear layers
+    for reducer in ("dense", "gtopk"):
+        for name, per_step in (("off", layers), ("two", layers - 1), ("all", 1), ("all_norm", 1),
+                               ("two_norm", layers - 1)):
+            runs = [res[r][(reducer, name)] for r in range(P)]
+            launches = runs[0]["launches"]
+            assert len(launches) == ew.STEPS * per_step, (reducer, name, launches)
+            for s in range(ew.STEPS):  # every parameter reduced once per step
+                names = [n for st, ns in launches if st == s for n in ns]
+                assert sorted(names) == sorted(res[0][("dense", "off")]["params"]), (reducer, name, s)
+            for r in range(1, P):
+                assert runs[r]["launches"] == launches
+                assert same(runs[r]["params"], runs[0]["params"]), f"{reducer}/{name}: rank {r} differs"
+            if name != "off":
+                assert "buckets" in runs[0]["kind"]
+        for name in ("two", "all"):
+            got, ref = res[0][(reducer, name)]["params"], res[0][(reducer, "off")]["params"]
+            if reducer == "dense" and P == 2:
+                assert same(got, ref), name
+            else:
+                for n in ref:
+                    assert torch.allclose(got[n], ref[n], rtol=1e-5, atol=1e-6), (reducer, name, n)
+    for r in range(P):
+        assert same(res[r][("dense", "off")]["params"], res[r]["sync"])
+        for n, t in res[r]["sync"].items():
+            assert torch.allclose(res[r][("dense", "all")]["params"][n], t, rtol=1e-5, atol=1e-6)
+        assert res[r]["bad"][0] == ("ValueError" if r == 1 else "PeerInputError"), res[r]["bad"]
+        assert "bucket_cap_mb" in res[r]["bad"][1]

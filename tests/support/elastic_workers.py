@@ -207,3 +207,43 @@ def byteps_adapter(rank, P):
         for k in ("BYTEPS_ELASTIC_POLICY", "BYTEPS_ELASTIC_MAX_STALENESS", "BYTEPS_ELASTIC_BETA"):
             os.environ.pop(k, None)
     return out
+
+
+def bucketed(rank, P):
+    """bucket_cap_mb: per-layer (no cap) vs a cap that fuses two layers vs
+    one bucket per step, with the default dense back end and a gTop-k
+    reducer; parameters, how many launches reached the wrapped back end,
+    and the synchronous reference."""
+    out = {}
+    m0 = make_model()
+    out["sync"] = train_sync(m0, torch.optim.SGD(m0.parameters(), lr=0.05, momentum=0.9), STEPS, rank,
+                             _allreduce_avg(P))
+    sizes = [sum(p.numel() * 4 for p in u.parameters(recurse=False)) for u in make_model()
+             if isinstance(u, torch.nn.Linear)]
+    two = (sizes[-1] + sizes[-2]) / 2 ** 20  # the last two layers launch first: one bucket
+    for reducer in ("dense", "gtopk"):
+        for name, cap, policy in (("off", 0.0, "barrier"), ("two", two, "barrier"), ("all", 100.0, "barrier"),
+                                  ("all_norm", 100.0, "norm"), ("two_norm", two, "norm")):
+            m = make_model()
+            red = None if reducer == "dense" else gp.GradientReducer(method="gtopk", density=0.3)
+            sched = ElasticScheduler(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                     reducer=red, policy=policy, beta=0.5, bucket_cap_mb=cap)
+            inner = getattr(sched.backend, "inner", sched.backend)
+            launches = []
+            orig = inner.launch
+
+            def counting(unit, step, names, tensors, last, _orig=orig, _l=launches):
+                _l.append((step, tuple(names)))
+                return _orig(unit, step, names, tensors, last)
+
+            inner.launch = counting
+            out[(reducer, name)] = {"params": train_elastic(sched, m, STEPS, rank), "launches": launches,
+                                    "kind": sched.backend.kind, "stats": sched.stats.as_dict()}
+            sched.close()
+    try:
+        m = make_model()
+        ElasticScheduler(m, torch.optim.SGD(m.parameters(), lr=0.1), bucket_cap_mb=-1 if rank == 1 else 0)
+        out["bad"] = None
+    except Exception as e:  # noqa: BLE001 - the error's type and text are the result
+        out["bad"] = (type(e).__name__, str(e))
+    return out
