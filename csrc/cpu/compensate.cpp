@@ -193,7 +193,9 @@ int64_t div_count_f32(const float* x, float* y, int64_t b, int64_t e, int64_t di
   __m128i cnt = _mm_setzero_si128();  // per-lane counts, at most (e - b) / 4 < 2^31 each
   for (; i + 4 <= e; i += 4) {
     const __m128 xv = _mm_loadu_ps(x + i);
-    const __m128 v = pow2 ? _mm_mul_ps(xv, rv) : _mm_div_ps(xv, dv);  // 1: times 1.0, exact
+    // divisor 1: the bits as they are (a multiplication by 1.0 would flush
+    // denormals under FTZ and quieten a signalling NaN)
+    const __m128 v = divisor == 1 ? xv : (pow2 ? _mm_mul_ps(xv, rv) : _mm_div_ps(xv, dv));
     if (stream) {
       _mm_stream_ps(y + i, v);
     } else {
@@ -233,6 +235,9 @@ int64_t div_count_impl(const at::Tensor& x, const at::Tensor& out, int64_t divis
       if (std::is_same<scalar_t, float>::value && (divisor != 1 || !same)) {
         c = div_count_f32(reinterpret_cast<const float*>(p), reinterpret_cast<float*>(q), b, e,
                           divisor, stream);
+#if defined(__SSE2__)
+        if (stream) _mm_sfence();  // this thread's non-temporal stores, before the result is read
+#endif
       } else if (divisor == 1) {
         for (int64_t i = b; i < e; ++i) {
           if (!same) q[i] = p[i];
@@ -248,9 +253,6 @@ int64_t div_count_impl(const at::Tensor& x, const at::Tensor& out, int64_t divis
       total.fetch_add(c, std::memory_order_relaxed);
     });
   });
-#if defined(__SSE2__)
-  if (stream) _mm_sfence();  // the non-temporal stores, visible before the update is read
-#endif
   return total.load();
 }
 

@@ -905,6 +905,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compensate_select_topk(
                     residual->numel() == acc.numel() && residual->scalar_type() == acc.scalar_type(),
                 "compensate_select_topk: residual must be a contiguous 1-D tensor like acc");
   }
+  // acc is written while gradients and residual are still read (the fused
+  // collect re-reads them): none may share memory with it
+  const char* ab = static_cast<const char*>(acc.data_ptr());
+  const char* ae = ab + acc.numel() * acc.element_size();
+  auto apart = [&](const at::Tensor& t) {
+    const char* tb = static_cast<const char*>(t.data_ptr());
+    const char* te = tb + t.numel() * t.element_size();
+    return t.numel() == 0 || te <= ab || ae <= tb;
+  };
+  TORCH_CHECK(!has_r || apart(*residual), "compensate_select_topk: residual overlaps acc");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(apart(grads[t]), "compensate_select_topk: gradient ", t, " overlaps acc");
   const int64_t S = k.numel();
   const int64_t* o = offsets.data_ptr<int64_t>();
   const int64_t* ks = k.data_ptr<int64_t>();

@@ -116,6 +116,8 @@ class BucketedReduction(AsyncReduction):
         return fresh
 
     def _flush(self, last_of_step: bool) -> None:
+        if not self._open:
+            return
         layers, self._open, self._open_bytes = self._open, [], 0
         names = [n for _, ns, _, _ in layers for n in ns]
         tensors = [t for _, _, ts, _ in layers for t in ts]
@@ -133,10 +135,13 @@ class BucketedReduction(AsyncReduction):
 
     def wait(self, handle: _Part) -> List[Tensor]:
         if handle.bucket is None:
-            # Only when a step ends without its last layer's launch (an
-            # error path): the scheduler waits for a step's layers after the
-            # step closed, so on the normal path every bucket is launched.
-            self._flush(True)
+            # The scheduler waits for a step's layers only after the step's
+            # last layer launched (which closes every bucket of the step).
+            # Launching an open bucket here would happen on this rank alone
+            # and cut the buckets differently from the other ranks: refuse.
+            raise RuntimeError("gtopk_plugin elastic: waited for a layer whose bucket is still open (its "
+                               "step's last layer has not launched); buckets launch only when the cap is "
+                               "reached or the step's last layer arrives")
         b = handle.bucket
         if b.result is None:
             b.result = self.inner.wait(b.handle)

@@ -409,3 +409,27 @@ def test_div_count_rejects_partial_overlap():
     x = torch.zeros(1000)
     with pytest.raises(RuntimeError, match="overlaps"):
         kernels.div_count_(x[:900], 2, out=x[100:], kernels="cpu")
+    # the fused compensation writes acc while it still reads grads and residual
+    from gtopk_plugin.kernels import cpu
+    acc, offs, k = torch.zeros(1000), torch.tensor([0, 1000]), torch.tensor([10])
+    with pytest.raises(RuntimeError, match="overlaps acc"):
+        cpu.compensate_select_topk(acc, [acc[:1000]], None, offs, k)
+    with pytest.raises(RuntimeError, match="overlaps acc"):
+        cpu.compensate_select_topk(acc, [torch.zeros(1000)], acc, offs, k)
+
+
+@pytest.mark.parametrize("kern", BACKENDS)
+def test_div_count_by_one_copies_the_bits(kern):
+    """op="sum" divides by 1: out of place that is a copy, bit for bit, even
+    with denormals flushed (a multiplication by 1.0 would flush them)."""
+    x = torch.full((1 << 20,), 1e-40)  # denormal float32, past the streamed-store size
+    x[::3] = -2.5
+    y = torch.empty_like(x)
+    torch.set_flush_denormal(True)
+    try:
+        n = kernels.div_count_(x, 1, out=y, kernels=kern)
+        want = int(torch.count_nonzero(x))  # torch's count in the same mode (denormals as zero where flushed)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32)), "not a bit-exact copy"
+    assert n == want
