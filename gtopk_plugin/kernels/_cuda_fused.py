@@ -147,7 +147,9 @@ def compensate_select_topk(rt, acc, grads, residual, offsets, k):
     return idx, acc.index_select(0, idx), finite
 
 
-def subtract_at_(rt, acc, idx, sent):
+def subtract_at_(rt, acc, idx, sent, mask=None):
+    if mask is not None:  # the reached entries gathered on the device, then the kernel
+        idx, sent = idx[mask], sent[mask]
     dev = acc.device
     if not (_dense(rt, acc) and rt._sparse_ok(idx, sent, dev)):
         return reference.subtract_at_(acc, idx, sent)

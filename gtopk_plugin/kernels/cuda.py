@@ -389,9 +389,7 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
 
 
 def subtract_at_(acc, idx, sent, mask=None):
-    if mask is not None:  # a gather on the device, then the kernel
-        idx, sent = idx[mask], sent[mask]
-    return _cuda_fused.subtract_at_(_rt, acc, idx, sent)
+    return _cuda_fused.subtract_at_(_rt, acc, idx, sent, mask)
 
 
 def scatter_reset_(out, prev, idx, vals, divisor):
