@@ -69,15 +69,28 @@ def check(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str
           nonfinite_names: Sequence[str]) -> Tuple[bool, List[Tuple[int, List[str]]]]:
     """Agree across ranks.  Raises on every rank for invalid input or a layout
     mismatch; returns ``(any_nonfinite, [(rank, names), ...])``."""
+    return check_flagged(transport, layout, bad_input, nonfinite_names)[:2]
+
+
+def check_flagged(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str],
+                  nonfinite_names: Sequence[str], flag: bool = False
+                  ) -> Tuple[bool, List[Tuple[int, List[str]]], bool]:
+    """:func:`check`, also agreeing on a per-rank ``flag`` at no extra cost
+    (the dense step's "my prescaled copy is not exact": every rank then
+    redoes it unscaled); returns ``(any_nonfinite, where, any_flag)``,
+    ``any_flag`` meaningful only when no rank is non-finite."""
     fp = fingerprint(layout) if bad_input is None else 0
     # status: -1 fine, +1 invalid input.  A rank that has called hvd.join()
     # takes part in Horovod allreduces with zeros, so a 0 after the MAX means
     # a joined rank: detected here, before any collective it cannot join.
     status = 1 if bad_input is not None else -1
-    v = torch.tensor([status, int(bool(nonfinite_names)), fp, -fp], dtype=torch.int64)
+    # 2: non-finite, 1: flagged, 0: neither -- the MAX keeps what matters
+    # (a non-finite step is skipped or raises whatever the flag says)
+    state = 2 if nonfinite_names else int(bool(flag))
+    v = torch.tensor([status, state, fp, -fp], dtype=torch.int64)
     if transport.size > 1:
         v = transport.control_allreduce_max(v)
-    status, nonfinite, hi, neg_lo = v.tolist()
+    status, state, hi, neg_lo = v.tolist()
     bad = status > 0
     if status == 0:
         raise JoinedRankError(
@@ -98,8 +111,8 @@ def check(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str
         raise LayoutMismatchError(
             "gtopk_plugin: ranks called reduce() with different tensors or settings "
             f"(names, shapes, dtypes, k, step or method must match): {first_mismatch(layouts)}")
-    if not nonfinite:
-        return False, []
+    if state < 2:
+        return False, [], state == 1
     names = list(nonfinite_names)
     per_rank = transport.allgather_object(names) if transport.size > 1 else [names]
-    return True, [(r, n) for r, n in enumerate(per_rank) if n]
+    return True, [(r, n) for r, n in enumerate(per_rank) if n], False

@@ -26,7 +26,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from . import collectives, consistency, kernels, small_tensors
+from . import collectives, consistency, dense_direct, kernels, small_tensors
 from .collectives import Selection, Transport, payloads as _payloads, wire
 from .collectives.rounds import codec_contribution
 from .collectives.torch_distributed import TorchDistributedTransport
@@ -217,13 +217,18 @@ class GradientReducer(ReducerState):
                  and self.binding is None and all(t.dtype == dtype for t in tensors)
                  and (loss_scale is None or float(loss_scale) == self.loss_scale))
         t_comp = 0.0
-        flatres = acc = picked = None
+        flatres = acc = picked = direct = None
         if bad:
             nonfinite = []
         elif fused:
             tc = time.perf_counter()
-            flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
-            if type(self.compressor) in _FUSED_TOPK:
+            # the dense method: the gradients straight into the update buffer
+            direct = dense_direct.start(self, out, names, sizes, tensors, dtype, P)
+            if direct is None:
+                flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
+            if direct is not None:
+                flatres, acc, nonfinite = direct.flatres, direct.update, direct.nonfinite
+            elif type(self.compressor) in _FUSED_TOPK:
                 # compensation, finiteness check and exact top-k in one pass
                 offsets, k, seg_names = self._segments(names, sizes, density)
                 res = flatres.residual if res_parts[0] is not None else None
@@ -238,8 +243,10 @@ class GradientReducer(ReducerState):
         else:
             nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)]
         extra, extra_nonfinite, extra_bad = self._also or ((), (), None)
-        any_nonfinite, where = consistency.check(self.transport, layout + list(extra), bad or extra_bad,
-                                                 nonfinite + list(extra_nonfinite))
+        # the flag: "no exact prescaled copy here" (dense_direct: any rank's makes all redo it)
+        any_nonfinite, where, redo = consistency.check_flagged(
+            self.transport, layout + list(extra), bad or extra_bad, nonfinite + list(extra_nonfinite),
+            flag=direct is None or not direct.exact)
         t1 = time.perf_counter()  # the select phase includes compensation: phases tile the call
         seconds = {"check": t1 - t0 - t_comp}
         if any_nonfinite:
@@ -250,6 +257,8 @@ class GradientReducer(ReducerState):
                     "applied and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step, out)
 
+        if redo and direct is not None and direct.shift:
+            direct.redo_unscaled(names, tensors)
         if not fused:
             flatres, acc = self._compensate(names, sizes, tensors, dtype, grad_norm, loss_scale, P)
         numel = sum(sizes)
@@ -292,9 +301,9 @@ class GradientReducer(ReducerState):
 
         t3 = time.perf_counter()
         divisor = P if cfg.op == "average" else 1
-        update, nnz = self._updates.result(agg, (tuple(names), dtype, acc.device), numel, divisor,
-                                           flatres.bufs, cfg.kernels, out and [out[n] for n in names],
-                                           out_reuse)
+        update, nnz = direct.finish(agg, divisor) if direct is not None else self._updates.result(
+            agg, (tuple(names), dtype, acc.device), numel, divisor, flatres.bufs, cfg.kernels,
+            out and [out[n] for n in names], out_reuse)
         # Residual: acc less what reached the global result, as it travelled
         # (error feedback, the same wrapper for selectors and codecs).
         sent_vals = wire.values(wire_vals, dtype)  # the int8 wire decoded (exact)

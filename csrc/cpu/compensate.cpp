@@ -211,6 +211,22 @@ int64_t div_count_f32(const float* x, float* y, int64_t b, int64_t e, int64_t di
   return c;
 }
 
+// The nonzero entries of float32 x[b, e), read only: div_count_ in place
+// by 1 (a prescaled dense sum, or op="sum", is already the update).
+int64_t count_nonzero_f32(const float* x, int64_t b, int64_t e) {
+  int64_t c = 0, i = b;
+#if defined(__SSE2__)
+  const __m128 zero = _mm_setzero_ps();
+  __m128i cnt = _mm_setzero_si128();
+  for (; i + 4 <= e; i += 4) cnt = _mm_sub_epi32(cnt, _mm_castps_si128(_mm_cmpneq_ps(_mm_loadu_ps(x + i), zero)));
+  alignas(16) int32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), cnt);
+  c = int64_t(lanes[0]) + lanes[1] + lanes[2] + lanes[3];
+#endif
+  for (; i < e; ++i) c += x[i] != 0.0f;
+  return c;
+}
+
 int64_t div_count_impl(const at::Tensor& x, const at::Tensor& out, int64_t divisor) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(),
               "div_count_: x must be a contiguous 1-D CPU tensor");
@@ -238,6 +254,8 @@ int64_t div_count_impl(const at::Tensor& x, const at::Tensor& out, int64_t divis
 #if defined(__SSE2__)
         if (stream) _mm_sfence();  // this thread's non-temporal stores, before the result is read
 #endif
+      } else if (std::is_same<scalar_t, float>::value) {  // in place by 1: count only
+        c = count_nonzero_f32(reinterpret_cast<const float*>(p), b, e);
       } else if (divisor == 1) {
         for (int64_t i = b; i < e; ++i) {
           if (!same) q[i] = p[i];

@@ -39,5 +39,8 @@ void subtract_at_(const at::Tensor& acc, const at::Tensor& idx, const at::Tensor
 void scatter_reset_(const at::Tensor& out, const at::Tensor& prev, const at::Tensor& idx,
                     const at::Tensor& vals, int64_t divisor);
 
+// prescale.cpp
+std::tuple<bool, bool, int64_t> prescale_copy(const at::Tensor& out, const at::Tensor& grad, int64_t shift);
+
 }  // namespace cpu
 }  // namespace gtopk

@@ -35,6 +35,7 @@ TORCH_LIBRARY(gtopk_cpu, m) {
         "Tensor k) -> (Tensor, Tensor, Tensor)", &gtopk::cpu::compensate_select_topk);
   m.def("div_count_(Tensor(a!) x, int divisor) -> int", &gtopk::cpu::div_count_);
   m.def("div_count_into(Tensor x, int divisor, Tensor(a!) out) -> int", &gtopk::cpu::div_count_into);
+  m.def("prescale_copy(Tensor(a!) out, Tensor grad, int shift) -> (bool, bool, int)", &gtopk::cpu::prescale_copy);
   m.def("subtract_at_(Tensor(a!) acc, Tensor idx, Tensor sent, Tensor? mask=None) -> ()", &gtopk::cpu::subtract_at_);
   m.def("scatter_reset_(Tensor(a!) out, Tensor prev, Tensor idx, Tensor vals, int divisor) -> ()",
         &gtopk::cpu::scatter_reset_);

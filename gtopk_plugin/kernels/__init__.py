@@ -9,7 +9,7 @@ they call the functions below, which dispatch on the tensor's device and the
 Fixed public names: ``select_topk(x, offsets, k)``,
 ``select_threshold(x, offsets, k)``, ``merge_select(...)``,
 ``scatter_update(...)``, ``compensate(out, grad, residual)``,
-``compensate_select_topk(acc, grads, residual, offsets, k)``, ``div_count_(x, divisor)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
+``compensate_select_topk(acc, grads, residual, offsets, k)``, ``div_count_(x, divisor)``, ``prescale_copy(out, grad, shift)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
 ``backend(device)``.
 
 On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
@@ -135,6 +135,17 @@ def div_count_(x, divisor, *, out=None, kernels: Optional[str] = None) -> int:
     if out is None:
         return _module(x.device, kernels).div_count_(x, divisor)
     return _module(x.device, kernels).div_count_(x, divisor, out)
+
+
+def prescale_copy(out, grad, shift: int, *, kernels: Optional[str] = None):
+    """``out = grad * 2**-shift`` with the finiteness check, the exactness
+    flag of a prescaled sum and the count of nonzeros, in one pass where the
+    back end can: ``(finite, exact, nnz)``; see ``reference.prescale_copy``.
+    The dense step of the CPU back ends (``gtopk_plugin.dense_direct``); a
+    back end without its own kernel (CUDA) serves it with the reference's
+    torch ops."""
+    mod = _module(out.device, kernels)
+    return getattr(mod, "prescale_copy", reference.prescale_copy)(out, grad, shift)
 
 
 def subtract_at_(acc, idx, sent, *, mask=None, kernels: Optional[str] = None):

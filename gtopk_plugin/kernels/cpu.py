@@ -193,6 +193,14 @@ def compensate(out, grad, residual):
     return bool(_ext.compensate(out, grad.reshape(-1).contiguous(), residual))
 
 
+def prescale_copy(out, grad, shift):
+    if (not _cpu_float(out, grad) or out.dtype != grad.dtype or out.dim() != 1
+            or not out.is_contiguous() or not isinstance(shift, int)):
+        return reference.prescale_copy(out, grad, shift)
+    finite, exact, nnz = _ext.prescale_copy(out, grad.reshape(-1).contiguous(), int(shift))
+    return bool(finite), bool(exact), int(nnz)
+
+
 def subtract_at_(acc, idx, sent, mask=None):
     if (not _cpu_float(acc) or acc.dim() != 1 or not acc.is_contiguous() or idx.dtype not in _INDEX
             or (mask is not None and (mask.dtype != torch.bool or mask.device.type != "cpu"

@@ -264,6 +264,39 @@ def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:
     return int(torch.count_nonzero(out))
 
 
+def _zero_bits(x: Tensor) -> Tensor:
+    """Entries that are +-0 by their bits (a denormal is not zero, also where
+    denormals are treated as zero in this thread)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    mask = (1 << (8 * x.element_size() - 1)) - 1
+    return (x.view(ints) & mask) == 0
+
+
+def prescale_copy(out: Tensor, grad: Tensor, shift: int):
+    """The dense step's one pass: ``out = grad * 2**-shift`` (a bit copy when
+    ``shift`` is 0; ``out``'s dtype), returning ``(finite, exact, nnz)``:
+    every entry of ``grad`` finite; every entry zero or of magnitude in
+    ``[tiny * 2**shift, 2**(emax - shift))`` (``tiny`` the smallest normal,
+    ``2**emax`` the largest power of two), the condition under which a sum
+    of 2**shift such prescaled values, added in any order, equals the sum of
+    the unscaled ones divided by 2**shift bit for bit; and the number of
+    nonzero entries of ``out``.  ``exact`` is True for ``shift`` 0."""
+    if not 0 <= int(shift) <= 30:
+        raise ValueError(f"prescale_copy: shift must be in [0, 30]; got {shift}")
+    g = grad.reshape(-1).to(out.dtype)
+    finite = bool(torch.isfinite(g).all())
+    if shift == 0:
+        out.copy_(g)
+        exact = True
+    else:
+        fi = torch.finfo(out.dtype)
+        a = g.abs()
+        lo, hi = fi.tiny * 2.0 ** shift, 2.0 ** (math.floor(math.log2(fi.max)) - shift)
+        exact = bool((_zero_bits(g) | ((a >= lo) & (a < hi))).all())
+        torch.mul(g, 2.0 ** -shift, out=out)
+    return finite, exact, int(torch.count_nonzero(out))
+
+
 def subtract_at_(acc: Tensor, idx: Tensor, sent: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     """In place ``acc[idx] -= sent`` (unique ``idx``; one subtraction in
     ``acc``'s dtype): the accumulator turned into the new residual, O(k).

@@ -109,28 +109,38 @@ def test_no_n_sized_allocation_in_steady_state(method, allowed):
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU extension did not build")
 @pytest.mark.parametrize("with_out", [False, True])
-def test_dense_step_is_two_passes(with_out):
-    """A dense step on the CPU kernels reads N twice: the fused compensation
-    into the accumulator (the sum is taken there) and one division out of it
-    into the update -- no torch copy, clone, division or count over N-sized
-    inputs (issue #15).  The result is still the exact sum / P."""
+def test_dense_step_passes(with_out):
+    """A dense step on the CPU kernels, P = 1: without ``out`` one pass over
+    N, the copy into the update buffer that also checks and counts
+    (dense_direct); with ``out`` two, the fused compensation into the
+    accumulator and one division out of it into ``out``.  No torch copy,
+    clone, division or count over N-sized inputs (issue #15), no scratch
+    accumulator without ``out``; the result is still the exact sum."""
     from torch.profiler import ProfilerActivity, profile
 
     N = 1 << 16
     g = {"a": torch.randn(N // 2), "b": torch.randn(N // 2)}
+    g["a"][::3] = 0
     red = _red(method="dense", kernels="cpu")
     out = {n: torch.empty_like(t) for n, t in g.items()} if with_out else None
     for _ in range(2):
         red.reduce(g, out=out)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         res = red.reduce(g, out=out)
-    big = [e.name for e in prof.events()
-           if any(len(s) == 1 and s[0] >= N // 2 for s in (e.input_shapes or []) if isinstance(s, list))
-           and not e.name.startswith("gtopk::") and e.name in
-           ("aten::copy_", "aten::clone", "aten::div", "aten::div_", "aten::count_nonzero", "aten::add")]
-    assert big == [], big
+    shapes = [(e.name, e.input_shapes) for e in prof.events()]
+    big = [n for n, sh in shapes
+           if any(len(s) == 1 and s[0] >= N // 2 for s in (sh or []) if isinstance(s, list))]
+    torch_ops = [n for n in big if n in ("aten::copy_", "aten::clone", "aten::div", "aten::div_",
+                                         "aten::count_nonzero", "aten::add")]
+    assert torch_ops == [], torch_ops
+    kernels_run = sorted(n.split("::")[-1] for n in big if n.startswith("gtopk_cpu::"))
+    want = ["compensate"] * 2 + ["div_count_into"] * 2 if with_out else ["prescale_copy"] * 2
+    assert kernels_run == sorted(want), kernels_run
+    f = next(iter(red.memory._flat.values()))
+    assert (f.bufs[1] is None) != with_out  # the scratch accumulator only where out= needs it
     for n in g:
         assert torch.equal(res[n], g[n])  # P = 1: the sum is the gradient
+    assert red.last_stats.result_nnz == sum(int(np.count_nonzero(t.numpy())) for t in g.values())
 
 
 def _rss():
