@@ -154,6 +154,7 @@ class GradientReducer(ReducerState):
         self._segments = Segments(cfg.granularity, full=self.codec)
         self._also = None  # the small tensors' part of the check (small_tensors.py)
         self._small = small_tensors.SmallTensors(self) if cfg.dense_below else None
+        self._dense = dense_direct.DensePath(self)  # the dense method's one-pass step (CPU)
 
     @property
     def selector(self):
@@ -186,12 +187,11 @@ class GradientReducer(ReducerState):
         wrote there last, untouched since: only those entries are cleared.
 
         Memory (issue #15): no N-sized allocation in steady state on the
-        sparse butterfly path.  Residuals and the scratch accumulator are
-        persistent per layout (see :mod:`.compress.error_feedback`); without
-        ``out`` the updates are views into persistent buffers, reused once
-        the caller has dropped every tensor of an earlier call (see
-        :class:`UpdateBuffers`): do not write into them.  Dense results are
-        fresh tensors of their own.
+        butterfly and dense paths.  Residuals and the scratch accumulator
+        are persistent per layout (see :mod:`.compress.error_feedback`);
+        without ``out`` the updates are views into persistent buffers,
+        reused once the caller has dropped every tensor of an earlier call
+        (see :class:`UpdateBuffers`): do not write into them.
         """
         parts = self._small and small_tensors.split(grads, self._small.threshold)
         kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale, out=out,
@@ -223,7 +223,7 @@ class GradientReducer(ReducerState):
         elif fused:
             tc = time.perf_counter()
             # the dense method: the gradients straight into the update buffer
-            direct = dense_direct.start(self, out, names, sizes, tensors, dtype, P)
+            direct = self._dense.start(out, names, sizes, tensors, dtype, P)
             if direct is None:
                 flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
             if direct is not None:
@@ -246,7 +246,7 @@ class GradientReducer(ReducerState):
         # the flag: "no exact prescaled copy here" (dense_direct: any rank's makes all redo it)
         any_nonfinite, where, redo = consistency.check_flagged(
             self.transport, layout + list(extra), bad or extra_bad, nonfinite + list(extra_nonfinite),
-            flag=direct is None or not direct.exact)
+            flag=direct is None or direct.flag)
         t1 = time.perf_counter()  # the select phase includes compensation: phases tile the call
         seconds = {"check": t1 - t0 - t_comp}
         if any_nonfinite:
@@ -257,8 +257,8 @@ class GradientReducer(ReducerState):
                     "applied and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step, out)
 
-        if redo and direct is not None and direct.shift:
-            direct.redo_unscaled(names, tensors)
+        if direct is not None:
+            self._dense.agreed(direct, redo, names, tensors)
         if not fused:
             flatres, acc = self._compensate(names, sizes, tensors, dtype, grad_norm, loss_scale, P)
         numel = sum(sizes)

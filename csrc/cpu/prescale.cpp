@@ -6,17 +6,20 @@
 //   out = grad * 2^-shift;  returns (all finite, exact, nonzeros of out)
 //
 // A sum of values prescaled by a power of two equals the sum divided
-// afterwards, bit for bit, when every scaled value is exact and no partial
-// sum of the unscaled values can overflow: then each unscaled partial sum is
-// a multiple of 2^(shift - 149) (float32), every addition commutes with the
-// scaling, in any order the engine adds, and the final division is exact.
+// afterwards, bit for bit, when every value is a multiple of the smallest
+// normal times 2^shift and no partial sum can overflow: then every partial
+// sum, unscaled or scaled, in any order and grouping the engine adds, is
+// zero or normal (never denormal, so flushing denormals changes nothing),
+// each addition commutes with the scaling, and the final division is exact.
 // `exact` says whether that holds for this rank's entries: each is zero, or
-// its magnitude lies in [2^(shift + emin), 2^(emax - shift)) (float32:
-// [2^(shift - 126), 2^(127 - shift))).  NaN and Inf are not exact.  When any
-// rank's entries are not, every rank redoes the copy unscaled and divides
-// after the sum (gtopk_plugin/dense_direct.py); the consistency check
-// carries the flag.  Reference: gtopk_plugin/kernels/reference.py
-// (prescale_copy), bit for bit.
+// its magnitude lies in [tiny * 2^(shift + p - 1), 2^(emax - shift)), p the
+// significand's bits (float32: [2^(shift - 103), 2^(127 - shift)): its
+// last bit is then worth at least 2^(shift - 126)).  NaN and Inf are not
+// exact (a non-finite step is skipped or raises anyway).  When any rank's
+// entries are not, every rank redoes the copy unscaled and divides after
+// the sum (gtopk_plugin/dense_direct.py); the consistency check carries the
+// flag.  Reference: gtopk_plugin/kernels/reference.py (prescale_copy), bit
+// for bit.
 #include "common.h"
 #include "ops.h"
 
@@ -60,7 +63,7 @@ Flags prescale_range(scalar_t* out, const scalar_t* g, int64_t b, int64_t e, int
   using opmath_t = at::opmath_type<scalar_t>;
   using lim = std::numeric_limits<scalar_t>;
   const opmath_t s = std::ldexp(opmath_t(1), -shift);
-  const opmath_t lo = std::ldexp(static_cast<opmath_t>(lim::min()), shift);
+  const opmath_t lo = std::ldexp(static_cast<opmath_t>(lim::min()), shift + lim::digits - 1);
   const opmath_t hi = std::ldexp(opmath_t(1), lim::max_exponent - 1 - shift);
   Flags f;
   for (int64_t i = b; i < e; ++i) {
@@ -84,8 +87,8 @@ Flags prescale_range_f32(float* out, const float* g, int64_t b, int64_t e, int s
   const Flags head = prescale_range<float>(out, g, b, i, shift);
   const __m128i expm = _mm_set1_epi32(0x7F800000), lsb = _mm_set1_epi32(0x00800000);
   const __m128i absm = _mm_set1_epi32(0x7FFFFFFF), zi = _mm_setzero_si128();
-  // exact: |g| == 0, or E >= 1 + shift and E < 254 - shift (as ex = E << 23)
-  const __m128i lo_ex = _mm_set1_epi32((1 + shift) << 23), hi_ex = _mm_set1_epi32(((254 - shift) << 23) - 1);
+  // exact: |g| == 0, or E >= 24 + shift and E < 254 - shift (as ex = E << 23)
+  const __m128i lo_ex = _mm_set1_epi32((24 + shift) << 23), hi_ex = _mm_set1_epi32(((254 - shift) << 23) - 1);
   const __m128 sv = _mm_set1_ps(std::ldexp(1.0f, -shift)), zf = _mm_setzero_ps();
   __m128i nonfin = zi, inexact = zi, cnt = zi;
   for (; i + 4 <= e; i += 4) {

@@ -272,15 +272,29 @@ def _zero_bits(x: Tensor) -> Tensor:
     return (x.view(ints) & mask) == 0
 
 
+def prescale_bounds(dtype, shift: int):
+    """``(lo, hi)``: a nonzero entry is exactly prescalable by ``2**-shift``
+    when ``lo <= |x| < hi``: ``lo = tiny * 2**(shift + p - 1)`` (``tiny``
+    the smallest normal, ``p`` the significand's bits: the entry's last bit
+    is worth at least ``tiny * 2**shift``, so no partial sum of such
+    entries, scaled or not, is denormal) and ``hi = 2**(emax - shift)``
+    (``2**emax`` the largest power of two: no partial sum of ``2**shift``
+    of them overflows)."""
+    fi = torch.finfo(dtype)
+    p = 2 - math.frexp(fi.eps)[1]  # eps = 2**(1 - p) = 0.5 * 2**(2 - p)
+    emax = math.frexp(fi.max)[1] - 1
+    return math.ldexp(fi.tiny, shift + p - 1), math.ldexp(1.0, emax - shift)
+
+
 def prescale_copy(out: Tensor, grad: Tensor, shift: int):
     """The dense step's one pass: ``out = grad * 2**-shift`` (a bit copy when
     ``shift`` is 0; ``out``'s dtype), returning ``(finite, exact, nnz)``:
-    every entry of ``grad`` finite; every entry zero or of magnitude in
-    ``[tiny * 2**shift, 2**(emax - shift))`` (``tiny`` the smallest normal,
-    ``2**emax`` the largest power of two), the condition under which a sum
-    of 2**shift such prescaled values, added in any order, equals the sum of
-    the unscaled ones divided by 2**shift bit for bit; and the number of
-    nonzero entries of ``out``.  ``exact`` is True for ``shift`` 0."""
+    every entry of ``grad`` finite; every entry zero or within
+    :func:`prescale_bounds` -- the condition under which a sum of
+    ``2**shift`` such prescaled values, added in any order and grouping,
+    equals the sum of the unscaled ones divided by ``2**shift`` bit for bit
+    (also where denormals are flushed); and the number of nonzero entries of
+    ``out``.  ``exact`` is True for ``shift`` 0."""
     if not 0 <= int(shift) <= 30:
         raise ValueError(f"prescale_copy: shift must be in [0, 30]; got {shift}")
     g = grad.reshape(-1).to(out.dtype)
@@ -289,9 +303,8 @@ def prescale_copy(out: Tensor, grad: Tensor, shift: int):
         out.copy_(g)
         exact = True
     else:
-        fi = torch.finfo(out.dtype)
+        lo, hi = prescale_bounds(out.dtype, shift)
         a = g.abs()
-        lo, hi = fi.tiny * 2.0 ** shift, 2.0 ** (math.floor(math.log2(fi.max)) - shift)
         exact = bool((_zero_bits(g) | ((a >= lo) & (a < hi))).all())
         torch.mul(g, 2.0 ** -shift, out=out)
     return finite, exact, int(torch.count_nonzero(out))
