@@ -11,7 +11,9 @@ process per rank), in one process per P and interleaved (each repetition
 times every entry once, in turn, on the same data):
 
 - ``floor``:  ``x.sum()`` over a flat buffer of N: one streaming read, the
-  cost of the cheapest pass any method must make;
+  cost of the cheapest pass any method must make (at P = 2 every entry
+  starts on both ranks at once, after a barrier, so the floor shares the
+  memory bus with the other rank as reduce()'s passes do);
 - ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
   (what selection costs without compensation, check or update);
 - ``reduce()`` per method (gtopk 0.1 %, gtopk 1 %, topk 0.1 %, dense): the
@@ -89,6 +91,14 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     def kern(d):
         return lambda: kernels.select_topk(flat, offs, ks[d])
 
+    def sync():
+        # every entry starts on all ranks at once: at P = 2 the floor and the
+        # kernel then share the memory bus with the other rank exactly as
+        # reduce()'s passes do (collectives keep those in lockstep); without
+        # it the floor was contended in some runs and not in others
+        if transport.size > 1:
+            transport.control_allreduce_max(torch.zeros(1, dtype=torch.int64))
+
     entries = {"floor": floor}
     for d in sorted({d for _, m, d in METHODS if m != "dense"}):
         entries[f"kernel {d:g}"] = kern(d)
@@ -104,6 +114,7 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     try:
         for _ in range(reps):
             for e, f in entries.items():
+                sync()
                 t0 = time.perf_counter()
                 f()
                 times[e].append(time.perf_counter() - t0)

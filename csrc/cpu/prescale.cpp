@@ -78,30 +78,34 @@ Flags prescale_range(scalar_t* out, const scalar_t* g, int64_t b, int64_t e, int
   return f;
 }
 
-// float32, SSE2: the flags on the raw bits (E = the biased exponent field),
-// one multiplication, streamed stores for large buffers (the caller fences).
-Flags prescale_range_f32(float* out, const float* g, int64_t b, int64_t e, int shift, bool stream) {
+// float32 vector loops.  The flags on the raw bits: t = |g|'s bits orders
+// like |g|, so "exact" is t == 0 or LO <= t <= HI1 (LO = (24 + shift) << 23,
+// HI1 = ((254 - shift) << 23) - 1, the exponent field's bounds) and
+// "finite" is t <= 0x7F7FFFFF; signed compares are safe (t < 2^31).
+// kScale false (shift 0): a bit copy (a multiplication by 1.0 would flush
+// denormals under FTZ and quieten a signalling NaN) and no range test.
+// Counted nonzeros: compare-not-equal with zero, NaN counting, as torch.
+// Streamed stores for large buffers (the caller fences).  AVX2 where the
+// CPU has it (chosen at run time: the extension is built for baseline
+// x86-64), else SSE2, else the scalar loop.
 #if defined(__SSE2__)
-  int64_t i = b;
-  while (i < e && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0) ++i;
-  const Flags head = prescale_range<float>(out, g, b, i, shift);
-  const __m128i expm = _mm_set1_epi32(0x7F800000), lsb = _mm_set1_epi32(0x00800000);
-  const __m128i absm = _mm_set1_epi32(0x7FFFFFFF), zi = _mm_setzero_si128();
-  // exact: |g| == 0, or E >= 24 + shift and E < 254 - shift (as ex = E << 23)
-  const __m128i lo_ex = _mm_set1_epi32((24 + shift) << 23), hi_ex = _mm_set1_epi32(((254 - shift) << 23) - 1);
+template <bool kScale>
+void prescale_sse2(float* out, const float* g, int64_t& i, int64_t e, int shift, bool stream,
+                   int32_t lanes[3][8]) {
+  const __m128i absm = _mm_set1_epi32(0x7FFFFFFF), fmax = _mm_set1_epi32(0x7F7FFFFF);
+  const __m128i lo = _mm_set1_epi32((24 + shift) << 23), hi1 = _mm_set1_epi32(((254 - shift) << 23) - 1);
+  const __m128i zi = _mm_setzero_si128();
   const __m128 sv = _mm_set1_ps(std::ldexp(1.0f, -shift)), zf = _mm_setzero_ps();
   __m128i nonfin = zi, inexact = zi, cnt = zi;
   for (; i + 4 <= e; i += 4) {
     const __m128 xv = _mm_loadu_ps(g + i);
-    const __m128i w = _mm_castps_si128(xv);
-    const __m128i ex = _mm_and_si128(w, expm);
-    nonfin = _mm_or_si128(nonfin, _mm_add_epi32(ex, lsb));  // carries into the sign bit iff E = 255
-    const __m128i nz = _mm_xor_si128(_mm_cmpeq_epi32(_mm_and_si128(w, absm), zi), _mm_set1_epi32(-1));
-    inexact = _mm_or_si128(inexact, _mm_and_si128(nz, _mm_or_si128(_mm_cmplt_epi32(ex, lo_ex),
-                                                                    _mm_cmpgt_epi32(ex, hi_ex))));
-    // shift 0: the bits as they are (a multiplication by 1.0 would flush
-    // denormals under FTZ and quieten a signalling NaN)
-    const __m128 v = shift == 0 ? xv : _mm_mul_ps(xv, sv);
+    const __m128i t = _mm_and_si128(_mm_castps_si128(xv), absm);
+    nonfin = _mm_or_si128(nonfin, _mm_cmpgt_epi32(t, fmax));
+    if (kScale) {
+      const __m128i low = _mm_andnot_si128(_mm_cmpeq_epi32(t, zi), _mm_cmplt_epi32(t, lo));
+      inexact = _mm_or_si128(inexact, _mm_or_si128(low, _mm_cmpgt_epi32(t, hi1)));
+    }
+    const __m128 v = kScale ? _mm_mul_ps(xv, sv) : xv;
     if (stream) {
       _mm_stream_ps(out + i, v);
     } else {
@@ -109,20 +113,84 @@ Flags prescale_range_f32(float* out, const float* g, int64_t b, int64_t e, int s
     }
     cnt = _mm_sub_epi32(cnt, _mm_castps_si128(_mm_cmpneq_ps(v, zf)));  // -1 per nonzero
   }
-  alignas(16) int32_t c[4], nf[4], ix[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(c), cnt);
-  _mm_store_si128(reinterpret_cast<__m128i*>(nf), nonfin);
-  _mm_store_si128(reinterpret_cast<__m128i*>(ix), inexact);
-  const Flags tail = prescale_range<float>(out, g, i, e, shift);
-  Flags f;
-  f.nnz = head.nnz + tail.nnz + int64_t(c[0]) + c[1] + c[2] + c[3];
-  f.finite = head.finite && tail.finite && ((nf[0] | nf[1] | nf[2] | nf[3]) & int32_t(0x80000000)) == 0;
-  f.exact = head.exact && tail.exact && (shift == 0 || (ix[0] | ix[1] | ix[2] | ix[3]) == 0);
-  return f;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes[0]), cnt);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes[1]), nonfin);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes[2]), inexact);
+}
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define GTOPK_HAVE_AVX2_PATH 1
+#include <immintrin.h>
+template <bool kScale>
+__attribute__((target("avx2"))) void prescale_avx2(float* out, const float* g, int64_t& i, int64_t e,
+                                                   int shift, bool stream, int32_t lanes[3][8]) {
+  const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF), fmax = _mm256_set1_epi32(0x7F7FFFFF);
+  const __m256i lo = _mm256_set1_epi32((24 + shift) << 23), hi1 = _mm256_set1_epi32(((254 - shift) << 23) - 1);
+  const __m256i zi = _mm256_setzero_si256();
+  const __m256 sv = _mm256_set1_ps(std::ldexp(1.0f, -shift)), zf = _mm256_setzero_ps();
+  __m256i nonfin = zi, inexact = zi, cnt = zi;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(g + i);
+    const __m256i t = _mm256_and_si256(_mm256_castps_si256(xv), absm);
+    nonfin = _mm256_or_si256(nonfin, _mm256_cmpgt_epi32(t, fmax));
+    if (kScale) {
+      const __m256i low = _mm256_andnot_si256(_mm256_cmpeq_epi32(t, zi), _mm256_cmpgt_epi32(lo, t));
+      inexact = _mm256_or_si256(inexact, _mm256_or_si256(low, _mm256_cmpgt_epi32(t, hi1)));
+    }
+    const __m256 v = kScale ? _mm256_mul_ps(xv, sv) : xv;
+    if (stream) {
+      _mm256_stream_ps(out + i, v);
+    } else {
+      _mm256_store_ps(out + i, v);
+    }
+    cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, zf, _CMP_NEQ_UQ)));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[0]), cnt);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[1]), nonfin);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[2]), inexact);
+}
+
+bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+Flags prescale_range_f32(float* out, const float* g, int64_t b, int64_t e, int shift, bool stream) {
+  int64_t i = b;
+  while (i < e && (reinterpret_cast<uintptr_t>(out + i) & 31) != 0) ++i;
+  const Flags head = prescale_range<float>(out, g, b, i, shift);
+  int32_t lanes[3][8] = {};
+#if defined(GTOPK_HAVE_AVX2_PATH)
+  if (cpu_has_avx2()) {
+    shift ? prescale_avx2<true>(out, g, i, e, shift, stream, lanes)
+          : prescale_avx2<false>(out, g, i, e, shift, stream, lanes);
+  }
+#endif
+#if defined(__SSE2__)
+  // the rest (all of it without AVX2) four at a time; `lanes` holds the
+  // AVX2 loop's sums in its 8 lanes, so SSE2's go into a second set
+  int32_t more[3][8] = {};
+  shift ? prescale_sse2<true>(out, g, i, e, shift, stream, more)
+        : prescale_sse2<false>(out, g, i, e, shift, stream, more);
+  for (int r = 0; r < 3; ++r)
+    for (int l = 0; l < 8; ++l) lanes[r][l] = r == 0 ? lanes[r][l] + more[r][l] : (lanes[r][l] | more[r][l]);
 #else
   (void)stream;
-  return prescale_range<float>(out, g, b, e, shift);
 #endif
+  const Flags tail = prescale_range<float>(out, g, i, e, shift);
+  Flags f;
+  f.nnz = head.nnz + tail.nnz;
+  int32_t nonfin = 0, inexact = 0;
+  for (int l = 0; l < 8; ++l) {
+    f.nnz += lanes[0][l];
+    nonfin |= lanes[1][l];
+    inexact |= lanes[2][l];
+  }
+  f.finite = head.finite && tail.finite && nonfin == 0;
+  f.exact = head.exact && tail.exact && (shift == 0 || inexact == 0);
+  return f;
 }
 
 }  // namespace
