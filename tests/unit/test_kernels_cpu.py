@@ -531,8 +531,8 @@ def test_first_use_compiles_once_with_one_log_line(fresh_loader, monkeypatch, ca
     kw = seen[0]
     assert kw["build_directory"].startswith(str(fresh_loader / "cache" / "gtopk_plugin" / "cpu_kernels"))
     assert kw["is_python_module"] is False
-    assert sorted(Path(s).name for s in kw["sources"]) == ["compensate.cpp", "merge.cpp", "register.cpp",
-                                                            "scatter.cpp", "select.cpp"]
+    assert sorted(Path(s).name for s in kw["sources"]) == ["compensate.cpp", "merge.cpp", "prescale.cpp",
+                                                            "register.cpp", "scatter.cpp", "select.cpp"]
     lines = [r for r in caplog.records if "compiling the CPU kernels" in r.getMessage()]
     assert len(lines) == 1
 
