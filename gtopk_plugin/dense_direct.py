@@ -31,7 +31,7 @@ the gradients again after the check: they must not change during the call.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -77,12 +77,13 @@ class DensePath:
         if not (out is None and type(red.compressor) is DenseSelector and red.aggregation == "dense"
                 and (cfg.value_dtype is None or cfg.value_dtype == dtype) and device.type == "cpu"):
             return None
-        if red.memory.enabled and not red.memory.layout(names, sizes, dtype, device).zero:
+        flatres = red.memory.layout(names, sizes, dtype, device)
+        if red.memory.enabled and not flatres.zero:
             return None  # a residual to add: the accumulator's path
         shift = _shift(P, cfg.op, dtype)
         if red.step % (1 << self.level):
             shift = 0  # backing off: unscaled up front (and flagged)
-        return DirectStep(self, names, sizes, tensors, dtype, P, shift)
+        return DirectStep(red, flatres, names, sizes, tensors, dtype, P, shift)
 
     def agreed(self, step: "DirectStep", redo: bool, names, tensors) -> None:
         """After the consistency check: redo the copy unscaled where any rank
@@ -101,10 +102,9 @@ class DirectStep:
     UpdateBuffers, which the engine sums in place and the caller receives)
     and the flags of the copy."""
 
-    def __init__(self, path: DensePath, names, sizes, tensors, dtype, P: int, shift: int):
-        red, device = path.red, tensors[0].device
-        self.red, self.P = red, P
-        self.flatres = red.memory.layout(names, sizes, dtype, device)
+    def __init__(self, red, flatres, names, sizes, tensors, dtype, P: int, shift: int):
+        device = tensors[0].device
+        self.red, self.P, self.flatres = red, P, flatres
         self.update, _ = red._updates.take((tuple(names), dtype, device), sum(sizes), dtype, device, None)
         self.parts = list(torch.split(self.update, list(sizes)))
         self.copy(names, tensors, shift)
@@ -130,7 +130,7 @@ class DirectStep:
         was prescaled) and counted in one pass."""
         if agg.vals is not self.update:  # an engine that did not sum in place
             self.update.copy_(agg.vals.view(-1))
-        elif self.P == 1 and divisor == 1:
+        elif self.P == 1:
             return self.update, self.nnz  # the copy was the update, counted as it was written
         d = 1 if self.shift else divisor
         return self.update, kernels.div_count_(self.update, d, kernels=self.red.config.kernels)

@@ -144,6 +144,19 @@ class FlatHandle:
         return out
 
 
+def refill(held: Optional[List[Tensor]], tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Copies of ``tensors``: into ``held`` (persistent buffers of an earlier
+    step, free to reuse) when they still match in number, shapes, dtypes and
+    devices, else fresh clones (no layer-sized allocation per step in steady
+    state, issue #15)."""
+    if held is not None and len(held) == len(tensors) and all(
+            b.shape == t.shape and b.dtype == t.dtype and b.device == t.device for b, t in zip(held, tensors)):
+        for b, t in zip(held, tensors):
+            b.copy_(t.detach())
+        return held
+    return [t.detach().clone() for t in tensors]
+
+
 def poll_until_done(poll: Callable[[], bool], timeout: float, what: str, rank: int) -> None:
     """Wait for ``poll()`` with short, growing sleeps (a framework's own
     synchronize may spin on a core with no bound); raise after ``timeout``

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .backend import AsyncReduction, UnitSpec
+from .backend import AsyncReduction, UnitSpec, refill
 
 Tensor = torch.Tensor
 
@@ -104,16 +104,8 @@ class BucketedReduction(AsyncReduction):
         a slot's copy has been read by the wrapped back end's own launch
         (which copies) before the slot comes round again."""
         key = (unit, step % self._slots)
-        held = self._copies.get(key)
-        if held is not None and len(held) == len(tensors) and all(
-                b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
-                for b, t in zip(held, tensors)):
-            for b, t in zip(held, tensors):
-                b.copy_(t.detach())
-            return held
-        fresh = [t.detach().clone() for t in tensors]
-        self._copies[key] = fresh
-        return fresh
+        self._copies[key] = refill(self._copies.get(key), tensors)
+        return self._copies[key]
 
     def _flush(self, last_of_step: bool) -> None:
         if not self._open:

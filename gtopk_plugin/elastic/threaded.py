@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..collectives.transport import Transport
-from .backend import AsyncReduction, UnitSpec, agree_by_transport
+from .backend import AsyncReduction, UnitSpec, agree_by_transport, refill
 
 Tensor = torch.Tensor
 
@@ -95,13 +95,7 @@ class _ThreadedBase(AsyncReduction):
         input back as a result); else, or when the layer's shapes changed,
         fresh copies."""
         held = self._inputs.get((unit, step % self._slots))
-        if held is not None and held[1].done() and len(held[0]) == len(tensors) and all(
-                b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
-                for b, t in zip(held[0], tensors)):
-            for b, t in zip(held[0], tensors):
-                b.copy_(t.detach())
-            return held[0]
-        return [t.detach().clone() for t in tensors]
+        return refill(held[0] if held is not None and held[1].done() else None, tensors)
 
     def _run(self, unit, step, names, grads, last_of_step):
         scope = getattr(self.transport, "set_scope", None)
