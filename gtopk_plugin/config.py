@@ -274,6 +274,12 @@ def env_fusion_threshold_bytes(default: int = 64 * 1024 * 1024) -> int:
     return int(v) if v else default
 
 
+def env_shm_dir() -> Optional[str]:
+    """``GTOPK_SHM_DIR``: where a node's shared-memory fabric puts its file
+    (default ``/dev/shm``; :mod:`gtopk_plugin.collectives.shared_memory`)."""
+    return _env("GTOPK_SHM_DIR")
+
+
 def env_timeout_seconds(default: float = 300.0) -> float:
     """``GTOPK_TIMEOUT`` (seconds): default timeout of a transport's collective calls."""
     v = os.environ.get("GTOPK_TIMEOUT")

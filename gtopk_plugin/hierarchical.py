@@ -8,15 +8,17 @@ and re-selects k entries even at merges inside a node, where a dense sum is
 nearly free and loses nothing.  Like Horovod's hierarchical allreduce and
 BytePS's intra-node reduce before its push-pull, this composition
 
-1. sums the workers' gradients densely inside each node: one allreduce of
-   the node's flat gradient on the node group (the engine's best dense
-   primitive; its ring bytes equal those of a reduce to the leader);
+1. sums the workers' gradients densely inside each node: for CPU tensors
+   through memory shared by the node's processes (each rank sums a shard
+   into the leader's buffer), else one allreduce of the node's flat
+   gradient on the node group (the engine's best dense primitive);
+   :mod:`gtopk_plugin.node_fabric`;
 2. runs the node's sum through a :class:`~gtopk_plugin.GradientReducer`
    (any method: topk, gtopk, rtopk, randomk, threshold, dense and the codecs
    onebit, qsgd, powersgd, ``dense_below``) on the cross-node group of node
    leaders (local rank 0), with ``op="sum"``;
-3. broadcasts the leader's result inside the node (a binomial tree on the
-   node group: its non-zeros as (index, value) pairs -- at most k per
+3. broadcasts the leader's result inside the node (a shared region, or a
+   binomial tree on the node group: its non-zeros as (index, value) pairs -- at most k per
    tensor for the exact selectors -- or the dense vector when that is
    smaller) and divides by the WHOLE world size P (``op="average"``).
 
@@ -66,10 +68,11 @@ from . import config, consistency
 from .collectives.transport import Transport
 from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from .layout import all_finite, clip_scale, flat_dtype, segment_ks, validate_grads
+from .node_fabric import NodeFabric, check_fabric
 from .reducer import GradientReducer
 from .stats import ReduceStats
 from .topology import (DENSE, ERROR, PROPAGATE, SKIP, SPARSE, Topology, TorchEngine, agree,
-                       decode_result, encode_result, node_broadcast, status_blob)
+                       decode_result, encode_result, status_blob)
 
 Tensor = torch.Tensor
 __all__ = ["HierarchicalReducer"]
@@ -122,6 +125,10 @@ class HierarchicalReducer:
             :class:`gtopk_plugin.topology.TorchEngine`); replaces ``group``.
         own_node: this rank's node id, when the engine knows it (Horovod's
             ``cross_rank``): the ranks' ids are gathered into the topology.
+        intra_fabric: how a node's ranks move the dense node sum:
+            ``"auto"`` (shared memory for CPU tensors when the node's ranks
+            share a host, else the engine), ``"shared_memory"`` or
+            ``"engine"`` (:mod:`gtopk_plugin.node_fabric`).
 
     The topology is agreed, and the groups made, at the first
     :meth:`reduce` (or an explicit :meth:`setup`): a collective; invalid or
@@ -130,12 +137,13 @@ class HierarchicalReducer:
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, *, local_size=None,
                  node_of_rank=None, group=None, timeout: Optional[float] = None, engine=None,
-                 own_node: Optional[int] = None, **kwargs):
+                 own_node: Optional[int] = None, intra_fabric: str = "auto", **kwargs):
         if "transport" in kwargs:
             raise ValueError("HierarchicalReducer builds its transports from the topology; pass "
                              "group= (torch.distributed) instead of transport=")
         if engine is not None and group is not None:
             raise ValueError("pass group= or engine=, not both")
+        self._fabric_mode = check_fabric(intra_fabric)
         self._topology_args = dict(local_size=local_size, node_of_rank=node_of_rank, own_node=own_node)
         self._engine = engine if engine is not None else TorchEngine(group=group, timeout=timeout)
         user_op, clip = kwargs.pop("op", "average"), kwargs.pop("clip_norm", None)
@@ -150,11 +158,11 @@ class HierarchicalReducer:
         self.topology: Optional[Topology] = None
         self.inner: Optional[GradientReducer] = None   # the leader's cross-node reducer
         self.intra: Optional[Transport] = None
+        self.fabric: Optional[NodeFabric] = None
         self.binding = None
         self._step = 0
         self.last_stats: Optional[ReduceStats] = None
         self._pending_state: Optional[dict] = None
-        self._flat_bufs: Dict[tuple, Tensor] = {}  # per layout: the node sum's buffer
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> Topology:
@@ -171,6 +179,7 @@ class HierarchicalReducer:
             if self.binding is not None:
                 self.inner.binding = _SpecsOnly(self.binding)
         self.topology, self.intra = topo, intra
+        self.fabric = NodeFabric(intra, self._engine.world(), self._fabric_mode)
         if self._pending_state is not None:
             sd, self._pending_state = self._pending_state, None
             self.load_state_dict(sd)
@@ -223,13 +232,13 @@ class HierarchicalReducer:
                                 seconds, t0, advance_step, inner_ran=False)
 
         dtype = flat_dtype(tensors)
-        flat = self._flat_buffer(names, sizes, dtype, tensors[0].device)
+        fabric = self.fabric
+        flat = fabric.buffer(names, sizes, dtype, tensors[0].device)
         torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors], out=flat)
         self._compensate(names, flat, sizes, grad_norm, loss_scale, P)
         i0 = self.intra.counters.copy()
         t1 = time.perf_counter()
-        if topo.local_size > 1:
-            self.intra.allreduce_sum_(flat)   # the node's dense sum
+        flat = fabric.node_sum(flat)  # the node's dense sum (on the leader)
         seconds["intra"] = time.perf_counter() - t1
         status, update, blob, inner_s = DENSE, None, None, 0.0
         if topo.is_leader:
@@ -238,8 +247,8 @@ class HierarchicalReducer:
                 node = {n: p.view(t.shape) for n, p, t in zip(names, torch.split(flat, sizes), tensors)}
                 out = self.inner.reduce(node, advance_step=advance_step, loss_scale=loss_scale)
             except Exception as e:
-                if topo.local_size > 1:  # tell the node before raising, or it waits in vain
-                    node_broadcast(self.intra, status_blob(ERROR, pickle.dumps((type(e).__name__, str(e)))))
+                # tell the node before raising, or it waits in vain
+                fabric.broadcast(status_blob(ERROR, pickle.dumps((type(e).__name__, str(e)))))
                 raise
             inner_s = time.perf_counter() - t2
             if self.inner.last_stats.skipped:
@@ -248,8 +257,7 @@ class HierarchicalReducer:
             else:
                 status, update, blob = encode_result(torch.cat([out[n].reshape(-1) for n in names]))
         t3 = time.perf_counter()
-        if topo.local_size > 1:
-            blob = node_broadcast(self.intra, blob)
+        blob = fabric.broadcast(blob)
         if not topo.is_leader:
             status, update = decode_result(blob, sum(sizes), dtype, flat.device)
         elif status == SPARSE:
@@ -259,18 +267,6 @@ class HierarchicalReducer:
         intra = self.intra.counters.copy().minus(i0)
         return self._finish(names, tensors, sizes, ks, density, status, update, intra, control,
                             seconds, t0, advance_step, inner_ran=True)
-
-    def _flat_buffer(self, names, sizes, dtype, device) -> Tensor:
-        """This layout's persistent flat buffer for the node sum (issue #15:
-        no N-sized allocation per step for the input side; it is free again
-        once reduce() returns -- the leader's inner reducer copies it)."""
-        key = (tuple(names), dtype, torch.device(device))
-        buf = self._flat_bufs.get(key)
-        if buf is None:
-            if len(self._flat_bufs) >= 64:
-                self._flat_bufs.clear()
-            buf = self._flat_bufs[key] = torch.empty(sum(sizes), dtype=dtype, device=device)
-        return buf
 
     def _compensate(self, names, flat, sizes, grad_norm, loss_scale, P) -> None:
         """Per worker, before the node sum: DGC local clipping to
@@ -315,6 +311,7 @@ class HierarchicalReducer:
             intra.payload_bytes_received + intra.header_bytes_received
         st.inter_bytes_sent, st.inter_bytes_received = st.bytes_sent, st.bytes_received
         st.nodes, st.local_size, st.node = topo.nodes, topo.local_size, topo.node
+        st.intra_fabric = self.fabric.current
         st.seconds = dict(st.seconds, **seconds)
         st.seconds.setdefault("intra", 0.0)
         st.seconds.setdefault("inter", 0.0)
@@ -331,7 +328,7 @@ class HierarchicalReducer:
                     cfg.op, self.step, tuple(ks), cfg.clip_norm, cfg.dense_below))
         if cfg.hyper:
             lay.append(("hyper",) + tuple(cfg.hyper))
-        lay.append(("hierarchical",) + self.topology.node_of_rank)
+        lay.append(("hierarchical", tensors[0].device.type if tensors else "") + self.topology.node_of_rank)
         return lay
 
     # --------------------------------------------------- optimizer, state

@@ -497,8 +497,9 @@ def _parser_comm(ap):
                    help="emulate nodes: workers of a node share an unshaped bridge, each node one shaped uplink "
                    "(--rate); P = nodes x --local; rows flat vs hierarchical (--layouts)")
     g.add_argument("--local", type=int, default=2, help="workers per node (with --nodes)")
-    g.add_argument("--layouts", default="flat,hier", help="flat (GradientReducer over all P) and/or hier "
-                   "(HierarchicalReducer: dense inside a node, the method between nodes)")
+    g.add_argument("--layouts", default="flat,hier,hier-gloo", help="flat (GradientReducer over all P), "
+                   "hier (HierarchicalReducer: dense inside a node through shared memory, the method between "
+                   "nodes) and/or hier-gloo (the same, the node's dense sum over its gloo group)")
     g.add_argument("--intra-rate", default="none", help="shape the links inside a node too (default none)")
     _net_args(ap)
 

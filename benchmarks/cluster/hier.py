@@ -105,13 +105,20 @@ class PeerTally:
         return self
 
 
+#: the hierarchical layouts and their intra-node fabrics
+FABRICS = {"hier": "shared_memory", "hier-gloo": "engine"}
+
+
 def _reducer(method, layout, p, ctx):
     kw = dict(method=method, density=p["density"], **((p.get("hyper") or {}).get(method) or {}))
     if layout == "flat":
         from gtopk_plugin import GradientReducer
         return GradientReducer(transport=ctx.transport, **kw)
     from gtopk_plugin.hierarchical import HierarchicalReducer
-    return HierarchicalReducer(local_size=p["local"], **kw)  # ranks r // local on node r
+    # ranks r // local on node r; the node's dense data through shared
+    # memory ("hier": insisting, so a run that cannot have it fails loudly)
+    # or through the node's gloo group over its bridge ("hier-gloo")
+    return HierarchicalReducer(local_size=p["local"], intra_fabric=FABRICS[layout], **kw)
 
 
 def _stats(st) -> Dict:
@@ -120,6 +127,7 @@ def _stats(st) -> Dict:
         if hasattr(st, k):
             out[k] = int(getattr(st, k))
     out["seconds"] = {k: float(v) for k, v in (st.seconds or {}).items()}
+    out["fabric"] = getattr(st, "intra_fabric", None)
     return out
 
 
@@ -198,7 +206,7 @@ def exchange_seconds(layout: str, seconds: Dict[str, float]) -> float:
     as the flat one, selection and bookkeeping left out."""
     if layout == "flat":
         return seconds.get("communicate", 0.0)
-    return seconds.get("intra", 0.0) + seconds.get("communicate", 0.0)
+    return seconds.get("intra", 0.0) + seconds.get("communicate", 0.0)  # any hierarchical layout
 
 
 def hier_available():
@@ -257,7 +265,7 @@ def expected_inter_per_node(row) -> int:
     rounds with a partner on another node, log2(P) − log2(local), cross the
     uplink, for each of the node's ``local`` workers."""
     k, n, L = row["k"], row["nodes"], row["local"]
-    if row["layout"] == "hier":
+    if row["layout"] in FABRICS:
         return int(math.log2(n)) * k * 8
     return L * (int(math.log2(n * L)) - int(math.log2(L))) * k * 8
 
@@ -271,10 +279,13 @@ def cmd_nodes(args) -> dict:
     layouts = [x for x in args.layouts.replace(",", " ").split() if x]
     progress = harness.Progress(0, "nodes", disable=args.quiet)
     ok_h, why_h = hier_available()
-    if "hier" in layouts and not ok_h:
+    bad = [x for x in layouts if x != "flat" and x not in FABRICS]
+    if bad:
+        raise SystemExit(f"--layouts: unknown {bad}; choose from flat, {', '.join(FABRICS)}")
+    if any(x in FABRICS for x in layouts) and not ok_h:
         progress.note(f"hierarchical rows not measured: {why_h}")
-        layouts = [x for x in layouts if x != "hier"]
-    rows = [[m, lay] for m in methods for lay in layouts if not (lay == "hier" and m == "dense")]
+        layouts = [x for x in layouts if x not in FABRICS]
+    rows = [[m, lay] for m in methods for lay in layouts if not (lay in FABRICS and m == "dense")]
     progress.total = len(node_counts) * len(rows) * args.repeat
     if progress._bar is not None:
         progress._bar.total = progress.total
@@ -365,12 +376,12 @@ def goals(res) -> List[str]:
     idx = {(r["P"], r["method"], r["layout"]): r for r in res["rows"]}
     for (P, m, lay), h in sorted(idx.items()):
         f = idx.get((P, m, "flat"))
-        if lay != "hier" or f is None:
+        if lay not in FABRICS or f is None:
             continue
         q = h["exchange_s"] / f["exchange_s"]
         qt = h["wall_s"] / f["wall_s"]
         goal = f" (goal ≤ 0.7: {'met' if q <= 0.7 else 'NOT met'})" if m == "gtopk" else ""
-        out.append(f"- {h['nodes']} × {h['local']} {m}: hierarchical exchange {_ms(h['exchange_s'])} ms vs flat "
+        out.append(f"- {h['nodes']} × {h['local']} {m}: {lay} exchange {_ms(h['exchange_s'])} ms vs flat "
                    f"{_ms(f['exchange_s'])} ms → {q:.2f}×{goal}; whole reduce() {qt:.2f}×")
     return out
 
@@ -396,19 +407,19 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     w = 0.8 / len(series)
     for i, (m, lay) in enumerate(series):
-        color, hatch = COLORS.get(m, "tab:gray"), ("//" if lay == "hier" else None)
+        color, hatch = COLORS.get(m, "tab:gray"), {"hier": "//", "hier-gloo": ".."}.get(lay)
         for j, (n, L) in enumerate(confs):
             r = next((r for r in rows if (r["nodes"], r["local"], r["method"], r["layout"]) == (n, L, m, lay)), None)
             if r is None:
                 continue
             x = j + (i - (len(series) - 1) / 2) * w
             lab = f"{m} {lay}" if j == 0 else None
-            if lay == "hier":
+            if lay in FABRICS:
                 intra = r["phases_s"].get("intra", 0.0) * 1e3
                 axes[0].bar(x, intra, w, color=color, alpha=0.35, hatch=hatch,
-                            label=f"{m} hier: intra-node (dense sum + broadcast)" if j == 0 else None)
+                            label=f"{m} {lay}: intra-node (dense sum + broadcast)" if j == 0 else None)
                 axes[0].bar(x, r["phases_s"].get("communicate", 0.0) * 1e3, w, bottom=intra, color=color,
-                            hatch=hatch, label=f"{m} hier: between nodes" if j == 0 else None)
+                            hatch=hatch, label=f"{m} {lay}: between nodes" if j == 0 else None)
             else:
                 axes[0].bar(x, r["exchange_s"] * 1e3, w, color=color, label=lab)
             axes[0].errorbar(x, r["exchange_s"] * 1e3, yerr=[[(r["exchange_s"] - min(r["exchange_times"])) * 1e3],
@@ -424,7 +435,8 @@ def plot(res, path):
         ax.legend(fontsize=7)
     s = res["settings"]
     fig.suptitle(f"Flat vs hierarchical, N = {s['numel']:,}, density {s['density']:g}, 1 Gbit/s uplink per node, "
-                 "unshaped inside a node (2 shared cores, loaded)", fontsize=9)
+                 "inside a node shared memory (hier) or an unshaped bridge (hier-gloo); 2 shared cores",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

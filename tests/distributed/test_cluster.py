@@ -300,7 +300,7 @@ def test_nodes_smoke(tmp_path, monkeypatch):
                      "--timeout", "120"]) == 0
     res = json.load(open(out))
     assert res["meta"]["network"]["shaped"] == NETNS_OK
-    layouts = {"flat", "hier"} if hier.hier_available()[0] else {"flat"}
+    layouts = {"flat", "hier", "hier-gloo"} if hier.hier_available()[0] else {"flat"}
     assert {(r["method"], r["layout"]) for r in res["rows"]} == {(m, lay) for m in ("gtopk", "topk")
                                                                   for lay in layouts}
     for r in res["rows"]:
@@ -308,8 +308,14 @@ def test_nodes_smoke(tmp_path, monkeypatch):
         if r["layout"] == "flat":  # every byte a worker's accounting counts went to some node
             acc = [sum(st["bytes_sent"] for q, st in enumerate(r["per_rank_stats"]) if q // 2 == j)
                    for j in range(2)]
+        elif r["layout"] == "hier":  # the node's dense data through shared memory: none on a network
+            assert r["peer_intra_sent_per_node"] == [0, 0]
+            assert all(st["fabric"] == "shared_memory" for st in r["per_rank_stats"])
+            assert min(r["stats_intra_sent_per_node"]) >= 20000 * 4  # (L - 1)·N·4 at least, in memory
+            acc = tally = r["stats_inter_sent_per_node"]
         else:  # the reducer's own split, level by level
             acc = [a + b for a, b in zip(r["stats_intra_sent_per_node"], r["stats_inter_sent_per_node"])]
+        if r["layout"] != "flat":
             assert r["stats_inter_sent_per_node"] == r["peer_inter_sent_per_node"]
         assert tally == acc, r["layout"]
         if r["method"] == "gtopk":

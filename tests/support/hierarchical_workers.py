@@ -25,6 +25,8 @@ TOPOLOGIES = [
     ("4+2", list(range(6)), dict(node_of_rank=[0, 0, 0, 0, 1, 1]), ["gtopk", "topk"]),
     ("3+2", list(range(5)), dict(node_of_rank=[0, 0, 0, 1, 1]), ["gtopk", "rtopk"]),
     ("3x2", list(range(6)), dict(local_size=2), ["gtopk"]),
+    # the node's dense data through the node group (gloo) instead of shared memory
+    ("4x2 engine", list(range(8)), dict(local_size=2, intra_fabric="engine"), ["gtopk", "topk"]),
 ]
 DENSITY = 0.05
 
@@ -46,7 +48,8 @@ def _run(red, rank, steps=STEPS, make=grads):
         st = red.last_stats
         stats.append(dict(k=st.k, inter_sent=st.inter_bytes_sent, inter_recv=st.inter_bytes_received,
                           intra_sent=st.intra_bytes_sent, intra_recv=st.intra_bytes_received,
-                          bytes_sent=st.bytes_sent, nodes=st.nodes, seconds=sorted(st.seconds)))
+                          bytes_sent=st.bytes_sent, nodes=st.nodes, seconds=sorted(st.seconds),
+                          fabric=st.intra_fabric))
     return dict(outs=outs, stats=stats, state=red.state_dict(), step=red.step)
 
 
