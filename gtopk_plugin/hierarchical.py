@@ -68,11 +68,10 @@ from . import config, consistency
 from .collectives.transport import Transport
 from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from .layout import all_finite, clip_scale, flat_dtype, segment_ks, validate_grads
-from .node_fabric import NodeFabric, check_fabric
+from .node_fabric import ERROR, PROPAGATE, SKIP, NodeFabric, check_fabric, flat_result, status_blob
 from .reducer import GradientReducer
 from .stats import ReduceStats
-from .topology import (DENSE, ERROR, PROPAGATE, SKIP, SPARSE, Topology, TorchEngine, agree,
-                       decode_result, encode_result, status_blob)
+from .topology import Topology, TorchEngine, agree
 
 Tensor = torch.Tensor
 __all__ = ["HierarchicalReducer"]
@@ -240,7 +239,8 @@ class HierarchicalReducer:
         t1 = time.perf_counter()
         flat = fabric.node_sum(flat)  # the node's dense sum (on the leader)
         seconds["intra"] = time.perf_counter() - t1
-        status, update, blob, inner_s = DENSE, None, None, 0.0
+        status, update, blob, inner_s = SKIP, None, None, 0.0
+        divisor = P if cfg.op == "average" else 1
         if topo.is_leader:
             t2 = time.perf_counter()
             try:
@@ -255,13 +255,11 @@ class HierarchicalReducer:
                 status = PROPAGATE if cfg.nonfinite == "propagate" else SKIP
                 blob = status_blob(status)
             else:
-                status, update, blob = encode_result(torch.cat([out[n].reshape(-1) for n in names]))
+                status, update, blob = fabric.publish(flat_result(out, names, sizes), divisor)
         t3 = time.perf_counter()
         blob = fabric.broadcast(blob)
-        if not topo.is_leader:
-            status, update = decode_result(blob, sum(sizes), dtype, flat.device)
-        elif status == SPARSE:
-            status, update = decode_result(blob, sum(sizes), dtype, flat.device)
+        if not topo.is_leader:  # the leader's update, divided like its own
+            status, update = fabric.receive(blob, (tuple(names), dtype, flat.device), sum(sizes), divisor)
         seconds["intra"] += time.perf_counter() - t3
         seconds["inter"] = inner_s
         intra = self.intra.counters.copy().minus(i0)
@@ -294,9 +292,7 @@ class HierarchicalReducer:
         if status in (SKIP, PROPAGATE):
             fill = math.inf if status == PROPAGATE else 0.0
             out = {n: torch.full_like(t, fill) for n, t in zip(names, tensors)}
-        else:
-            if cfg.op == "average":
-                update.div_(topo.size)
+        else:  # divided already (NodeFabric.publish / receive)
             out = {n: u.view_as(t) if u.dtype == t.dtype else u.view_as(t).to(t.dtype)
                    for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         if topo.is_leader and inner_ran:

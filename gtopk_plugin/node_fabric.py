@@ -20,16 +20,75 @@ the mapping is made or grown: no rank decides alone.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
+from . import kernels
+from .collectives import wire
 from .collectives.shared_memory import SharedMemoryNode
 from .collectives.transport import Transport
 from .topology import node_broadcast
+from .update_buffers import UpdateBuffers
 
 Tensor = torch.Tensor
 FABRICS = ("auto", "shared_memory", "engine")
+SPARSE, DENSE, SKIP, PROPAGATE, ERROR = range(5)  # a node broadcast's status word
+
+
+# One blob from the leader to its node: two int64 words (status, count),
+# then the result -- its non-zeros as wire (index, value) pairs or the dense
+# vector -- or, for the error status, the pickled (exception type, message).
+def status_blob(status: int, payload: bytes = b"") -> Tensor:
+    """A blob with no result: skip, propagate, or an error's payload."""
+    head = torch.tensor([status, len(payload)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]) if payload else head
+
+
+def encode_result(update: Tensor):
+    """``(status, sparse, blob)``: the result's non-zeros as (index, value)
+    pairs when that is smaller than the dense vector (``SPARSE``, ``sparse``
+    = (int64 indices, values)), else the dense vector (``DENSE``, None)."""
+    n, esz = update.numel(), update.element_size()
+    idx = kernels.nonzero_indices(update)  # one read (torch.nonzero: two, and an (n, 1) result)
+    idt = kernels.index_dtype(n)
+    isz = torch.empty(0, dtype=idt).element_size()
+    if idx.numel() * (isz + esz) < n * esz:
+        vals = update[idx]
+        body = wire.pack(idx, vals, idt)
+        head = torch.tensor([SPARSE, idx.numel()], dtype=torch.int64).view(torch.uint8)
+        return SPARSE, (idx, vals), torch.cat([head.to(body.device), body])
+    head = torch.tensor([DENSE, n], dtype=torch.int64).view(torch.uint8)
+    return DENSE, None, torch.cat([head.to(update.device), update.contiguous().view(torch.uint8)])
+
+
+def decode_result(blob: Tensor, n: int, dtype, device):
+    """``(status, payload)``: SPARSE (indices, values), DENSE the vector (a
+    view of the blob), ERROR the pickled bytes, SKIP / PROPAGATE None."""
+    head = blob[:16].cpu().clone().view(torch.int64).tolist()
+    status, body = int(head[0]), blob[16:]
+    if status == ERROR:
+        return status, body.cpu().numpy().tobytes()
+    if status in (SKIP, PROPAGATE):
+        return status, None
+    if status == DENSE:
+        return status, wire.unpack_values(body.to(device), dtype)
+    idx, vals, _ = wire.unpack(body.to(device), kernels.index_dtype(n), dtype)
+    return status, (idx, vals)
+
+
+def flat_result(out: Mapping[str, Tensor], names: Sequence[str], sizes: Sequence[int]) -> Tensor:
+    """The inner reducer's update as one flat vector: the buffer its views
+    share when they tile it in order (no copy), else a concatenation."""
+    first = out[names[0]]
+    base = first if first._base is None else first._base
+    ptr, esz, off = base.data_ptr(), base.element_size(), 0
+    ok = base.dim() == 1 and base.is_contiguous() and base.numel() == sum(sizes)
+    for n, size in zip(names, sizes):
+        t = out[n]
+        ok = ok and t.dtype == base.dtype and t.is_contiguous() and t.data_ptr() == ptr + off * esz
+        off += size
+    return base if ok else torch.cat([out[n].reshape(-1) for n in names])
 
 
 def check_fabric(mode) -> str:
@@ -47,6 +106,7 @@ class NodeFabric:
         self.shm = SharedMemoryNode(intra) if intra.size > 1 and mode != "engine" else None
         self._largest = 0  # bytes of the largest CPU vector yet (the same on every rank)
         self._bufs: Dict[tuple, Tensor] = {}
+        self._updates = UpdateBuffers()  # a non-leader's updates (ring, O(k) reset)
         self.current = "engine" if self.shm is None else "shared_memory"  # this step's fabric
 
     def buffer(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> Tensor:
@@ -100,3 +160,32 @@ class NodeFabric:
             if got is not None:
                 return got
         return node_broadcast(self.intra, blob)
+
+    # -------------------------------------------------------- the result
+    @staticmethod
+    def publish(update: Tensor, divisor: int):
+        """The leader: ``(status, update / divisor, blob)`` from its inner
+        reducer's flat update (divided in place: O(k) when sparse, the true
+        division of ``scatter_reset_`` -- the bits every rank computes)."""
+        status, sparse, blob = encode_result(update)
+        if divisor != 1:
+            if sparse is None:
+                update.div_(divisor)
+            else:
+                kernels.scatter_reset_(update, sparse[0], sparse[0], sparse[1], divisor)
+        return status, update, blob
+
+    def receive(self, blob: Tensor, key: tuple, numel: int, divisor: int):
+        """Another rank: ``(status, update / divisor or payload)`` from the
+        leader's blob; a sparse result lands in a persistent buffer of this
+        layout (its previous entries cleared, this one's written: O(k))."""
+        dtype, device = key[1], key[2]
+        status, payload = decode_result(blob, numel, dtype, device)
+        if status == DENSE:
+            return status, payload.div_(divisor) if divisor != 1 else payload
+        if status != SPARSE:
+            return status, payload
+        idx, vals = payload
+        buf, prev = self._updates.take(key, numel, dtype, device, idx)
+        kernels.scatter_reset_(buf, prev, idx, vals, divisor)
+        return status, buf

@@ -34,16 +34,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import kernels
-from .collectives import wire
 
 from .collectives.transport import SingleProcessTransport, Transport
 
-__all__ = ["Topology", "resolve", "agree", "TorchEngine", "node_broadcast", "encode_result", "decode_result"]
+__all__ = ["Topology", "resolve", "agree", "TorchEngine", "node_broadcast"]
 
 Tensor = torch.Tensor
-# status words of the node broadcast (the first int64 of its blob)
-SPARSE, DENSE, SKIP, PROPAGATE, ERROR = range(5)
 
 
 @dataclass(frozen=True)
@@ -272,46 +268,6 @@ class TorchEngine:
 
 
 # ------------------------------------------------------ the node broadcast
-# One blob from the leader to its node: two int64 words (status, count),
-# then the result -- its non-zeros as wire (index, value) pairs or the dense
-# vector -- or, for the error status, the pickled (exception type, message).
-def status_blob(status: int, payload: bytes = b"") -> Tensor:
-    """A blob with no result: skip, propagate, or an error's payload."""
-    head = torch.tensor([status, len(payload)], dtype=torch.int64).view(torch.uint8)
-    return torch.cat([head, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]) if payload else head
-
-
-def encode_result(update: Tensor):
-    """``(status, dense update or None, blob)``: the result's non-zeros as
-    (index, value) pairs when that is smaller than the dense vector."""
-    n, esz = update.numel(), update.element_size()
-    idx = torch.nonzero(update).squeeze(1)
-    idt = kernels.index_dtype(n)
-    isz = torch.empty(0, dtype=idt).element_size()
-    if idx.numel() * (isz + esz) < n * esz:
-        body = wire.pack(idx, update[idx], idt)
-        head = torch.tensor([SPARSE, idx.numel()], dtype=torch.int64).view(torch.uint8)
-        return SPARSE, None, torch.cat([head.to(body.device), body])
-    head = torch.tensor([DENSE, n], dtype=torch.int64).view(torch.uint8)
-    return DENSE, update, torch.cat([head.to(update.device), update.contiguous().view(torch.uint8)])
-
-
-def decode_result(blob: Tensor, n: int, dtype, device):
-    """``(status, update)``; for an error status the pickled payload."""
-    head = blob[:16].cpu().clone().view(torch.int64).tolist()
-    status, body = int(head[0]), blob[16:]
-    if status == ERROR:
-        return status, body.cpu().numpy().tobytes()
-    if status in (SKIP, PROPAGATE):
-        return status, None
-    if status == DENSE:
-        return status, wire.unpack_values(body.to(device), dtype)  # a view of a fresh blob
-    idx, vals, _ = wire.unpack(body.to(device), kernels.index_dtype(n), dtype)
-    out = torch.zeros(n, dtype=dtype, device=device)
-    out[idx.long()] = vals
-    return status, out
-
-
 def node_broadcast(intra: Transport, blob: Optional[Tensor]) -> Tensor:
     """The leader's blob to every rank of the node: a binomial tree on the
     node group (round j: local ranks < j send to rank + j), each

@@ -28,6 +28,7 @@ TORCH_LIBRARY(gtopk_cpu, m) {
   m.def("strictly_increasing", &gtopk::cpu::strictly_increasing);
   m.def("member_sorted", &gtopk::cpu::member_sorted);
   m.def("scatter_update", &gtopk::cpu::scatter_update);
+  m.def("nonzero_indices", &gtopk::cpu::nonzero_indices);
   // writes into `out` (the reducer's scratch accumulator): declared mutable
   m.def("compensate(Tensor(a!) out, Tensor grad, Tensor? residual) -> bool",
         &gtopk::cpu::compensate);

@@ -127,6 +127,13 @@ def compensate_select_topk(acc, grads, residual, offsets, k, *, kernels: Optiona
     return _module(acc.device, kernels).compensate_select_topk(acc, grads, residual, offsets, k)
 
 
+def nonzero_indices(x, *, kernels: Optional[str] = None):
+    """The positions of the entries of 1-D ``x`` that are not +-0 by their
+    bits (NaN and denormals count, -0.0 does not), ascending, int64: one
+    read where the back end can."""
+    return getattr(_module(x.device, kernels), "nonzero_indices", reference.nonzero_indices)(x)
+
+
 def div_count_(x, divisor, *, out=None, kernels: Optional[str] = None) -> int:
     """``out = x / divisor`` (a copy when 1; in place when ``out`` is None
     or ``x``; ``out`` like ``x``, not partly overlapping it); returns the
@@ -175,5 +182,5 @@ register_backend("cuda", loader=_cuda.load)
 
 
 __all__ = ["select_topk", "select_threshold", "merge_select", "member_sorted", "scatter_update",
-           "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "backend", "register_backend",
+           "compensate", "compensate_select_topk", "div_count_", "subtract_at_", "scatter_reset_", "nonzero_indices", "backend", "register_backend",
            "reference", "index_dtype"]

@@ -229,6 +229,12 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
                                        *_seg(offsets, k))
 
 
+def nonzero_indices(x):
+    if not _cpu_float(x) or x.dim() != 1 or not x.is_contiguous():
+        return reference.nonzero_indices(x)
+    return _ext.nonzero_indices(x)
+
+
 def div_count_(x, divisor, out=None):
     y = x if out is None else out
     if (not _cpu_float(x, y) or x.dim() != 1 or y.shape != x.shape or y.dtype != x.dtype

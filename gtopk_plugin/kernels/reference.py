@@ -250,6 +250,13 @@ def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Ten
     return idx, vals, torch.tensor(finite, dtype=torch.bool)
 
 
+def nonzero_indices(x: Tensor) -> Tensor:
+    """The positions of the entries of 1-D ``x`` that are not +-0 by their
+    bits (NaN and denormals count, also where denormals are treated as zero;
+    -0.0 does not), ascending, int64: the inverse of :func:`scatter_update`."""
+    return torch.nonzero(~_zero_bits(x)).reshape(-1)
+
+
 def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:
     """``out = x / divisor`` (a true division; a copy when 1), in place when
     ``out`` is None or ``x``, and the number of nonzero entries of the

@@ -443,3 +443,31 @@ def test_div_count_by_one_copies_the_bits(kern):
         torch.set_flush_denormal(False)
     assert torch.equal(y.view(torch.int32), x.view(torch.int32)), "not a bit-exact copy"
     assert n == want
+
+
+@pytest.mark.parametrize("kern", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100_003, (1 << 17) + 5])
+def test_nonzero_indices_match_numpy(kern, dtype, n):
+    """The hierarchical leader's sparse encoding of its update: the
+    positions whose bits are not +-0, against numpy's flatnonzero on the
+    integer bits -- NaN, inf and denormals count, -0.0 does not, and a thread
+    that flushes denormals does not drop them (scalar tail, SIMD groups and
+    several parallel blocks)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.zeros(n, dtype=dtype)
+    if n:
+        hit = torch.randperm(n, generator=g)[:max(1, n // 50)]
+        x[hit] = torch.randn(hit.numel(), generator=g).to(dtype)
+        special = [float("nan"), float("inf"), -0.0, torch.finfo(dtype).tiny / 4, -1.0]
+        x[-len(special):] = torch.tensor(special[-n:], dtype=torch.float64).to(dtype)
+    ints = {2: np.int16, 4: np.int32, 8: np.int64}[x.element_size()]
+    bits = x.numpy().view(ints) if dtype != torch.bfloat16 else x.view(torch.int16).numpy()
+    want = np.flatnonzero(bits & np.array(np.iinfo(ints).max, dtype=ints))
+    torch.set_flush_denormal(True)
+    try:
+        got = kernels.nonzero_indices(x, kernels=kern)
+    finally:
+        torch.set_flush_denormal(False)
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), want)
