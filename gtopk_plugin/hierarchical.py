@@ -246,16 +246,16 @@ class HierarchicalReducer:
             try:
                 node = {n: p.view(t.shape) for n, p, t in zip(names, torch.split(flat, sizes), tensors)}
                 out = self.inner.reduce(node, advance_step=advance_step, loss_scale=loss_scale)
+                inner_s = time.perf_counter() - t2
+                if self.inner.last_stats.skipped:
+                    status = PROPAGATE if cfg.nonfinite == "propagate" else SKIP
+                    blob = status_blob(status)
+                else:
+                    status, update, blob = fabric.publish(flat_result(out, names, sizes), divisor)
             except Exception as e:
                 # tell the node before raising, or it waits in vain
                 fabric.broadcast(status_blob(ERROR, pickle.dumps((type(e).__name__, str(e)))))
                 raise
-            inner_s = time.perf_counter() - t2
-            if self.inner.last_stats.skipped:
-                status = PROPAGATE if cfg.nonfinite == "propagate" else SKIP
-                blob = status_blob(status)
-            else:
-                status, update, blob = fabric.publish(flat_result(out, names, sizes), divisor)
         t3 = time.perf_counter()
         blob = fabric.broadcast(blob)
         if not topo.is_leader:  # the leader's update, divided like its own
@@ -307,7 +307,7 @@ class HierarchicalReducer:
             intra.payload_bytes_received + intra.header_bytes_received
         st.inter_bytes_sent, st.inter_bytes_received = st.bytes_sent, st.bytes_received
         st.nodes, st.local_size, st.node = topo.nodes, topo.local_size, topo.node
-        st.intra_fabric = self.fabric.current
+        st.intra_fabric = self.fabric.current if inner_ran else None  # None: no node sum this step
         st.seconds = dict(st.seconds, **seconds)
         st.seconds.setdefault("intra", 0.0)
         st.seconds.setdefault("inter", 0.0)

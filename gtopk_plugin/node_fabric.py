@@ -46,14 +46,18 @@ def status_blob(status: int, payload: bytes = b"") -> Tensor:
 
 
 def encode_result(update: Tensor):
-    """``(status, sparse, blob)``: the result's non-zeros as (index, value)
-    pairs when that is smaller than the dense vector (``SPARSE``, ``sparse``
-    = (int64 indices, values)), else the dense vector (``DENSE``, None)."""
+    """``(status, sparse, blob)``: the result's entries other than +0.0 (by
+    their bits: -0.0 travels, so every rank gets the leader's bits) as
+    (index, value) pairs when that is smaller than the dense vector
+    (``SPARSE``, ``sparse`` = (int64 indices, values)), else the dense
+    vector (``DENSE``, None)."""
     n, esz = update.numel(), update.element_size()
-    idx = kernels.nonzero_indices(update)  # one read (torch.nonzero: two, and an (n, 1) result)
     idt = kernels.index_dtype(n)
     isz = torch.empty(0, dtype=idt).element_size()
-    if idx.numel() * (isz + esz) < n * esz:
+    most = (n * esz - 1) // (isz + esz)  # past this many pairs the dense vector is smaller
+    # one read; it stops collecting past `most` (torch.nonzero: ~9 reads here)
+    idx = kernels.nonzero_indices(update, limit=most)
+    if idx is not None:
         vals = update[idx]
         body = wire.pack(idx, vals, idt)
         head = torch.tensor([SPARSE, idx.numel()], dtype=torch.int64).view(torch.uint8)
@@ -105,6 +109,7 @@ class NodeFabric:
         self.intra, self.world, self.mode = intra, world, check_fabric(mode)
         self.shm = SharedMemoryNode(intra) if intra.size > 1 and mode != "engine" else None
         self._largest = 0  # bytes of the largest CPU vector yet (the same on every rank)
+        self._refused: Optional[str] = None  # insisting, and some node could not have it
         self._bufs: Dict[tuple, Tensor] = {}
         self._updates = UpdateBuffers()  # a non-leader's updates (ring, O(k) reset)
         self.current = "engine" if self.shm is None else "shared_memory"  # this step's fabric
@@ -118,6 +123,8 @@ class NodeFabric:
         if self.mode == "shared_memory" and device.type != "cpu":
             raise ValueError(f"gtopk_plugin: intra_fabric='shared_memory' carries CPU tensors only, got "
                              f"{device.type}; pass intra_fabric='auto' (the engine then takes them)")
+        if self._refused is not None:  # on every rank, every later step (agreed once)
+            raise ValueError(self._refused)
         if self.mode != "engine" and device.type == "cpu":
             need = numel * torch.empty(0, dtype=dtype).element_size()
             grows, self._largest = need > self._largest, max(need, self._largest)
@@ -128,8 +135,9 @@ class NodeFabric:
                 whys = self.world.allgather_object(None if ok or self.shm is None else self.shm.failed)
                 whys = [w for w in whys if w]
                 if whys:
-                    raise ValueError(f"gtopk_plugin: intra_fabric='shared_memory' is not available: "
+                    self._refused = (f"gtopk_plugin: intra_fabric='shared_memory' is not available: "
                                      f"{whys[0]}; pass intra_fabric='auto' or 'engine'")
+                    raise ValueError(self._refused)
             if ok:
                 self.current = "shared_memory"
                 return self.shm.slot(numel, dtype)

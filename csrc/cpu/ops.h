@@ -28,7 +28,7 @@ at::Tensor member_sorted(const at::Tensor& values, const at::Tensor& ascending);
 // scatter.cpp
 at::Tensor scatter_update(int64_t numel, const at::Tensor& idx, const at::Tensor& vals,
                           int64_t divisor);
-at::Tensor nonzero_indices(const at::Tensor& x);
+std::tuple<at::Tensor, bool> nonzero_indices(const at::Tensor& x, int64_t limit);
 
 // compensate.cpp
 bool compensate(const at::Tensor& out, const at::Tensor& grad,

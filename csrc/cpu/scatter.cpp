@@ -12,6 +12,8 @@
 
 #include <ATen/OpMathType.h>
 
+#include <atomic>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -91,38 +93,41 @@ at::Tensor scatter_update(int64_t numel, const at::Tensor& idx_, const at::Tenso
   return out;
 }
 
-// The positions of x's nonzero entries, ascending, as int64: every entry
-// whose bits are not +-0 (NaN and denormals are nonzero, -0.0 is zero; by
-// the bits, so a thread that treats denormals as zero does not drop them):
-// the inverse of scatter_update, for a dense update known to be sparse (the
+// The positions of the entries of x whose bits are not all zero (every
+// value but +0.0: -0.0, NaN and denormals count; by the bits, so a thread
+// that treats denormals as zero does not drop them), ascending, int64: the
+// inverse of scatter_update, for a dense update known to be sparse (the
 // hierarchical leader's result, issue #18).  One read of x; torch.nonzero
-// takes two passes and an (n, 1) result.  float32 tests 16 entries per step
-// (SSE2) and branches only on a group that holds a nonzero -- rare in a
+// takes two passes and an (n, 1) result.  With limit >= 0 it gives up once
+// more than `limit` were found (the caller then sends the dense vector):
+// (idx, true), or (an empty tensor, false).  float32 tests 16 entries per
+// step (SSE2) and branches only on a group that holds one -- rare in a
 // sparse vector, so well predicted.
-at::Tensor nonzero_indices(const at::Tensor& x) {
+std::tuple<at::Tensor, bool> nonzero_indices(const at::Tensor& x, int64_t limit) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(),
               "nonzero_indices: a contiguous 1-D CPU tensor expected");
   const int64_t n = x.numel(), nblk = (n + kRange - 1) / kRange;
   std::vector<std::vector<int64_t>> part(static_cast<size_t>(nblk));
+  std::atomic<int64_t> found{0};
+  std::atomic<bool> over{false};
   GTOPK_DISPATCH_VALUES(x.scalar_type(), "nonzero_indices", [&] {
     using U = typename std::conditional<
         sizeof(scalar_t) == 2, uint16_t,
         typename std::conditional<sizeof(scalar_t) == 4, uint32_t, uint64_t>::type>::type;
-    const U magnitude = static_cast<U>(~U(0)) >> 1;  // every bit but the sign
     const U* p = reinterpret_cast<const U*>(x.data_ptr<scalar_t>());
     at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
+      for (int64_t blk = b0; blk < b1 && !over.load(std::memory_order_relaxed); ++blk) {
         std::vector<int64_t>& out = part[static_cast<size_t>(blk)];
         int64_t i = blk * kRange;
         const int64_t e = std::min(n, i + kRange);
 #if defined(__SSE2__)
         if (std::is_same<scalar_t, float>::value) {
-          const __m128i absm = _mm_set1_epi32(0x7FFFFFFF), zero = _mm_setzero_si128();
+          const __m128i zero = _mm_setzero_si128();
           for (; i + 16 <= e; i += 16) {
             uint32_t mk = 0;
             for (int q = 0; q < 4; ++q) {
               const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 4 * q));
-              const __m128i z = _mm_cmpeq_epi32(_mm_and_si128(w, absm), zero);  // +-0 lanes
+              const __m128i z = _mm_cmpeq_epi32(w, zero);  // +0.0 lanes
               mk |= static_cast<uint32_t>(~_mm_movemask_ps(_mm_castsi128_ps(z)) & 0xF) << (4 * q);
             }
             while (mk) {
@@ -133,16 +138,20 @@ at::Tensor nonzero_indices(const at::Tensor& x) {
         }
 #endif
         for (; i < e; ++i)
-          if (p[i] & magnitude) out.push_back(i);
+          if (p[i] != 0) out.push_back(i);
+        const int64_t got = static_cast<int64_t>(out.size());
+        if (limit >= 0 && found.fetch_add(got, std::memory_order_relaxed) + got > limit)
+          over.store(true, std::memory_order_relaxed);
       }
     });
   });
+  if (over.load()) return {at::empty({0}, x.options().dtype(at::kLong)), false};
   int64_t total = 0;
   for (const auto& v : part) total += static_cast<int64_t>(v.size());
   at::Tensor idx = at::empty({total}, x.options().dtype(at::kLong));
   int64_t* o = idx.data_ptr<int64_t>();
   for (const auto& v : part) o = std::copy(v.begin(), v.end(), o);
-  return idx;
+  return {idx, true};
 }
 
 }  // namespace cpu

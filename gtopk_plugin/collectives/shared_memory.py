@@ -32,12 +32,15 @@ for the leader (1/L sent by each other rank, (L-1)/L received by the
 leader) and the blob (sent once per receiver by the leader); barriers are
 control bytes.
 
-Opening is collective: the leader creates an anonymous file (unlinked once
-every rank has mapped it, so a crash leaves nothing behind), the ranks check
-a random token through the mapping -- ranks on different hosts (a topology
-that is not really one host per node) fail it -- and all agree: the fabric
+Opening is collective: the leader creates a file (unlinked once every rank
+has mapped it, so a crash during training leaves nothing behind), the
+ranks open it without creating it and check a random token -- ranks on
+different hosts (a topology that is not really one host per node) fail
+that -- and all agree: the fabric
 is used only when every rank of the node mapped it, otherwise the caller
-falls back to the engine's group.
+falls back to the engine's group.  (A rank killed between the creation and
+the unlink -- the leader, during the set-up's two agreements -- leaves the
+file behind: ``gtopk-node-*`` in the directory.)
 """
 from __future__ import annotations
 
@@ -70,6 +73,27 @@ def shared_memory_dir() -> str:
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def _map_existing(path: str, total: int, token: bytes):
+    """``(mapping, "")`` of the leader's file, or ``(None, why)``.  The file
+    is opened without creating it (``torch.from_file`` would create one, and
+    a rank on another host would leave it behind) and its size and token are
+    checked before it is mapped; any failure is a reason, never an
+    exception, so that every rank reaches the agreement that follows."""
+    other = "the ranks of a node do not share one host's memory"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        return None, f"{other} (cannot open {path}: {e.strerror})"
+    try:
+        if os.fstat(fd).st_size < total or os.pread(fd, 16, 0) != token:
+            return None, f"{other} (another file at {path})"
+        return torch.from_file(path, shared=True, size=total, dtype=torch.uint8), ""
+    except Exception as e:  # noqa: BLE001 - a reason for the agreement
+        return None, f"cannot map {path}: {e}"
+    finally:
+        os.close(fd)
 
 
 class SharedMemoryNode:
@@ -118,14 +142,7 @@ class SharedMemoryNode:
         try:
             info = self.node.allgather_object((path, token, err))
             path, token, err = info[0]
-            mapped, why = None, err
-            if not err:
-                try:
-                    mapped = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-                    if bytes(mapped[:16].tolist()) != token:
-                        mapped, why = None, "the ranks of a node do not share one host's memory"
-                except (OSError, RuntimeError) as e:
-                    mapped, why = None, f"cannot map {path}: {e}"
+            mapped, why = (None, err) if err else _map_existing(path, total, token)
             whys = [w for w in self.node.allgather_object(why) if w]
         finally:
             if self.r == 0 and path is not None:

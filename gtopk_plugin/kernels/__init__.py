@@ -127,11 +127,11 @@ def compensate_select_topk(acc, grads, residual, offsets, k, *, kernels: Optiona
     return _module(acc.device, kernels).compensate_select_topk(acc, grads, residual, offsets, k)
 
 
-def nonzero_indices(x, *, kernels: Optional[str] = None):
-    """The positions of the entries of 1-D ``x`` that are not +-0 by their
-    bits (NaN and denormals count, -0.0 does not), ascending, int64: one
-    read where the back end can."""
-    return getattr(_module(x.device, kernels), "nonzero_indices", reference.nonzero_indices)(x)
+def nonzero_indices(x, *, limit: Optional[int] = None, kernels: Optional[str] = None):
+    """The positions of the entries of 1-D ``x`` whose bits are not all
+    zero (every value but +0.0), ascending, int64, in one read where the
+    back end can; ``None`` when there are more than ``limit``."""
+    return getattr(_module(x.device, kernels), "nonzero_indices", reference.nonzero_indices)(x, limit)
 
 
 def div_count_(x, divisor, *, out=None, kernels: Optional[str] = None) -> int:

@@ -229,10 +229,11 @@ def compensate_select_topk(acc, grads, residual, offsets, k):
                                        *_seg(offsets, k))
 
 
-def nonzero_indices(x):
+def nonzero_indices(x, limit=None):
     if not _cpu_float(x) or x.dim() != 1 or not x.is_contiguous():
-        return reference.nonzero_indices(x)
-    return _ext.nonzero_indices(x)
+        return reference.nonzero_indices(x, limit)
+    idx, complete = _ext.nonzero_indices(x, -1 if limit is None else int(limit))
+    return idx if complete else None
 
 
 def div_count_(x, divisor, out=None):

@@ -250,11 +250,14 @@ def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Ten
     return idx, vals, torch.tensor(finite, dtype=torch.bool)
 
 
-def nonzero_indices(x: Tensor) -> Tensor:
-    """The positions of the entries of 1-D ``x`` that are not +-0 by their
-    bits (NaN and denormals count, also where denormals are treated as zero;
-    -0.0 does not), ascending, int64: the inverse of :func:`scatter_update`."""
-    return torch.nonzero(~_zero_bits(x)).reshape(-1)
+def nonzero_indices(x: Tensor, limit: Optional[int] = None) -> Optional[Tensor]:
+    """The positions of the entries of 1-D ``x`` whose bits are not all zero
+    (every value but +0.0: -0.0, NaN and denormals count, also where
+    denormals are treated as zero), ascending, int64: the inverse of
+    :func:`scatter_update`.  ``None`` when there are more than ``limit``."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    idx = torch.nonzero(x.view(ints) != 0).reshape(-1)
+    return None if limit is not None and idx.numel() > limit else idx
 
 
 def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:

@@ -61,6 +61,8 @@ def _check_oracle(results, ranks, node_of_rank, oracle, make=None, divide=1, nam
         for i, q in enumerate(ranks):
             got = results[q]["outs"][t]
             assert torch.equal(got, e), f"rank {q} step {t}: max diff {(got - e).abs().max()}"
+            # the same bits on every rank (torch.equal cannot tell -0.0 from +0.0)
+            assert torch.equal(got.view(torch.int32), results[ranks[0]]["outs"][t].view(torch.int32)), q
     for i, q in enumerate(ranks):
         inner = results[q]["state"]["inner"]
         n = node_of_rank[i]

@@ -89,5 +89,17 @@ def test_falls_back_to_the_group_and_insisting_raises_everywhere(res):
         assert kind == "ValueError" and "simulated: no shared mapping" in msg and "intra_fabric" in msg, (q, msg)
 
 
+def test_fp16_average_same_bits_on_both_fabrics_and_held_updates_survive(res):
+    for t in range(STEPS):
+        ref = res[0][("fp16", "engine")]["snaps"][t].view(torch.int16)
+        for q in range(4):
+            for fabric in ("shared_memory", "engine"):
+                r = res[q][("fp16", fabric)]
+                assert torch.equal(r["snaps"][t].view(torch.int16), ref), (q, fabric, t)
+                # the update of step t, read again after the last step
+                assert torch.equal(r["held"][t].view(torch.int16), ref), (q, fabric, t)
+    assert res[0][("fp16", "engine")]["snaps"][0].dtype == torch.float16
+
+
 def test_no_file_is_left_behind(res):
     assert res[0]["grow_files"] == [] and res[0]["files"] == []

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from gtopk_plugin.collectives import shared_memory
 from gtopk_plugin.hierarchical import HierarchicalReducer
-from hierarchical_workers import DENSITY, _attempt, _run, flat, grads
+from hierarchical_workers import DENSITY, STEPS, _attempt, _run, flat, grads
 
 
 def _layouts(rank, t):
@@ -35,6 +35,16 @@ def fabric_cases(rank, P, shm_dir):
     out["grow"] = dict(outs=outs, slots=slots, state=red.state_dict())
     out["grow_files"] = _listing(shm_dir)
     out["uneven"] = _run(HierarchicalReducer(node_of_rank=[0, 0, 0, 1], **kw), rank)
+    # fp16 gradients, op="average", both fabrics: the same bits; and updates
+    # held across steps are not overwritten by later steps (the ring)
+    for fabric in ("shared_memory", "engine"):
+        red = HierarchicalReducer(local_size=2, intra_fabric=fabric, **dict(kw, op="average"))
+        held, snaps = [], []
+        for t in range(STEPS):
+            u = red.reduce(grads(rank, t, torch.float16))
+            held.append(u)
+            snaps.append(flat(u).clone())
+        out[("fp16", fabric)] = dict(snaps=snaps, held=[flat(u).clone() for u in held])
     # rank 1 cannot map the node's file (as on a node whose "ranks" live on
     # different hosts): its node falls back to gloo, the other keeps memory
     real = torch.from_file

@@ -450,10 +450,11 @@ def test_div_count_by_one_copies_the_bits(kern):
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100_003, (1 << 17) + 5])
 def test_nonzero_indices_match_numpy(kern, dtype, n):
     """The hierarchical leader's sparse encoding of its update: the
-    positions whose bits are not +-0, against numpy's flatnonzero on the
-    integer bits -- NaN, inf and denormals count, -0.0 does not, and a thread
-    that flushes denormals does not drop them (scalar tail, SIMD groups and
-    several parallel blocks)."""
+    positions whose bits are not all zero, against numpy's flatnonzero on
+    the integer bits -- -0.0 (the leader's bits must travel), NaN, inf and
+    denormals count, and a thread that flushes denormals does not drop them
+    (scalar tail, SIMD groups, several parallel blocks); past ``limit`` the
+    kernel gives up (None)."""
     g = torch.Generator().manual_seed(n)
     x = torch.zeros(n, dtype=dtype)
     if n:
@@ -463,11 +464,15 @@ def test_nonzero_indices_match_numpy(kern, dtype, n):
         x[-len(special):] = torch.tensor(special[-n:], dtype=torch.float64).to(dtype)
     ints = {2: np.int16, 4: np.int32, 8: np.int64}[x.element_size()]
     bits = x.numpy().view(ints) if dtype != torch.bfloat16 else x.view(torch.int16).numpy()
-    want = np.flatnonzero(bits & np.array(np.iinfo(ints).max, dtype=ints))
+    want = np.flatnonzero(bits)
     torch.set_flush_denormal(True)
     try:
         got = kernels.nonzero_indices(x, kernels=kern)
+        at_limit = kernels.nonzero_indices(x, limit=len(want), kernels=kern)
+        over = kernels.nonzero_indices(x, limit=len(want) - 1, kernels=kern) if len(want) else None
     finally:
         torch.set_flush_denormal(False)
     assert got.dtype == torch.int64
     np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(at_limit.numpy(), want)
+    assert over is None
