@@ -28,10 +28,17 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace gtopk {
 namespace cpu {
+
+// Same-size unsigned integer of a value type (float, double, Half, BFloat16).
+template <typename T>
+using UBits = typename std::conditional<
+    sizeof(T) == 2, uint16_t,
+    typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type>::type;
 
 // Mag<scalar_t>: storage bits and magnitude key of one element.
 //   bits_t  the raw storage word,

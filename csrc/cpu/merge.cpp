@@ -25,12 +25,6 @@ inline T add0(T v) {
   return static_cast<T>(z + v);
 }
 
-// Same-size unsigned integer of a value type (float, double, Half, BFloat16).
-template <typename T>
-using UBits = typename std::conditional<
-    sizeof(T) == 2, uint16_t,
-    typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type>::type;
-
 // c ? x : y on the bits, without a branch (a float ternary may compile to
 // one, and which operand is taken is a coin toss on random index sets).
 template <typename T>

@@ -111,9 +111,7 @@ std::tuple<at::Tensor, bool> nonzero_indices(const at::Tensor& x, int64_t limit)
   std::atomic<int64_t> found{0};
   std::atomic<bool> over{false};
   GTOPK_DISPATCH_VALUES(x.scalar_type(), "nonzero_indices", [&] {
-    using U = typename std::conditional<
-        sizeof(scalar_t) == 2, uint16_t,
-        typename std::conditional<sizeof(scalar_t) == 4, uint32_t, uint64_t>::type>::type;
+    using U = UBits<scalar_t>;
     const U* p = reinterpret_cast<const U*>(x.data_ptr<scalar_t>());
     at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1 && !over.load(std::memory_order_relaxed); ++blk) {

@@ -396,10 +396,5 @@ def scatter_reset_(out, prev, idx, vals, divisor):
     return _cuda_fused.scatter_reset_(_rt, out, prev, idx, vals, divisor)
 
 
-def nonzero_indices(x, limit=None):
-    # torch.nonzero is a native CUDA kernel (a scan); one host sync for the count
-    return reference.nonzero_indices(x, limit)
-
-
 def div_count_(x, divisor, out=None):
     return _cuda_fused.div_count_(_rt, x, divisor, out)

@@ -255,8 +255,7 @@ def nonzero_indices(x: Tensor, limit: Optional[int] = None) -> Optional[Tensor]:
     (every value but +0.0: -0.0, NaN and denormals count, also where
     denormals are treated as zero), ascending, int64: the inverse of
     :func:`scatter_update`.  ``None`` when there are more than ``limit``."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    idx = torch.nonzero(x.view(ints) != 0).reshape(-1)
+    idx = torch.nonzero(_bits(x) != 0).reshape(-1)
     return None if limit is not None and idx.numel() > limit else idx
 
 
@@ -274,12 +273,16 @@ def div_count_(x: Tensor, divisor: int, out: Optional[Tensor] = None) -> int:
     return int(torch.count_nonzero(out))
 
 
+def _bits(x: Tensor) -> Tensor:
+    """``x`` viewed as signed integers of its width (its raw bits)."""
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
 def _zero_bits(x: Tensor) -> Tensor:
     """Entries that are +-0 by their bits (a denormal is not zero, also where
     denormals are treated as zero in this thread)."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     mask = (1 << (8 * x.element_size() - 1)) - 1
-    return (x.view(ints) & mask) == 0
+    return (_bits(x) & mask) == 0
 
 
 def prescale_bounds(dtype, shift: int):
