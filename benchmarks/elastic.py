@@ -159,6 +159,9 @@ class DelayedTransport(Transport):
         self.slept_s = 0.0
         self.waits = 0
         self.wanted_s = 0.0
+        # seconds inside the inner Transport's primitives (the transfers and
+        # the wait for peers), apart from the injected latency
+        self.inner_s = 0.0
 
     @property
     def rank(self) -> int:
@@ -179,26 +182,36 @@ class DelayedTransport(Transport):
         self.waits += rounds
 
     def _raw_sendrecv(self, dst, send, src, recv):
+        t0 = time.perf_counter()
         self.inner._raw_sendrecv(dst, send, src, recv)
+        self.inner_s += time.perf_counter() - t0
         self._lag()
 
     def _raw_send(self, peer, send):
         self.inner._raw_send(peer, send)
 
     def _raw_recv(self, peer, recv):
+        t0 = time.perf_counter()
         self.inner._raw_recv(peer, recv)
+        self.inner_s += time.perf_counter() - t0
         self._lag()
 
     def _raw_allreduce_sum_(self, t):
+        t0 = time.perf_counter()
         self.inner._raw_allreduce_sum_(t)
+        self.inner_s += time.perf_counter() - t0
         self._lag(2 * (self.size - 1))
 
     def _raw_allreduce_max_(self, t):
+        t0 = time.perf_counter()
         self.inner._raw_allreduce_max_(t)
+        self.inner_s += time.perf_counter() - t0
         self._lag(2 * (self.size - 1))
 
     def _raw_allgather_object(self, obj):
+        t0 = time.perf_counter()
         out = self.inner._raw_allgather_object(obj)
+        self.inner_s += time.perf_counter() - t0
         self._lag(2 * (self.size - 1))
         return out
 

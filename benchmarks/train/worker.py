@@ -243,6 +243,7 @@ def train(ctx, p):
         st = stats.as_dict()
         out["elastic"] = {k: st.get(k) for k in ("steps", "barrier_breaks", "late_updates", "seconds_waiting",
                                                  "mean_applied_fraction_at_break")}
-        out["latency"] = {"waits": eng.tr.waits, "wanted_s": eng.tr.wanted_s, "slept_s": eng.tr.slept_s}
+        out["latency"] = {"waits": eng.tr.waits, "wanted_s": eng.tr.wanted_s, "slept_s": eng.tr.slept_s,
+                          "inner_s": eng.tr.inner_s}
         eng.sched.close()
     return out
