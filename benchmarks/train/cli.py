@@ -129,7 +129,7 @@ def run(args) -> dict:
         cfgs = [c for c in cfgs if c["engine"] != "horovod"]
     wls = [w for w in args.workloads.split(",") if w]
     rates = [r for r in args.rates.split(",") if r]
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     per_run = -(-args.steps // args.eval_every)
     progress = harness.Progress(len(wls) * len(rates) * len(seeds) * len(cfgs) * per_run, "train",
                                 disable=args.quiet)
@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=600, help="steps per run (the fixed budget)")
     g.add_argument("--eval-every", type=int, default=25)
     g.add_argument("--seeds", type=int, default=2)
+    g.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run: first-seed, first-seed + 1, ... (to add a seed to an earlier run)")
     g.add_argument("--lr", type=float, default=None, help="peak lr (default: the workload's)")
     g.add_argument("--warmup-frac", type=float, default=0.1,
                    help="density warm-up over this share of the budget (DGC: 4 epochs)")
