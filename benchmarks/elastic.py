@@ -188,7 +188,9 @@ class DelayedTransport(Transport):
         self._lag()
 
     def _raw_send(self, peer, send):
+        t0 = time.perf_counter()
         self.inner._raw_send(peer, send)
+        self.inner_s += time.perf_counter() - t0
 
     def _raw_recv(self, peer, recv):
         t0 = time.perf_counter()
