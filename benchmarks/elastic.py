@@ -50,6 +50,7 @@ the scheduler's statistics), ``elastic.md`` (the table) and ``elastic.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -181,39 +182,42 @@ class DelayedTransport(Transport):
         self.wanted_s += want
         self.waits += rounds
 
-    def _raw_sendrecv(self, dst, send, src, recv):
+    @contextlib.contextmanager
+    def _in_inner(self):
+        """Adds the time of the block (an inner primitive) to ``inner_s``."""
         t0 = time.perf_counter()
-        self.inner._raw_sendrecv(dst, send, src, recv)
-        self.inner_s += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.inner_s += time.perf_counter() - t0
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        with self._in_inner():
+            self.inner._raw_sendrecv(dst, send, src, recv)
         self._lag()
 
     def _raw_send(self, peer, send):
-        t0 = time.perf_counter()
-        self.inner._raw_send(peer, send)
-        self.inner_s += time.perf_counter() - t0
+        with self._in_inner():
+            self.inner._raw_send(peer, send)
 
     def _raw_recv(self, peer, recv):
-        t0 = time.perf_counter()
-        self.inner._raw_recv(peer, recv)
-        self.inner_s += time.perf_counter() - t0
+        with self._in_inner():
+            self.inner._raw_recv(peer, recv)
         self._lag()
 
     def _raw_allreduce_sum_(self, t):
-        t0 = time.perf_counter()
-        self.inner._raw_allreduce_sum_(t)
-        self.inner_s += time.perf_counter() - t0
+        with self._in_inner():
+            self.inner._raw_allreduce_sum_(t)
         self._lag(2 * (self.size - 1))
 
     def _raw_allreduce_max_(self, t):
-        t0 = time.perf_counter()
-        self.inner._raw_allreduce_max_(t)
-        self.inner_s += time.perf_counter() - t0
+        with self._in_inner():
+            self.inner._raw_allreduce_max_(t)
         self._lag(2 * (self.size - 1))
 
     def _raw_allgather_object(self, obj):
-        t0 = time.perf_counter()
-        out = self.inner._raw_allgather_object(obj)
-        self.inner_s += time.perf_counter() - t0
+        with self._in_inner():
+            out = self.inner._raw_allgather_object(obj)
         self._lag(2 * (self.size - 1))
         return out
 
