@@ -256,36 +256,69 @@ inline typename Mag<scalar_t>::key_t key_of(const scalar_t& v) {
 }
 
 // The r-th largest (1-based, 1 <= r <= n) of the unsigned keys p[0, n):
-// an MSD radix select, 8 bits per pass, each pass a histogram of the
+// an MSD radix select, up to 8 bits per pass, each pass a histogram of the
 // entries that share the digits found so far (the first pass reads p, the
-// others a shrinking copy).  About 1.3 n simple steps for float keys,
-// instead of nth_element's data-dependent partitioning (a mispredicted
-// branch per comparison on random keys).  p is left unchanged.
+// others a shrinking copy).  Instead of nth_element's data-dependent
+// partitioning (a mispredicted branch per comparison on random keys).  p is
+// left unchanged.
+//
+// Why it is shaped so (issue #15): the keys it gets are magnitudes that
+// already passed a bound (a merge's union, a top-k's candidates), so their
+// top bits mostly agree -- one OR/AND pass finds the bits where they differ
+// and the passes start there instead of histogramming identical digits;
+// four interleaved histograms keep runs of equal digits from serialising on
+// one counter; the narrowing copy is branch-free (which entries share the
+// digit is a coin toss).
 template <typename K>
 K kth_largest_radix(const K* p, int64_t n, int64_t r) {
-  constexpr int kDigits = static_cast<int>(sizeof(K));
+  K any = 0, all = static_cast<K>(~K(0));
+  for (int64_t i = 0; i < n; ++i) {
+    any = static_cast<K>(any | p[i]);
+    all = static_cast<K>(all & p[i]);
+  }
+  const uint64_t diff = static_cast<uint64_t>(any ^ all);
+  if (diff == 0) return p[0];  // every key equal
+  int shift = 64 - __builtin_clzll(diff);  // the keys agree on every bit from `shift` up
+  const uint64_t low = shift >= 64 ? ~uint64_t(0) : (uint64_t(1) << shift) - 1;
+  K prefix = static_cast<K>(static_cast<uint64_t>(all) & ~low);
   std::vector<K> cur;
   const K* src = p;
   int64_t m = n;
-  K prefix = 0;
-  for (int d = kDigits - 1; d >= 0; --d) {
-    const int sh = 8 * d;
-    int64_t h[256] = {0};
-    for (int64_t i = 0; i < m; ++i) ++h[(src[i] >> sh) & 0xFF];
-    int b = 255;
-    for (; b > 0 && h[b] < r; --b) r -= h[b];
-    prefix = static_cast<K>(prefix | (static_cast<K>(b) << sh));
-    if (d == 0 || h[b] == m) {
-      if (d == 0) break;
-      continue;  // every entry has this digit: nothing to narrow
+  while (shift > 0) {
+    const int nb = std::min(8, shift), sh = shift - nb;
+    const uint32_t mask = (1u << nb) - 1;
+    uint32_t h[4][256];
+    std::memset(h, 0, sizeof(h));
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      ++h[0][(src[i] >> sh) & mask];
+      ++h[1][(src[i + 1] >> sh) & mask];
+      ++h[2][(src[i + 2] >> sh) & mask];
+      ++h[3][(src[i + 3] >> sh) & mask];
     }
-    std::vector<K> next;
-    next.reserve(static_cast<size_t>(h[b]));
-    for (int64_t i = 0; i < m; ++i)
-      if (((src[i] >> sh) & 0xFF) == static_cast<K>(b)) next.push_back(src[i]);
-    cur.swap(next);
-    src = cur.data();
-    m = static_cast<int64_t>(cur.size());
+    for (; i < m; ++i) ++h[0][(src[i] >> sh) & mask];
+    uint32_t b = mask;
+    int64_t hb = 0;
+    for (;; --b) {
+      hb = int64_t(h[0][b]) + h[1][b] + h[2][b] + h[3][b];
+      if (b == 0 || hb >= r) break;
+      r -= hb;
+    }
+    prefix = static_cast<K>(prefix | (static_cast<K>(b) << sh));
+    if (sh == 0) break;
+    if (hb != m) {  // narrow to the digit's bucket (in place after the first pass)
+      if (cur.empty()) cur.resize(static_cast<size_t>(m));
+      K* dst = cur.data();
+      int64_t w = 0;
+      for (int64_t q = 0; q < m; ++q) {
+        const K v = src[q];
+        dst[w] = v;
+        w += ((v >> sh) & mask) == b;
+      }
+      src = dst;
+      m = w;
+    }
+    shift = sh;
   }
   return prefix;
 }

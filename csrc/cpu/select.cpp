@@ -329,9 +329,10 @@ K kth_largest(std::vector<K>& s, int64_t r) {
   return s[0];
 }
 
-// The r-th largest key (1-based) of a large key array: MSD radix histograms
-// (parallel) narrow the array to the bucket holding it, then kth_largest.
-// keys is consumed.  Digits of 8 bits: a 256-bin histogram stays in L1 and
+// The r-th largest key (1-based) of a key array: on one thread, or for
+// fewer than 2^17 keys, common.h's serial radix select; otherwise MSD radix
+// histograms (parallel) narrow the array to the bucket holding it, then
+// kth_largest.  keys is consumed.  Digits of 8 bits: a 256-bin histogram stays in L1 and
 // costs nothing to clear, and one digit already narrows random keys ~256x
 // (16-bit digits cleared and scattered into 768 KB of tables per round);
 // narrowed to 4096 keys before nth_element, whose data-dependent
@@ -339,6 +340,9 @@ K kth_largest(std::vector<K>& s, int64_t r) {
 template <typename M>
 typename M::key_t kth_key(std::vector<typename M::key_t>& keys, int64_t r) {
   using K = typename M::key_t;
+  if (at::get_num_threads() <= 1 || at::in_parallel_region() ||
+      keys.size() < (size_t(1) << 17))  // one thread: the serial radix select
+    return kth_largest_radix(keys.data(), static_cast<int64_t>(keys.size()), r);
   int shift = M::kBits;  // keys agree on every bit from `shift` up
   while (static_cast<int64_t>(keys.size()) > (int64_t(1) << 12) && shift > 0) {
     const int nb = std::min(8, shift), sh = shift - nb;

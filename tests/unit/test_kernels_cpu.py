@@ -360,6 +360,36 @@ def test_merge_select_unsorted_operands_use_the_reference():
                     reference.merge_select(ia, va, ib, vb, off_t, k_t))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["narrow", "low_bit", "equal"])
+def test_merge_select_radix_select_on_keys_that_share_their_top_bits(dtype, kind):
+    """The union's k-th magnitude (a radix select that starts at the highest
+    bit where the keys differ) on large unions whose magnitudes share most
+    bits: within one binade, differing only in the lowest bit, all equal.
+    Against the numpy oracle, whose threshold is a plain sort."""
+    n = 100_000
+    gen = _gen(11)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    if kind == "narrow":  # one binade: [2, 4)
+        mag = 2.0 + 2.0 * torch.rand(n, generator=gen, dtype=torch.float64)
+    elif kind == "low_bit":  # 1.0 or the next value up in the dtype
+        mag = 1.0 + torch.finfo(dtype).eps * (torch.rand(n, generator=gen) < 0.3).double()
+    else:
+        mag = torch.full((n,), 3.0, dtype=torch.float64)
+    vals = (sign * mag).to(dtype)
+    perm = torch.randperm(2 * n, generator=gen)
+    ia, _ = torch.sort(perm[:n])
+    ib, _ = torch.sort(perm[n:n + n // 2])  # disjoint from ia: a union of 150k
+    va, vb = vals, vals[: ib.numel()].flip(0)
+    offsets, ks = [0, 2 * n], [3 * n // 4 + 7]
+    off_t, k_t = seg(offsets, ks)
+    got = cpu.merge_select(ia, va, ib, vb, off_t, k_t)
+    assert_all_same(got, reference.merge_select(ia, va, ib, vb, off_t, k_t))
+    e_idx, _ = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                               offsets, ks, va.dtype)
+    np.testing.assert_array_equal(got[0].long().numpy(), e_idx)
+
+
 # ---------------------------------------------------------------------------
 # Scatter update
 
