@@ -156,6 +156,33 @@ def pair_probe(ctx, p) -> Dict:
     return {"nbytes": blob.numel(), **out}
 
 
+def node_sum_floor(ctx, p, reps: int = 5) -> List[float]:
+    """The least a dense node sum costs on this machine: every rank, all at
+    once (a barrier before each repetition), adds its shard of its node's
+    ``local`` gradients -- private buffers of N/local fp32 already in place,
+    so no copy into shared memory and no mapping: one read of N and one
+    write of N/local per rank, the memory traffic of a sharded node sum and
+    nothing else (for local > 2 the chain of adds re-reads the shard: an
+    upper bound).  Seconds per repetition on this rank; the parent takes
+    the slowest rank.  Every emulated node shares this machine's cores and
+    memory bus, as they share them in the hierarchical rows."""
+    import torch
+
+    L, shard = p["local"], p["numel"] // p["local"]
+    parts = [torch.full((shard,), float(j + 1)) for j in range(L)]  # written: no page faults timed
+    out = torch.zeros(shard)
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        ctx.barrier()
+        t0 = time.perf_counter()
+        torch.add(parts[0], parts[1], out=out) if L > 1 else out.copy_(parts[0])
+        for q in parts[2:]:
+            out.add_(q)
+        times.append(time.perf_counter() - t0)
+    del parts, out
+    return times[1:]
+
+
 def nodes_grid(ctx, p):
     """Worker body: ``p``: numel, density, local, node_of_rank, rows
     ([method, layout]), steps, warmup, passes, hyper."""
@@ -163,6 +190,7 @@ def nodes_grid(ctx, p):
     from ..bytes_per_step import layer_shapes
 
     probe = pair_probe(ctx, p)
+    floor = node_sum_floor(ctx, p)
     tally = PeerTally(p["node_of_rank"], ctx.rank).install()
     g = torch.Generator().manual_seed(1000 + ctx.rank)
     grads = {n: torch.randn(s, generator=g) for n, s in layer_shapes(p["numel"]).items()}
@@ -192,7 +220,7 @@ def nodes_grid(ctx, p):
             ctx.progress(done=done, total=p["passes"] * len(p["rows"]),
                          what=f"{p['nodes']}x{p['local']} {layout} {method} pass {pas + 1}")
     return {"rows": [{"method": m, "layout": lay, "steps": v} for (m, lay), v in out.items()],
-            "job_tally": job_tally, "probe": probe}
+            "job_tally": job_tally, "probe": probe, "node_sum_floor": floor}
 
 
 # ---------------------------------------------------------------------------
@@ -334,6 +362,9 @@ def cmd_nodes(args) -> dict:
                         w: nb * 8 / statistics.median([max(pr["probe"][w][i] for pr in per_rank)
                                                        for i in range(3)]) / 1e9 for w in ("intra", "inter")}
                     job["probe_mb"] = nb / 1e6
+                if per_rank[0].get("node_sum_floor"):
+                    fl = [pr["node_sum_floor"] for pr in per_rank]
+                    job["node_sum_floor_s"] = statistics.median([max(f[i] for f in fl) for i in range(len(fl[0]))])
                 out["jobs"].append(job)
                 out["qdisc"][f"{n}x{local}"] = _summarise_qdisc(net.qdisc_stats())
     progress.close()
@@ -383,6 +414,15 @@ def goals(res) -> List[str]:
         goal = f" (goal ≤ 0.7: {'met' if q <= 0.7 else 'NOT met'})" if m == "gtopk" else ""
         out.append(f"- {h['nodes']} × {h['local']} {m}: {lay} exchange {_ms(h['exchange_s'])} ms vs flat "
                    f"{_ms(f['exchange_s'])} ms → {q:.2f}×{goal}; whole reduce() {qt:.2f}×")
+        job = next((j for j in res.get("jobs", []) if (j["nodes"], j["local"]) == (h["nodes"], h["local"])), {})
+        if m == "gtopk" and job.get("node_sum_floor_s") is not None:
+            budget = 0.7 * f["exchange_s"] - h["phases_s"].get("communicate", 0.0)
+            out.append(f"  - the node sum's floor here (every rank adding its shard of its node's "
+                       f"{h['local']} gradients in place, all nodes at once): {_ms(job['node_sum_floor_s'])} ms; "
+                       f"the goal leaves 0.7 × flat − between nodes = {_ms(budget)} ms for every intra-node "
+                       f"phase together ({job['node_sum_floor_s'] / budget:.1f}× over)" if budget > 0 else
+                       f"  - the node sum's floor here: {_ms(job['node_sum_floor_s'])} ms; the exchange between "
+                       "nodes alone already exceeds 0.7 × flat")
     return out
 
 

@@ -321,5 +321,10 @@ def test_nodes_smoke(tmp_path, monkeypatch):
         if r["method"] == "gtopk":
             assert r["peer_inter_sent_per_node"] == [hier.expected_inter_per_node(r)] * 2
         assert len(r["exchange_times"]) == 1
+    # the node sum's floor, measured in the same job, and its line in the goals
+    assert [(j["nodes"], j["local"]) for j in res["jobs"]] == [(2, 2)]
+    assert res["jobs"][0]["node_sum_floor_s"] > 0
+    if hier.hier_available()[0]:
+        assert any("node sum's floor" in line for line in hier.goals(res))
     if NETNS_OK:
         assert _ours() == before
