@@ -38,15 +38,21 @@ ranks open it without creating it and check a random token -- ranks on
 different hosts (a topology that is not really one host per node) fail
 that -- and all agree: the fabric
 is used only when every rank of the node mapped it, otherwise the caller
-falls back to the engine's group.  (A rank killed between the creation and
-the unlink -- the leader, during the set-up's two agreements -- leaves the
-file behind: ``gtopk-node-*`` in the directory.)
+falls back to the engine's group.  A leader killed outright (SIGKILL, an
+out-of-memory kill) between the creation and the unlink -- during the
+set-up's two agreements -- leaves its file behind, memory that tmpfs holds
+until someone deletes it; the file's name carries the creator's pid
+(``gtopk-node-<pid>-*``), and every later set-up on the host removes such
+files whose creator is gone once they are older than any set-up
+(:func:`sweep_stale`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
-from typing import Optional
+import time
+from typing import List, Optional
 
 import torch
 
@@ -59,6 +65,11 @@ __all__ = ["SharedMemoryNode", "shared_memory_dir"]
 _ALIGN = 4096          # slot offsets: page-aligned views of any dtype
 _HEAD = 64             # the token, then padding
 _SHARD_ALIGN = 64      # shard bounds, in bytes (whole cache lines per rank)
+_PREFIX = "gtopk-node-"  # then the creator's pid, "-", mkstemp's random part
+# A set-up holds its file for two agreements (seconds); one this old whose
+# creator is gone was left by a killed leader.
+STALE_AGE_S = 600.0
+log = logging.getLogger(__name__)
 
 
 def shared_memory_dir() -> str:
@@ -69,6 +80,48 @@ def shared_memory_dir() -> str:
         return d
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else \
         tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal
+    exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's, alive
+        return True
+    return True
+
+
+def sweep_stale(directory: str, now: Optional[float] = None) -> List[str]:
+    """Removes the node files in ``directory`` that killed leaders left:
+    ``gtopk-node-<pid>-*`` whose creator no longer exists and that were
+    last written more than :data:`STALE_AGE_S` ago (so a set-up in progress
+    elsewhere -- a creator in another pid namespace looks gone -- keeps
+    its file).  Names without a pid (older versions) are left alone.
+    Returns the paths removed; never raises."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+        if not pid.isdigit() or "-" not in name[len(_PREFIX):]:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime < STALE_AGE_S or _alive(int(pid)):
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    if removed:
+        log.info("gtopk_plugin: removed %d node file(s) left by killed processes in %s", len(removed), directory)
+    return removed
 
 
 def _round_up(n: int, a: int) -> int:
@@ -128,7 +181,8 @@ class SharedMemoryNode:
         err = ""
         if self.r == 0:
             try:
-                fd, path = tempfile.mkstemp(prefix="gtopk-node-", dir=shared_memory_dir())
+                sweep_stale(shared_memory_dir())
+                fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=shared_memory_dir())
                 try:
                     # reserve the pages now: a full tmpfs then fails here, with
                     # an error, instead of killing a rank (SIGBUS) at a write
