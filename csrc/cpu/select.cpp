@@ -332,8 +332,8 @@ K kth_largest(std::vector<K>& s, int64_t r) {
 // The r-th largest key (1-based) of a key array: on one thread, or for
 // fewer than 2^17 keys, common.h's serial radix select; otherwise MSD radix
 // histograms (parallel) narrow the array to the bucket holding it, then
-// kth_largest.  keys is consumed.  Digits of 8 bits: a 256-bin histogram stays in L1 and
-// costs nothing to clear, and one digit already narrows random keys ~256x
+// kth_largest.  keys is consumed.  Digits of 8 bits: a 256-bin histogram
+// stays in L1 and costs nothing to clear, and one digit already narrows random keys ~256x
 // (16-bit digits cleared and scattered into 768 KB of tables per round);
 // narrowed to 4096 keys before nth_element, whose data-dependent
 // partitioning mispredicts a branch per comparison on random keys.

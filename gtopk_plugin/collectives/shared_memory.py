@@ -108,8 +108,8 @@ def sweep_stale(directory: str, now: Optional[float] = None) -> List[str]:
         return []
     removed = []
     for name in names:
-        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
-        if not pid.isdigit() or "-" not in name[len(_PREFIX):]:
+        pid, sep, _ = name[len(_PREFIX):].partition("-")
+        if not name.startswith(_PREFIX) or not sep or not pid.isdigit():
             continue
         path = os.path.join(directory, name)
         try:
@@ -181,8 +181,9 @@ class SharedMemoryNode:
         err = ""
         if self.r == 0:
             try:
-                sweep_stale(shared_memory_dir())
-                fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=shared_memory_dir())
+                where = shared_memory_dir()
+                sweep_stale(where)
+                fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=where)
                 try:
                     # reserve the pages now: a full tmpfs then fails here, with
                     # an error, instead of killing a rank (SIGBUS) at a write
