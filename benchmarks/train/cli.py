@@ -4,6 +4,7 @@ emulated cluster.
     python -m benchmarks.train --quick                 # CI smoke run: P = 2, tiny model, 20 steps
     python -m benchmarks.train -P 4 --workloads vgg --engines ddp --methods dense,gtopk,topk --steps 400
     python -m benchmarks.train --rates 1gbit,paper     # paper: the compute:communication-matched rate
+    python -m benchmarks.train -P 2 --workloads resnet --engines elastic --rates elastic-paper
 
 Real data-parallel training jobs: one process per worker, each in its own
 network namespace on a ``tc tbf``-shaped link (the cluster harness,
@@ -74,9 +75,27 @@ def configs(args) -> list:
     return out
 
 
+def _rate_bits(rate: str) -> float:
+    """'40mbit' -> 40e6 (tc's units: kbit, mbit, gbit; bit/s)."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise SystemExit(f"unknown rate {rate!r}: use tc's units (e.g. 1gbit, 50mbit, 400kbit)")
+
+
+def burst_for(rate: str, burst: str = "auto") -> str:
+    """The tbf burst: as asked, or ('auto') 128 kB -- 1 ms of a 1 Gbit/s link
+    -- scaled down with the rate below 1 Gbit/s, at least 16 kB.  A fixed
+    128 kB credit would let 40 % of a 311 kB step through a 50 Mbit/s link at
+    line rate, and that link would not be the one the rate names."""
+    if burst != "auto":
+        return burst
+    return f"{max(16, int(128 * min(1.0, _rate_bits(rate) / 1e9)))}kb"
+
+
 def _net_opts(args, rate):
-    return argparse.Namespace(rate=rate, burst=args.burst, tbf_latency="50ms", delay="0ms", jitter="0ms",
-                              no_netns=args.no_netns, sysctl=[])
+    return argparse.Namespace(rate=rate, burst=burst_for(rate, args.burst), tbf_latency="50ms", delay="0ms",
+                              jitter="0ms", no_netns=args.no_netns, sysctl=[])
 
 
 def calibrate(ctx, p) -> float:
@@ -97,9 +116,12 @@ def calibrate(ctx, p) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def _paper_rate(args, s, wl, P, progress):
+def _paper_rate(args, s, wl, P, progress, elastic: bool = False):
+    """``--rates paper`` (the gTop-k paper's regime) or ``elastic-paper`` (the
+    elastic paper's): calibrate our compute, then the arithmetic of
+    :mod:`.paper_rate` or :mod:`.elastic_rate`."""
     from ..cluster import harness
-    from . import paper_rate
+    from . import elastic_rate, paper_rate
 
     if args.paper_compute_ms:
         # e.g. the compute probe of an earlier run at this load (the calibration job
@@ -110,7 +132,11 @@ def _paper_rate(args, s, wl, P, progress):
         per = harness.run_job(harness.Loopback(P, "calibration"), P, calibrate, pl, "none", None, timeout=600)
     info = workloads.describe(wl, s["model"], s["batch"])
     m = workloads.build_model(wl, s["model"])
-    ring = 2 * (P - 1) * info["parameters"] * 4 // P
+    ring = elastic_rate.ring_bytes(info["parameters"], P)
+    if elastic:
+        pr = elastic_rate.matched_rate(max(per), ring)
+        progress.note(f"elastic-paper-matched link for {wl}: {pr['statement']}")
+        return pr
     pr = paper_rate.matched_rate(info["step_flops_per_worker"], 6 * sum(1 for _ in m.modules()), max(per), ring)
     progress.note(f"paper-matched link for {wl}: {pr['regime_statement']}; GPU view: {pr['statement']}")
     return pr
@@ -158,6 +184,10 @@ def run(args) -> dict:
                     pr = _paper_rate(args, s, wl, P, progress)
                     res["meta"]["paper_rate"][wl] = pr
                     rate, label_rate = pr["rate_regime"], f"paper-matched {pr['rate_regime_bits'] / 1e6:.1f}mbit"
+                elif rate == "elastic-paper":
+                    pr = _paper_rate(args, s, wl, P, progress, elastic=True)
+                    res["meta"]["paper_rate"][f"{wl}:elastic"] = pr
+                    rate, label_rate = pr["rate"], f"elastic-paper-matched {pr['rate_bits'] / 1e6:.1f}mbit"
                 net = harness.network(P, _net_opts(args, rate))
                 desc = net.describe()
                 res["meta"]["network"] = desc
@@ -229,10 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="density warm-up over this share of the budget (DGC: 4 epochs)")
     g = ap.add_argument_group("network")
     g.add_argument("--rates", default="1gbit,paper",
-                   help="tc tbf rates, comma-separated; 'paper': the compute:communication-matched rate")
+                   help="tc tbf rates, comma-separated; 'paper': the gTop-k paper's compute:communication-"
+                        "matched rate; 'elastic-paper': the elastic paper's (for the elastic rows)")
     g.add_argument("--paper-compute-ms", type=float, default=None,
                    help="'paper' rate: our compute per step in ms (default: a calibration job measures it)")
-    g.add_argument("--burst", default="128kb")
+    g.add_argument("--burst", default="auto",
+                   help="tbf burst; auto: 128kb at 1 Gbit/s and above, scaled with the rate below, >= 16kb")
     g.add_argument("--no-netns", action="store_true", help="plain loopback (results labelled unshaped)")
     g = ap.add_argument_group("output")
     g.add_argument("--json", default=os.path.join(RESULTS, "train.json"))
