@@ -154,6 +154,9 @@ class DelayedTransport(Transport):
     def __init__(self, inner: Transport, latency_s: float, jitter_s: float, seed: int):
         super().__init__()
         self.inner = inner
+        # the check's max over ranks takes the inner engine's algorithm, and
+        # so its number of latencies
+        self.max_by_dissemination = getattr(inner, "max_by_dissemination", False)
         self.latency_s, self.jitter_s = float(latency_s), float(jitter_s)
         self.timeout = getattr(inner, "timeout", 300.0)
         self._rng = random.Random(seed)

@@ -291,6 +291,8 @@ class GlooGroupTransport(Transport):
     torch.distributed: the subgroup case of :class:`TorchEngine`).  CPU
     bytes; tensors on another device travel through host memory."""
 
+    max_by_dissemination = True  # pairwise sends are cheap (Transport.control_allreduce_max)
+
     def __init__(self, pg, rank: int, size: int, timeout: float):
         super().__init__()
         self.pg, self._rank, self._size, self.timeout = pg, rank, size, float(timeout)

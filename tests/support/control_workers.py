@@ -1,0 +1,37 @@
+"""Worker for tests/distributed/test_control_max.py: the consistency
+check's max over ranks on a real gloo group, with its rounds counted."""
+import torch
+
+from benchmarks.elastic import DelayedTransport
+from gtopk_plugin import TorchDistributedTransport
+
+
+def vector_of(rank: int, P: int) -> list:
+    """Rank-dependent int64 values whose max comes from different ranks per entry."""
+    return [(rank * 7) % P, (P - rank) * 3, ((rank + 3) * 2654435761) % 1000003, -rank, 1 << 40 if rank == P - 1 else 0]
+
+
+class CountingTransport(TorchDistributedTransport):
+    def __init__(self):
+        super().__init__()
+        self.sendrecvs = 0
+        self.allreduces = 0
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        self.sendrecvs += 1
+        super()._raw_sendrecv(dst, send, src, recv)
+
+    def _raw_allreduce_max_(self, t):
+        self.allreduces += 1
+        super()._raw_allreduce_max_(t)
+
+
+def control_max(rank: int, P: int) -> dict:
+    t = CountingTransport()
+    v = torch.tensor(vector_of(rank, P), dtype=torch.int64)
+    out = t.control_allreduce_max(v)
+    delayed = DelayedTransport(TorchDistributedTransport(), latency_s=1e-3, jitter_s=0.0, seed=rank)
+    out2 = delayed.control_allreduce_max(v)
+    return {"max": out.tolist(), "input_unchanged": v.tolist() == vector_of(rank, P),
+            "sendrecvs": t.sendrecvs, "allreduces": t.allreduces, "control_bytes": t.counters.control_bytes,
+            "delayed_max": out2.tolist(), "delayed_waits": delayed.waits}
