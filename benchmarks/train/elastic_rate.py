@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .paper_rate import RING_EFFICIENCY, _flops
+from .paper_rate import RING_EFFICIENCY, fwd_bwd_flops
 
 #: the elastic paper's testbed (§6) and what its summary leaves unstated (assumed)
 TESTBED = {
@@ -83,7 +83,7 @@ def testbed(tb: dict = TESTBED) -> dict:
     """Compute and wire time of the testbed's dense step, and their ratio R."""
     model = resnet18_cifar()
     n = sum(p.numel() for p in model.parameters())
-    flops = _flops(model, torch.zeros(2, 3, 32, 32)) / 2 * tb["batch"]
+    flops = fwd_bwd_flops(model, torch.zeros(2, 3, 32, 32)) / 2 * tb["batch"]
     wire_s = ring_bytes(n, tb["P"]) * 8 / (tb["link_bits"] * RING_EFFICIENCY)
 
     def compute_s(eff):

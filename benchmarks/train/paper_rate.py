@@ -61,11 +61,14 @@ def vgg16_cifar() -> nn.Module:
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(512, 10))
 
 
-def _flops(model: nn.Module, x: torch.Tensor) -> int:
+def fwd_bwd_flops(model: nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one forward + backward pass of ``model`` on ``x`` (torch's
+    FlopCounterMode: matmuls and convolutions, 2 per multiply-add)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
         model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
 
 
@@ -74,7 +77,7 @@ def paper_gpu() -> dict:
     from ..cluster.shapes import PAPER_BATCH, PAPER_BREAKDOWN, PAPER_THROUGHPUT
 
     batch = PAPER_BATCH["vgg16-cifar"]
-    per_image = _flops(vgg16_cifar(), torch.zeros(2, 3, 32, 32)) / 2
+    per_image = fwd_bwd_flops(vgg16_cifar(), torch.zeros(2, 3, 32, 32)) / 2
     compute_s = PAPER_BREAKDOWN["vgg16-cifar"][0]
     flops = per_image * batch
     dense_iter_p4 = batch / PAPER_THROUGHPUT["vgg16-cifar"]["dense"][1]

@@ -100,16 +100,10 @@ def load_data(n_train: int, n_test: int, seed: int = 0) -> Dict[str, torch.Tenso
 
 
 def step_flops(model: nn.Module, batch: int) -> int:
-    """FLOPs of one forward + backward pass on ``batch`` images (torch's
-    FlopCounterMode: matmuls and convolutions, 2 per multiply-add)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """FLOPs of one forward + backward pass on ``batch`` images."""
+    from .paper_rate import fwd_bwd_flops
 
-    m = model.train()
-    x = torch.zeros(batch, 1, SIZE, SIZE)
-    with FlopCounterMode(display=False) as fc:
-        m(x).sum().backward()
-    m.zero_grad(set_to_none=True)
-    return int(fc.get_total_flops())
+    return fwd_bwd_flops(model.train(), torch.zeros(batch, 1, SIZE, SIZE))
 
 
 def describe(workload: str, model_kw: dict, batch: int) -> dict:
