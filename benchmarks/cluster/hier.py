@@ -56,12 +56,15 @@ class PeerTally:
 
     def __init__(self, node_of_rank: List[int], me: int):
         self.node_of, self.me = node_of_rank, me
+        self.muted = False
         self.reset()
 
     def reset(self):
         self.b = {"intra_sent": 0, "intra_received": 0, "inter_sent": 0, "inter_received": 0}
 
     def add(self, peer: int, nbytes: int, direction: str):
+        if self.muted:  # the consistency check: control bytes, not the data path's
+            return
         level = "intra" if self.node_of[peer] == self.node_of[self.me] else "inter"
         self.b[f"{level}_{direction}"] += int(nbytes)
 
@@ -76,7 +79,8 @@ class PeerTally:
         def wrap(name, fn):
             setattr(T, name, fn)
 
-        orig = {n: getattr(T, n) for n in ("_raw_sendrecv", "_raw_send", "_raw_recv", "_raw_allreduce_sum_")}
+        orig = {n: getattr(T, n) for n in ("_raw_sendrecv", "_raw_send", "_raw_recv", "_raw_allreduce_sum_",
+                                           "control_allreduce_max")}
 
         def sendrecv(self, dst, send, src, recv):
             tally.add(self._global(dst), nb(send), "sent")
@@ -99,8 +103,17 @@ class PeerTally:
                 tally.add(self._global((r - 1) % P), ring, "received")
             return orig["_raw_allreduce_sum_"](self, t)
 
+        def control(self, t):
+            # its pairwise rounds (Transport.control_allreduce_max) are
+            # control traffic, which the reducers' byte counts leave out too
+            tally.muted = True
+            try:
+                return orig["control_allreduce_max"](self, t)
+            finally:
+                tally.muted = False
+
         for name, fn in (("_raw_sendrecv", sendrecv), ("_raw_send", send), ("_raw_recv", recv),
-                         ("_raw_allreduce_sum_", allreduce)):
+                         ("_raw_allreduce_sum_", allreduce), ("control_allreduce_max", control)):
             wrap(name, fn)
         return self
 
