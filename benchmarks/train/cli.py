@@ -85,9 +85,10 @@ def _rate_bits(rate: str) -> float:
 
 def burst_for(rate: str, burst: str = "auto") -> str:
     """The tbf burst: as asked, or ('auto') 128 kB -- 1 ms of a 1 Gbit/s link
-    -- scaled down with the rate below 1 Gbit/s, at least 16 kB.  A fixed
-    128 kB credit would let 40 % of a 311 kB step through a 50 Mbit/s link at
-    line rate, and that link would not be the one the rate names."""
+    -- scaled down with the rate below 1 Gbit/s, at least 16 kB.  With a
+    fixed 128 kB credit about half of a 311 kB step went through a 60
+    Mbit/s link at line rate (docs/benchmarks.md), and that link was not
+    the one the rate names."""
     if burst != "auto":
         return burst
     return f"{max(16, int(128 * min(1.0, _rate_bits(rate) / 1e9)))}kb"
