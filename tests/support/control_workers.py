@@ -1,6 +1,9 @@
 """Worker for tests/distributed/test_control_max.py: the consistency
-check's max over ranks on a real gloo group, with its rounds counted."""
+check's max over ranks on real gloo groups of every size 1..P (subgroups
+of one job: one process start instead of one per size), with its rounds
+counted."""
 import torch
+import torch.distributed as dist
 
 from benchmarks.elastic import DelayedTransport
 from gtopk_plugin import TorchDistributedTransport
@@ -12,8 +15,8 @@ def vector_of(rank: int, P: int) -> list:
 
 
 class CountingTransport(TorchDistributedTransport):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, group):
+        super().__init__(group)
         self.sendrecvs = 0
         self.allreduces = 0
 
@@ -26,12 +29,19 @@ class CountingTransport(TorchDistributedTransport):
         super()._raw_allreduce_max_(t)
 
 
-def control_max(rank: int, P: int) -> dict:
-    t = CountingTransport()
-    v = torch.tensor(vector_of(rank, P), dtype=torch.int64)
-    out = t.control_allreduce_max(v)
-    delayed = DelayedTransport(TorchDistributedTransport(), latency_s=1e-3, jitter_s=0.0, seed=rank)
-    out2 = delayed.control_allreduce_max(v)
-    return {"max": out.tolist(), "input_unchanged": v.tolist() == vector_of(rank, P),
-            "sendrecvs": t.sendrecvs, "allreduces": t.allreduces, "control_bytes": t.counters.control_bytes,
-            "delayed_max": out2.tolist(), "delayed_waits": delayed.waits}
+def control_max(rank: int, world: int) -> dict:
+    out = {}
+    for P in range(1, world + 1):
+        group = dist.new_group(list(range(P)))  # collective: every rank of the job calls it
+        if rank >= P:
+            continue
+        t = CountingTransport(group)
+        v = torch.tensor(vector_of(rank, P), dtype=torch.int64)
+        got = t.control_allreduce_max(v)
+        delayed = DelayedTransport(TorchDistributedTransport(group), latency_s=1e-3, jitter_s=0.0, seed=rank)
+        got2 = delayed.control_allreduce_max(v)
+        out[P] = {"max": got.tolist(), "input_unchanged": v.tolist() == vector_of(rank, P),
+                  "sendrecvs": t.sendrecvs, "allreduces": t.allreduces,
+                  "control_bytes": t.counters.control_bytes,
+                  "delayed_max": got2.tolist(), "delayed_waits": delayed.waits}
+    return out
