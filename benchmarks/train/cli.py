@@ -132,12 +132,12 @@ def _paper_rate(args, s, wl, P, progress, elastic: bool = False):
         pl = dict(workload=wl, model=s["model"], batch=s["batch"], lr=s["lr"], seed=0, reps=3 if args.quick else 8)
         per = harness.run_job(harness.Loopback(P, "calibration"), P, calibrate, pl, "none", None, timeout=600)
     info = workloads.describe(wl, s["model"], s["batch"])
-    m = workloads.build_model(wl, s["model"])
     ring = elastic_rate.ring_bytes(info["parameters"], P)
     if elastic:
         pr = elastic_rate.matched_rate(max(per), ring)
         progress.note(f"elastic-paper-matched link for {wl}: {pr['statement']}")
         return pr
+    m = workloads.build_model(wl, s["model"])
     pr = paper_rate.matched_rate(info["step_flops_per_worker"], 6 * sum(1 for _ in m.modules()), max(per), ring)
     progress.note(f"paper-matched link for {wl}: {pr['regime_statement']}; GPU view: {pr['statement']}")
     return pr

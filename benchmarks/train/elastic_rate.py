@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .paper_rate import RING_EFFICIENCY, fwd_bwd_flops
+from .paper_rate import RING_EFFICIENCY
+from .workloads import fwd_bwd_flops
 
 #: the elastic paper's testbed (§6) and what its summary leaves unstated (assumed)
 TESTBED = {

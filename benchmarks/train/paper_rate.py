@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .workloads import fwd_bwd_flops
+
 GBIT = 1e9
 #: launch latency per CUDA kernel (order of magnitude; forward + backward +
 #: update of a small CNN launches ~3 kernels per layer and pass)
@@ -59,17 +61,6 @@ def vgg16_cifar() -> nn.Module:
             layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU()]
             c = v
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(512, 10))
-
-
-def fwd_bwd_flops(model: nn.Module, x: torch.Tensor) -> int:
-    """FLOPs of one forward + backward pass of ``model`` on ``x`` (torch's
-    FlopCounterMode: matmuls and convolutions, 2 per multiply-add)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as fc:
-        model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return int(fc.get_total_flops())
 
 
 def paper_gpu() -> dict:

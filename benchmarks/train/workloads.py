@@ -99,10 +99,19 @@ def load_data(n_train: int, n_test: int, seed: int = 0) -> Dict[str, torch.Tenso
             "x_test": (up[1] - mean) / std, "y_test": te["y"]}
 
 
+def fwd_bwd_flops(model: nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one forward + backward pass of ``model`` on ``x`` (torch's
+    FlopCounterMode: matmuls and convolutions, 2 per multiply-add)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return int(fc.get_total_flops())
+
+
 def step_flops(model: nn.Module, batch: int) -> int:
     """FLOPs of one forward + backward pass on ``batch`` images."""
-    from .paper_rate import fwd_bwd_flops
-
     return fwd_bwd_flops(model.train(), torch.zeros(batch, 1, SIZE, SIZE))
 
 
