@@ -13,6 +13,11 @@ Definitions (also in docs/benchmarks.md, "Time to accuracy"):
 - compute: the median over evaluations of the slowest rank's compute-only
   probe (forward + backward + update without communication);
   communication + waiting = median step - compute;
+- training-thread CPU: the median over steps of the slowest rank's CPU
+  time in the thread that runs the step (``time.thread_time``: forward,
+  backward, hooks, the library's selection and merges on that thread;
+  not the engines' background threads nor time blocked on the link): what
+  the step really computed, beside the probe's compute alone;
 - target: the final accuracy of the group's dense run minus 1 pp (elastic
   group: the dense barrier's final accuracy minus 0.5 pp); time to target
   = the wall-clock of the first evaluation at or above it (resolution: one
@@ -36,6 +41,7 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
     bytes_ = [max((b for b in bs if b is not None), default=None) for bs in zip(*(r["bytes"] for r in per_rank))]
     tx = [max(v) if v[0] is not None else None for v in zip(*(r["tx"] for r in per_rank))]
     compute = [max(c) for c in zip(*(r["compute"] for r in per_rank))]
+    cpu = [max(c) for c in zip(*(r["cpu"] for r in per_rank))] if all("cpu" in r for r in per_rank) else []
     wall, acc_b, cum, cumb = [], [], 0.0, 0
     for t, b in zip(times, bytes_):
         cum += t
@@ -49,7 +55,7 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
                final_accuracy=curve[-1]["accuracy"], wall_s=wall[-1], total_bytes=acc_b[-1],
                bytes_per_step=_med(bytes_), tx_bytes_per_step=_med(tx), step_s=step_med, compute_s=comp_med,
                comm_wait_s=None if step_med is None or comp_med is None else step_med - comp_med,
-               compute_probes_s=compute,
+               compute_probes_s=compute, step_cpu_s=_med(cpu),
                params_equal=len({r["checksum"] for r in per_rank}) == 1,
                loss_first=sum(r0["losses"][:5]) / len(r0["losses"][:5]),
                loss_last=sum(r0["losses"][-5:]) / len(r0["losses"][-5:]))
@@ -108,8 +114,8 @@ def _f(v, fmt, dash="–"):
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | link | seed | engine | method | final acc % | Δ vs base (pp) | target % | "
              "time to target s | × base | × Top-k | to −2 pp s (× base) | wall s | MB/step (accounting) | MB/step (eth0) | "
-             "step ms | compute ms | comm+wait ms | params equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms | compute ms | comm+wait ms | training-thread CPU ms | params equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tgt = r.get("target")
         lines.append(
@@ -123,6 +129,7 @@ def markdown(rows: List[dict]) -> str:
             f"{_f(None if r['tx_bytes_per_step'] is None else r['tx_bytes_per_step'] / 1e6, '.3f')} | "
             f"{1e3 * r['step_s']:.0f} | {_f(None if r['compute_s'] is None else 1e3 * r['compute_s'], '.0f')} | "
             f"{_f(None if r['comm_wait_s'] is None else 1e3 * r['comm_wait_s'], '.0f')} | "
+            f"{_f(None if r.get('step_cpu_s') is None else 1e3 * r['step_cpu_s'], '.0f')} | "
             f"{'yes' if r['params_equal'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 

@@ -212,18 +212,19 @@ def train(ctx, p):
     lr_sched = torch.optim.lr_scheduler.LambdaLR(
         sched_opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gb = p["batch"] * P
-    out = {"times": [], "losses": [], "bytes": [], "tx": [], "compute": [], "evals": []}
+    out = {"times": [], "cpu": [], "losses": [], "bytes": [], "tx": [], "compute": [], "evals": []}
     ctx.barrier()
     for s in range(steps):
         idx = torch.tensor_split(_batch(p["seed"], s, len(y), gb), P)[rank]
         xb, yb = x[idx], y[idx]
         tx0 = tx_bytes(p["iface"])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = eng.step(xb, yb)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         tx1 = tx_bytes(p["iface"])
         lr_sched.step()
         out["times"].append(dt)
+        out["cpu"].append(dc)  # the training thread's CPU time: compute, hooks, selection
         out["losses"].append(loss)
         out["bytes"].append(eng.bytes_last())
         out["tx"].append(None if tx0 is None else tx1 - tx0)

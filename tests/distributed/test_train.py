@@ -63,6 +63,8 @@ def test_quick_run_writes_curves_and_loss_falls(tmp_path):
         assert r["loss_last"] < r["loss_first"], (r["name"], r["losses"])
         assert r["params_equal"], r["name"]
         assert r["total_bytes"] > 0 and r["compute_s"] > 0
+        # a thread's CPU time within a step cannot exceed the step's wall time
+        assert 0 < r["step_cpu_s"] <= r["step_s"] + 1e-4, r["name"]
     dense = next(r for r in rows if r["engine"] == "ddp" and r["method"] == "dense")
     sparse = [r for r in rows if r["method"] == "gtopk"]
     assert all(r["bytes_per_step"] < dense["bytes_per_step"] / 10 for r in sparse)
