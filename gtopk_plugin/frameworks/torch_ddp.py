@@ -105,6 +105,11 @@ class SparseState(ParameterNaming):
             layout) or ``node_of_rank`` (one node id per rank), else
             ``LOCAL_WORLD_SIZE``.  ``last_step_traffic`` then also holds
             ``intra_bytes_*`` and ``inter_bytes_*``.
+        intra_fabric: (hierarchical only) how a node's ranks move the dense
+            node sum: ``"auto"`` (default: shared memory for CPU tensors
+            when the node's ranks share a host, else gloo),
+            ``"shared_memory"`` or ``"engine"``
+            (:mod:`gtopk_plugin.node_fabric`).
 
     Internal state (checkpointed by :meth:`state_dict` and by pickling):
         the reducer's residuals and step counter (the RNG state), and the
@@ -131,7 +136,7 @@ class SparseState(ParameterNaming):
                  timeout: Optional[float] = None, momentum_correction: bool = False,
                  optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
                  hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
-                 coalesce_buckets: bool = True, **reducer_kwargs):
+                 intra_fabric: Optional[str] = None, coalesce_buckets: bool = True, **reducer_kwargs):
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
                              "process_group=<torch.distributed group> instead of transport=")
@@ -176,7 +181,7 @@ class SparseState(ParameterNaming):
         self.timeout = timeout
         # GradientReducer / ReducerConfig / the transport validate every
         # other value with a ValueError naming the keyword.
-        self._hier = _hierarchy(hierarchical, local_size, node_of_rank)
+        self._hier = _hierarchy(hierarchical, local_size, node_of_rank, intra_fabric)
         self.reducer = _make_reducer(self._reducer_kwargs, self._hier, process_group, timeout)
         self._needs_optimizer = False
         if momentum_correction:
@@ -302,14 +307,15 @@ class SparseState(ParameterNaming):
         return f"SparseState({kw}, step={self.step})"
 
 
-def _hierarchy(hierarchical, local_size, node_of_rank) -> Optional[dict]:
+def _hierarchy(hierarchical, local_size, node_of_rank, intra_fabric=None) -> Optional[dict]:
     """The node layout of a hierarchical state (None: flat)."""
     if not hierarchical:
-        if local_size is not None or node_of_rank is not None:
-            raise ValueError("local_size= / node_of_rank= describe the nodes of a hierarchical "
-                             "reduction: pass hierarchical=True with them")
+        if local_size is not None or node_of_rank is not None or intra_fabric is not None:
+            raise ValueError("local_size= / node_of_rank= / intra_fabric= describe the nodes of a "
+                             "hierarchical reduction: pass hierarchical=True with them")
         return None
-    return {"local_size": local_size, "node_of_rank": None if node_of_rank is None else list(node_of_rank)}
+    return {"local_size": local_size, "node_of_rank": None if node_of_rank is None else list(node_of_rank),
+            **({} if intra_fabric is None else {"intra_fabric": intra_fabric})}
 
 
 def _make_reducer(kwargs: dict, hier: Optional[dict], group, timeout):

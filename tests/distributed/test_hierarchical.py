@@ -230,6 +230,10 @@ def test_ddp_hook_hierarchical(feat_results):
     for q in RANKS4:
         d = feat_results[q]["ddp"]
         assert d["diffs"] == [0.0] * 3 and d["step"] == 3
+        # SparseState(intra_fabric=...) reaches the node level
+        assert d["fabric"] in ("shared_memory", "engine") and d["engine_fabric"] == "engine", d
+        assert d["engine_mode"] == "engine"
+        assert d["engine_diffs"] == [0.0] * 2
         assert {"intra_bytes_sent", "inter_bytes_sent"} <= set(d["traffic"])
     assert feat_results[1]["ddp"]["traffic"]["inter_bytes_sent"] == 0
     assert feat_results[0]["ddp"]["traffic"]["inter_bytes_sent"] > 0

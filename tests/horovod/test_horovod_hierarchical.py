@@ -79,6 +79,16 @@ def test_fake_nodes_equal_the_oracle():
 
 
 @pytest.mark.timeout(400)
+def test_intra_fabric_keyword_reaches_the_node_level():
+    # intra_fabric="engine": the node sum through Horovod's side channel
+    # (never shared memory, which "auto" takes where the host allows), the
+    # same bits as the oracle
+    assert all(ok(res, "gtopk_2x2")["fabric_mode"] == "auto" for res in results())
+    runs = _check("gtopk_2x2_engine", "gtopk", NODES)
+    assert all(run["fabric_mode"] == "engine" and run["fabric"] == "engine" for run in runs)
+
+
+@pytest.mark.timeout(400)
 def test_horovod_topology_one_host_is_one_node():
     # a sum of 4 floats in gloo's ring order, not the oracle's: to rounding
     runs = _check("gtopk_default", "gtopk", [0, 0, 0, 0], exact=False)
@@ -91,3 +101,5 @@ def test_bad_topology_raises_on_every_rank():
     for res in results():
         status, (kind, msg, _) = res["bad_local_size"]
         assert status == "error" and kind == "ValueError" and "does not divide" in msg, msg
+        status, (kind, msg, _) = res["fabric_but_flat"]
+        assert status == "error" and kind == "ValueError" and "intra_fabric=" in msg, msg

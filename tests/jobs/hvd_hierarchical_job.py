@@ -34,7 +34,7 @@ def make_model():
 def run(comp, **kw):
     model = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-                               compression=comp, op=hvd.Sum, hierarchical=True, **kw)
+                               compression=comp, op=hvd.Sum, **dict(dict(hierarchical=True), **kw))
     raws, outs, traffic = [], [], []
     for s in range(STEPS):
         opt.zero_grad()
@@ -47,14 +47,17 @@ def run(comp, **kw):
         traffic.append(dict(opt.last_step_traffic))
     st = opt.last_stats
     return {"raw": raws, "out": outs, "traffic": traffic, "state": opt.state_dict().get("gtopk_plugin"),
-            "nodes": st.nodes, "k": st.k}
+            "nodes": st.nodes, "k": st.k, "fabric": st.intra_fabric,
+            "fabric_mode": opt.reducer._fabric_mode}
 
 
 def main():
     res = {"rank": R, "size": P}
     for key, comp, kw in (("gtopk_2x2", Compression.gtopk(0.1), dict(local_size=2)),
+                          ("gtopk_2x2_engine", Compression.gtopk(0.1), dict(local_size=2, intra_fabric="engine")),
                           ("gtopk_default", Compression.gtopk(0.1), {}),
-                          ("bad_local_size", Compression.gtopk(0.1), dict(local_size=3))):
+                          ("bad_local_size", Compression.gtopk(0.1), dict(local_size=3)),
+                          ("fabric_but_flat", Compression.gtopk(0.1), dict(hierarchical=False, intra_fabric="engine"))):
         try:
             res[key] = ("ok", run(comp, **kw))
         except BaseException as e:  # noqa: BLE001 - recorded for the parent

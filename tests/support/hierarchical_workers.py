@@ -190,4 +190,12 @@ def _ddp(rank, steps=3):
     state, _, diffs = hook_vs_reducer(
         rank, steps, hidden=(40,), reducer_cls=functools.partial(HierarchicalReducer, local_size=2),
         state_kw=dict(hierarchical=True, local_size=2), method="gtopk", density=0.1)
-    return dict(diffs=diffs, traffic=state.last_step_traffic, step=state.step)
+    # intra_fabric= through the hook: the node sum over gloo instead of
+    # shared memory, the same bits as the reducer given the same keyword
+    eng, _, eng_diffs = hook_vs_reducer(
+        rank, 2, hidden=(40,),
+        reducer_cls=functools.partial(HierarchicalReducer, local_size=2, intra_fabric="engine"),
+        state_kw=dict(hierarchical=True, local_size=2, intra_fabric="engine"), method="gtopk", density=0.1)
+    return dict(diffs=diffs, traffic=state.last_step_traffic, step=state.step,
+                fabric=state.last_stats.intra_fabric, engine_diffs=eng_diffs,
+                engine_fabric=eng.last_stats.intra_fabric, engine_mode=eng.reducer._fabric_mode)

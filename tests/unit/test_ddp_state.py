@@ -36,3 +36,14 @@ def test_out_of_range_hyper_parameter_is_refused():
 def test_every_registered_method_builds_with_defaults():
     for name in registry.available():
         SparseState(method=name)
+
+
+def test_intra_fabric_is_a_hierarchical_keyword():
+    with pytest.raises(ValueError, match="intra_fabric=.*hierarchical=True"):
+        SparseState(intra_fabric="engine")
+    with pytest.raises(ValueError, match="intra_fabric must be one of"):
+        SparseState(hierarchical=True, local_size=2, intra_fabric="nvlink")
+    s = SparseState(hierarchical=True, local_size=2, intra_fabric="engine")
+    # the node level's mode, and kept through pickling (a DDP checkpoint)
+    assert s.reducer._fabric_mode == "engine"
+    assert pickle.loads(pickle.dumps(s)).reducer._fabric_mode == "engine"

@@ -237,7 +237,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, grad_scaler=None, hierarchical=False,
-                         local_size=None, node_of_rank=None):
+                         local_size=None, node_of_rank=None, intra_fabric=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across
     the Horovod workers — ``horovod.torch.DistributedOptimizer`` with the
     same signature and behaviour, plus sparse ``compression=`` choices.
@@ -274,6 +274,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             r // local_size) or ``node_of_rank`` (node id per rank), else
             Horovod's own (``hvd.cross_rank()`` of every rank; the global
             process set).  Needs the gloo side channel (CPU Horovod).
+        intra_fabric: (hierarchical only) how a node's ranks move the dense
+            node sum: ``"auto"`` (default: shared memory for CPU tensors
+            when the node's ranks share a host, else Horovod),
+            ``"shared_memory"`` or ``"engine"``
+            (:mod:`gtopk_plugin.node_fabric`).
 
     Dense compression returns Horovod's own optimizer (it does exactly what
     a dense path of ours would) with ``last_step_traffic`` (ring model)
@@ -302,7 +307,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     sparse = isinstance(compression, SparseCompression)
-    hierarchy = _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set)
+    hierarchy = _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set, intra_fabric)
     if sparse:
         if op == hvd.Adasum:
             raise ValueError("op=hvd.Adasum works with dense compression only; sparse compression "
@@ -339,13 +344,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                gradient_predivide_factor, groups, sparse_as_dense, process_set, grad_scaler, hierarchy)
 
 
-def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set) -> Optional[dict]:
+def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set,
+               intra_fabric=None) -> Optional[dict]:
     """The HierarchicalReducer's topology keywords, or None (flat)."""
     if not hierarchical:
-        if local_size is not None or node_of_rank is not None:
-            raise ValueError("local_size= / node_of_rank= describe the nodes of a hierarchical "
-                             "reduction: pass hierarchical=True with them")
+        if local_size is not None or node_of_rank is not None or intra_fabric is not None:
+            raise ValueError("local_size= / node_of_rank= / intra_fabric= describe the nodes of a "
+                             "hierarchical reduction: pass hierarchical=True with them")
         return None
+    fabric = {} if intra_fabric is None else {"intra_fabric": intra_fabric}
     if not sparse:
         raise ValueError("hierarchical=True is for the sparse compressions; for dense allreduce use "
                          "Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE=1")
@@ -353,6 +360,6 @@ def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set) -> O
         if process_set is not hvd.global_process_set:
             raise ValueError("hierarchical=True on a process set: pass local_size= or node_of_rank= "
                              "(Horovod's cross_rank numbers the nodes of the whole job)")
-        return {"own_node": hvd.cross_rank()}
+        return {"own_node": hvd.cross_rank(), **fabric}
     return {"local_size": local_size,
-            "node_of_rank": None if node_of_rank is None else list(node_of_rank)}
+            "node_of_rank": None if node_of_rank is None else list(node_of_rank), **fabric}
