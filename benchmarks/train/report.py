@@ -41,7 +41,7 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
     bytes_ = [max((b for b in bs if b is not None), default=None) for bs in zip(*(r["bytes"] for r in per_rank))]
     tx = [max(v) if v[0] is not None else None for v in zip(*(r["tx"] for r in per_rank))]
     compute = [max(c) for c in zip(*(r["compute"] for r in per_rank))]
-    cpu = [max(c) for c in zip(*(r["cpu"] for r in per_rank))] if all("cpu" in r for r in per_rank) else []
+    cpu = [max(c) for c in zip(*(r["cpu"] for r in per_rank))]
     wall, acc_b, cum, cumb = [], [], 0.0, 0
     for t, b in zip(times, bytes_):
         cum += t

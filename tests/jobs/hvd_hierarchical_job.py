@@ -34,7 +34,7 @@ def make_model():
 def run(comp, **kw):
     model = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-                               compression=comp, op=hvd.Sum, **dict(dict(hierarchical=True), **kw))
+                               compression=comp, op=hvd.Sum, **{"hierarchical": True, **kw})
     raws, outs, traffic = [], [], []
     for s in range(STEPS):
         opt.zero_grad()
