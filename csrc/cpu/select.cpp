@@ -39,10 +39,40 @@ constexpr int64_t kSmall = 4096;         // segments up to this size: one in-cac
 constexpr int64_t kBlock = 1 << 16;      // elements per collect block
 constexpr int64_t kSub = 2048;           // two-phase sub-block of the fused collect (g and r in L1)
 constexpr int64_t kSampleRun = 128;     // the sampled bound reads runs of this many entries
+// At most this many sampled entries per segment: the bound's margin over k
+// shrinks as 1/sqrt(sample) (1.55k candidates at 1 % with 8192, 1.25k with
+// 32768), and every candidate costs a store, a key compare and a write-out,
+// where the sample costs 256 scattered runs (issue #15)
+constexpr int64_t kSampleMax = 32768;
 constexpr int64_t kRefSample = 4096;     // reference.THRESHOLD_SAMPLE
 constexpr int64_t kRefRun = 128;         // reference.THRESHOLD_RUN
 constexpr double kTolerance = 0.10;      // reference.THRESHOLD_TOLERANCE
 constexpr double kBias = 2.0;            // reference.THRESHOLD_BIAS
+
+// An allocator whose resize() leaves new elements uninitialised: the fused
+// collect grows its candidate arrays ahead of the writes (room for every hit
+// of a sub-block) and shrinks them after, so zero-filling that room cost a
+// memset per sub-block (issue #15).
+template <typename T>
+struct NoInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = NoInitAllocator<U>;
+  };
+  NoInitAllocator() = default;
+  template <typename U>
+  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* q) noexcept {
+    ::new (static_cast<void*>(q)) U;  // default-initialised: trivial types stay unwritten
+  }
+  template <typename U, typename... A>
+  void construct(U* q, A&&... a) {
+    ::new (static_cast<void*>(q)) U(std::forward<A>(a)...);
+  }
+};
+template <typename T>
+using RawVector = std::vector<T, NoInitAllocator<T>>;
 
 // Candidates: positions (segment-local, ascending) and the raw bits of their
 // values (the key is recomputed from them, and the value is written out
@@ -50,8 +80,8 @@ constexpr double kBias = 2.0;            // reference.THRESHOLD_BIAS
 template <typename M>
 struct Cands {
   using K = typename M::key_t;
-  std::vector<int64_t> pos;
-  std::vector<typename M::bits_t> bits;
+  RawVector<int64_t> pos;
+  RawVector<typename M::bits_t> bits;
   int64_t size() const { return static_cast<int64_t>(pos.size()); }
   K key(int64_t j) const { return M::key(bits[j]); }
 };
@@ -109,6 +139,29 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
     }
     return true;
   };
+  const bool serial = at::get_num_threads() <= 1 || at::in_parallel_region() || nblk <= 1;
+  if (!kTies && serial) {
+    // one thread: the blocks in order straight into `out` (no per-block
+    // slots to concatenate afterwards: one copy of every candidate less)
+    if (reserve > 0) {
+      out.pos.reserve(reserve * nblk);
+      out.bits.reserve(reserve * nblk);
+    }
+    bool over = false;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
+      if (fc != nullptr && !over) {
+        (*fc)(s0, e0, L, out);  // written and scanned in one loop
+        over = out.size() > cap;
+        continue;
+      }
+      if (produce != nullptr) (*produce)(s0, e0);  // every block written, as below
+      if (over) continue;
+      int64_t unused = 0;
+      over = !scan(s0, e0, out, unused);
+    }
+    return !over;
+  }
   if (!kTies) {
     // blocks handed out dynamically, each into its own slot
     // with a producer every block is written even after giving up (the
@@ -501,7 +554,7 @@ template <typename M>
 bool sample_bound(const typename M::bits_t* p, int64_t n, int64_t k, typename M::key_t& L,
                   int64_t& est, const Producer* produce = nullptr) {
   using K = typename M::key_t;
-  const int64_t runs = std::min<int64_t>(8192, std::max<int64_t>(256, n / 32)) / kSampleRun;
+  const int64_t runs = std::min<int64_t>(kSampleMax, std::max<int64_t>(256, n / 32)) / kSampleRun;
   if (runs * kSampleRun * 4 > n) return false;  // small segment: the histogram is as cheap
   const int64_t step = n / runs;
   const int64_t m = runs * kSampleRun;

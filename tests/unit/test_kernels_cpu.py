@@ -211,6 +211,48 @@ def test_large_single_segment_paths(name, x, ks, threads):
         assert idx.numel() == k
 
 
+def _sample_runs_mask(n, runs=256, run=128):
+    """The entries the sampled bound reads for a segment of n = 2^20: 256
+    evenly spaced runs of 128 (select.cpp: kSampleMax = 32768 sampled
+    entries).  Other spacings still give valid cases; only the path taken
+    would differ."""
+    m = torch.zeros(n, dtype=torch.bool)
+    step = n // runs
+    for r in range(runs):
+        m[r * step:r * step + run] = True
+    return m
+
+
+@pytest.mark.parametrize("failure", ["too-few", "too-many"])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_sampled_bound_that_misjudges_falls_back_exactly(threads, failure, nthreads):
+    """Data whose sampled runs misrepresent the segment: large values only in
+    the sampled runs (the bound is far too high: fewer than k candidates) or
+    tiny values only there (far too low: the candidate cap overflows).  Both
+    fall back to the radix histogram; the result is still the exact top-k
+    (numpy oracle), for the plain kernel and the fused compensation, and
+    with one thread (candidates collected in order into one array) as with
+    two (per-block slots)."""
+    threads(nthreads)
+    n, k = 1 << 20, 10_000
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(n, generator=g)
+    sampled = _sample_runs_mask(n)
+    if failure == "too-few":
+        x[sampled] = 100 + torch.rand(int(sampled.sum()), generator=g)
+    else:
+        x[sampled] = 1e-3 * torch.randn(int(sampled.sum()), generator=g)
+    check_selection(x, [0, n], [k])
+    half = torch.randn(n, generator=g) * 0.25  # the residual: acc = x - half + half
+    got = cpu.compensate_select_topk(torch.empty(n), [x - half], half, torch.tensor([0, n]),
+                                     torch.tensor([k]))
+    acc = (x - half) + half
+    expect = topk_np(acc, [0, n], [k])
+    np.testing.assert_array_equal(got[0].long().numpy(), expect)
+    assert_same(got[1], acc[got[0].long()])
+    assert got[2].tolist() == [True]
+
+
 def test_many_segments_mixed_sizes_and_threads(threads):
     g = _gen(2)
     sizes = [0, 1, 2, 5, 64, 1000, 0, 4097, 40_000, 33_000, 3, 250_000, 70_000, 1, 1_200_000, 17]
