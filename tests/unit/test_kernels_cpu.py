@@ -394,6 +394,46 @@ def test_merge_select_large_and_threads(threads):
         assert_all_same(cpu.merge_select(ia, va, ib, vb, off_t, k_t), ref)
 
 
+@pytest.mark.parametrize("shape", ["balanced", "lopsided", "one-empty"])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_merge_select_lanes_against_numpy(threads, shape, nthreads):
+    """Large unions against the numpy oracle: shared
+    indices (summed, some to zero), magnitudes from a small pool (ties at the
+    k-th key fall in several lanes and must be taken in index order), one
+    operand much shorter or empty, and k from 0 to past the union.  Indices,
+    summed values and both keep flags against the numpy oracle."""
+    threads(nthreads)
+    gen = _gen(31)
+    n = 200_000
+    offsets = [0, n, 2 * n]
+    sizes = {"balanced": (60_000, 50_000), "lopsided": (90_000, 3_000), "one-empty": (70_000, 0)}[shape]
+    pool = torch.tensor([0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 0.25])
+
+    def one(m, shared=None):
+        parts = []
+        for s in range(2):
+            pos = torch.randperm(n, generator=gen)[:m] + s * n
+            if shared is not None and m:
+                pos[: m // 4] = shared[s][: m // 4]
+            parts.append(torch.unique(pos))
+        idx = torch.cat(parts).to(torch.int32)
+        return idx, pool[torch.randint(0, pool.numel(), (idx.numel(),), generator=gen)]
+
+    ia, va = one(sizes[0])
+    a_by_seg = [ia[(ia >= offsets[s]) & (ia < offsets[s + 1])].long() for s in range(2)]
+    ib, vb = one(sizes[1], shared=[t[torch.randperm(t.numel(), generator=gen)] for t in a_by_seg])
+    for ks in ([0, 1], [5_000, 40_000], [sizes[0] + sizes[1], 7], [2 * n, 2 * n]):
+        off_t, k_t = seg(offsets, ks)
+        got = cpu.merge_select(ia, va, ib, vb, off_t, k_t)
+        e_idx, e_vals = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                                        offsets, ks, va.dtype)
+        np.testing.assert_array_equal(got[0].long().numpy(), e_idx)
+        np.testing.assert_array_equal(got[1].double().numpy(), e_vals)
+        kept = set(e_idx.tolist())
+        assert got[2].tolist() == [i in kept for i in ia.tolist()]
+        assert got[3].tolist() == [i in kept for i in ib.tolist()]
+
+
 def test_merge_select_unsorted_operands_use_the_reference():
     ia, va = torch.tensor([5, 1, 3], dtype=torch.int32), torch.tensor([1.0, 2.0, 3.0])
     ib, vb = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([1.0, -4.0])
