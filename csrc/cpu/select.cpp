@@ -105,7 +105,6 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
              const FusedCollect<M>* fc = nullptr, int64_t reserve = 0) {
   using K = typename M::key_t;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
-  std::vector<Cands<M>> part(nblk);  // candidates of each block (or thread range)
   std::atomic<int64_t> total{0};
   std::atomic<bool> stop{false};
   // Appends the candidates of p[s, e) to c; false once past `cap` in all.
@@ -139,6 +138,25 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
     }
     return true;
   };
+  // One block into dst: written and scanned in one loop (fc) while under
+  // the cap; otherwise written (produce) -- with a producer every block is
+  // written even after giving up, since the fallback paths read the whole,
+  // compensated, buffer -- then scanned unless past the cap.
+  auto visit = [&](int64_t blk, Cands<M>& dst) {
+    const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
+    if (fc != nullptr && !stop.load(std::memory_order_relaxed)) {
+      const int64_t before = dst.size();
+      (*fc)(s0, e0, L, dst);
+      const int64_t added = dst.size() - before;
+      if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap)
+        stop.store(true, std::memory_order_relaxed);
+      return;
+    }
+    if (produce != nullptr) (*produce)(s0, e0);
+    if (stop.load(std::memory_order_relaxed)) return;
+    int64_t unused = 0;
+    scan(s0, e0, dst, unused);
+  };
   const bool serial = at::get_num_threads() <= 1 || at::in_parallel_region() || nblk <= 1;
   if (!kTies && serial) {
     // one thread: the blocks in order straight into `out` (no per-block
@@ -147,42 +165,18 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
       out.pos.reserve(reserve * nblk);
       out.bits.reserve(reserve * nblk);
     }
-    bool over = false;
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-      const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
-      if (fc != nullptr && !over) {
-        (*fc)(s0, e0, L, out);  // written and scanned in one loop
-        over = out.size() > cap;
-        continue;
-      }
-      if (produce != nullptr) (*produce)(s0, e0);  // every block written, as below
-      if (over) continue;
-      int64_t unused = 0;
-      over = !scan(s0, e0, out, unused);
-    }
-    return !over;
+    for (int64_t blk = 0; blk < nblk; ++blk) visit(blk, out);
+    return !stop.load();
   }
+  std::vector<Cands<M>> part(nblk);  // candidates of each block (or thread range)
   if (!kTies) {
     // blocks handed out dynamically, each into its own slot
-    // with a producer every block is written even after giving up (the
-    // fallback paths read the whole, compensated, buffer)
     parallel_dynamic(nblk, [&](int64_t, int64_t blk) {
-      const int64_t s0 = blk * kBlock, e0 = std::min(n, (blk + 1) * kBlock);
       if (reserve > 0) {
         part[blk].pos.reserve(reserve);
         part[blk].bits.reserve(reserve);
       }
-      if (fc != nullptr && !stop.load(std::memory_order_relaxed)) {
-        (*fc)(s0, e0, L, part[blk]);  // written and scanned in one loop
-        const int64_t added = part[blk].size();
-        if (added && total.fetch_add(added, std::memory_order_relaxed) + added > cap)
-          stop.store(true, std::memory_order_relaxed);
-        return;
-      }
-      if (produce != nullptr) (*produce)(s0, e0);
-      if (stop.load(std::memory_order_relaxed)) return;
-      int64_t unused = 0;
-      scan(s0, e0, part[blk], unused);
+      visit(blk, part[blk]);
     });
   } else {
     TORCH_INTERNAL_ASSERT(produce == nullptr, "gtopk collect: no producer on the ties path");
