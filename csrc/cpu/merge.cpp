@@ -10,6 +10,7 @@
 #include "ops.h"
 
 #include <functional>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -41,15 +42,11 @@ inline T pick(bool c, T x, T y) {
 }
 
 // Walk the union of operand ranges [i, ie) and [j, je) in ascending index
-// order, calling body(index, union value, position in a, position in b) once
-// per union entry.  While both operands have entries left the step is
-// branch-free (which operand comes next is a coin toss on random index sets:
-// a mispredicted branch per entry was most of a round's merge time), and
-// body gets both current positions, i < ie and j < je, whichever entries the
-// step consumes: it may write per-position flags of both operands
-// unconditionally, since a flag written for an entry the step did not
-// consume is overwritten at the step that does.  On the tail (one operand
-// left) the other position is -1.
+// order, calling body(index, union value, code) once per union entry; code
+// says which operands the entry came from (1: a, 2: b, 3: both, an equal
+// index).  While both operands have entries left the step is branch-free
+// (which operand comes next is a coin toss on random index sets: a
+// mispredicted branch per entry was most of a round's merge time).
 template <typename scalar_t, typename index_t, typename F>
 inline void walk_union(const index_t* ia, const scalar_t* va, int64_t i, int64_t ie,
                        const index_t* ib, const scalar_t* vb, int64_t j, int64_t je, const F& body) {
@@ -58,19 +55,143 @@ inline void walk_union(const index_t* ia, const scalar_t* va, int64_t i, int64_t
     const bool lt = a < b, gt = b < a;
     const scalar_t x = add0(va[i]), y = add0(vb[j]);
     const scalar_t sum = static_cast<scalar_t>(x + vb[j]);  // equal index: (0 + a) + b
-    body(static_cast<index_t>(lt ? a : b), pick(lt, x, pick(gt, y, sum)), i, j);
+    body(static_cast<index_t>(lt ? a : b), pick(lt, x, pick(gt, y, sum)),
+         static_cast<uint8_t>(static_cast<uint8_t>(!gt) | (static_cast<uint8_t>(!lt) << 1)));
     i += !gt;
     j += !lt;
   }
-  for (; i < ie; ++i) body(ia[i], add0(va[i]), i, int64_t(-1));
-  for (; j < je; ++j) body(ib[j], add0(vb[j]), int64_t(-1), j);
+  for (; i < ie; ++i) body(ia[i], add0(va[i]), uint8_t(1));
+  for (; j < je; ++j) body(ib[j], add0(vb[j]), uint8_t(2));
 }
 
-// Two walks over the union per segment, nothing per union entry kept but its
-// magnitude key: walk 1 finds the union size and the k-th largest key T (and
-// how many entries equal to T are taken: the first ones, i.e. the smallest
-// indices); walk 2 recomputes the same sums and writes the survivors and the
-// keep flags straight into the outputs.
+// Per-thread scratch that only grows: the stored union of a round is a few
+// MB (25M entries at 1 %: 500k entries, 9 bytes each), and a fresh
+// allocation of that size is served by mmap, its pages faulted in on every
+// call -- a third of the merge's time (issue #15).  Held by the calling
+// thread for the process's life, at most the largest union it merged.
+class Scratch {
+ public:
+  void* get(size_t bytes) {
+    if (bytes > cap_) {
+      buf_.reset(new std::max_align_t[(bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)]);
+      cap_ = bytes;
+    }
+    return buf_.get();
+  }
+
+ private:
+  std::unique_ptr<std::max_align_t[]> buf_;
+  size_t cap_ = 0;
+};
+
+// One walk over the union per segment, which is the only step with a
+// dependent chain (the next positions depend on this comparison): it stores
+// the union (index, value, source code) in segment order and histograms the
+// top kDigit bits of the magnitude keys on the side.  The k-th largest key T
+// is then found in the histogram's one bucket that holds it (a radix select
+// over that bucket's keys, typically a few thousand: the histogram already
+// narrowed the union ~kBins-fold), and one linear pass over the stored union
+// writes the survivors (key > T, and the first -- smallest-index -- ties at
+// T while any are left) and both keep flags, each operand's position a
+// counter advanced by its bit of the code: no second walk, no comparison
+// chain (issue #15: the two-walk version spent two thirds of its time in
+// the walks).
+// Keys' top kDigit bits: 4096 bins (16 KB, in L1) for float32/64; all 15
+// bits of a 16-bit type's key but 3.
+template <typename scalar_t>
+struct Digit {
+  static constexpr int kBits = Mag<scalar_t>::kBits < 12 ? Mag<scalar_t>::kBits : 12;
+  static constexpr int kShift = Mag<scalar_t>::kBits - kBits;
+  static constexpr int64_t kBins = int64_t(1) << kBits;
+};
+
+// What the walk of one segment leaves for its emit pass.
+template <typename K>
+struct SegmentCut {
+  int64_t n = 0;     // union size
+  K thr = K(0);      // the k-th largest key (when n > k > 0)
+  int64_t ties = 0;  // how many entries with key == thr are kept (the first ones)
+};
+
+// The walk of one segment (operand ranges [i, ie) and [j, je)): stores the
+// union at ui/uv/uc and finds its k-th largest key.  The segment's work is
+// in functions of its own, not in parallel_for's lambda: compiled with
+// -fopenmp the lambda's loops ran ~1.5x slower (captured state kept in
+// memory), the same code as plain functions did not.
+template <typename scalar_t, typename index_t>
+SegmentCut<typename Mag<scalar_t>::key_t> union_segment(
+    const index_t* ia, const scalar_t* va, int64_t i, int64_t ie, const index_t* ib,
+    const scalar_t* vb, int64_t j, int64_t je, int64_t k, index_t* ui, scalar_t* uv, uint8_t* uc,
+    uint32_t* h) {
+  using K = typename Mag<scalar_t>::key_t;
+  using D = Digit<scalar_t>;
+  std::fill(h, h + D::kBins, 0u);
+  int64_t n = 0;
+  walk_union(ia, va, i, ie, ib, vb, j, je, [&](index_t idx, scalar_t v, uint8_t code) {
+    ui[n] = idx;
+    uv[n] = v;
+    uc[n] = code;
+    ++h[key_of(v) >> D::kShift];
+    ++n;
+  });
+  SegmentCut<K> cut;
+  cut.n = n;
+  if (n > k && k > 0) {
+    // the bucket d holding the k-th largest key; `above` keys lie in higher buckets
+    int64_t above = 0, d = D::kBins - 1;
+    for (; d > 0 && above + h[d] < k; --d) above += h[d];
+    const int64_t m = h[d];
+    std::unique_ptr<K[]> bucket(new K[m + 1]);  // + 1: the branch-free append's last spare write
+    int64_t w = 0;
+    for (int64_t q = 0; q < n; ++q) {
+      const K kk = key_of(uv[q]);
+      bucket[w] = kk;
+      w += static_cast<int64_t>(kk >> D::kShift) == d;
+    }
+    const K T = kth_largest_radix(bucket.get(), m, k - above);
+    int64_t gt = above;
+    for (int64_t q = 0; q < m; ++q) gt += bucket[q] > T;
+    cut.thr = T;
+    cut.ties = k - gt;
+  }
+  return cut;
+}
+
+// The emit pass of one segment over its stored union: survivors into
+// oi/ov[w, end) and the keep flags of both operands' entries (ka, kb: the
+// segment's first entries), branch-free.
+template <typename scalar_t, typename index_t>
+void emit_segment(const index_t* ui, const scalar_t* uv, const uint8_t* uc, int64_t k,
+                  SegmentCut<typename Mag<scalar_t>::key_t> cut, bool* ka, bool* kb, index_t* oi,
+                  scalar_t* ov, int64_t w, int64_t end) {
+  using K = typename Mag<scalar_t>::key_t;
+  const int64_t n = cut.n;
+  const bool all = n <= k, none = k == 0;
+  const K T = cut.thr;
+  int64_t left = cut.ties, pa = 0, pb = 0;
+  index_t spare_i;  // where a step that keeps nothing writes once w == end
+  scalar_t spare_v;
+  bool spare_k;     // where the flag of an operand the entry did not come from goes
+  for (int64_t q = 0; q < n; ++q) {
+    // keep = all, or key > T, or a tie at T while ties are left (the
+    // first, smallest-index, ones)
+    const scalar_t v = uv[q];
+    const K kk = key_of(v);
+    const bool tie = !all && !none && kk == T && left > 0;
+    const bool keep = all || (!none && kk > T) || tie;
+    left -= tie;
+    const uint8_t c = uc[q];
+    *((c & 1) ? ka + pa : &spare_k) = keep;
+    *((c & 2) ? kb + pb : &spare_k) = keep;
+    pa += c & 1;
+    pb += c >> 1;
+    const bool room = w < end;
+    *(room ? oi + w : &spare_i) = ui[q];
+    *(room ? ov + w : &spare_v) = v;
+    w += keep;
+  }
+}
+
 template <typename scalar_t, typename index_t>
 void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t* ib,
                 const scalar_t* vb, int64_t nb, const int64_t* o, const int64_t* ks, int64_t S,
@@ -84,60 +205,38 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
   }
   TORCH_CHECK(ab[0] == 0 && ab[S] == na && bb[0] == 0 && bb[S] == nb,
               "merge_select: indices must lie within [offsets[0], offsets[-1])");
-  // Walk 1 (the key buffer is uninitialised on purpose: every slot used is
-  // written first).
-  std::unique_ptr<K[]> keys(new K[std::max<int64_t>(1, na + nb)]);
-  std::vector<int64_t> u_n(S, 0), kept(S, 0), ties(S, 0);
-  std::vector<K> thr(S, K(0));
+  // The stored union in the thread's scratch (uninitialised: every slot
+  // used is written first): values, then indices, then codes, each array
+  // aligned for its type; segment s starts at ab[s] + bb[s].
+  const size_t cap = static_cast<size_t>(std::max<int64_t>(1, na + nb));
+  const size_t vb_bytes = (cap * sizeof(scalar_t) + 7) & ~size_t(7);
+  const size_t ib_bytes = (cap * sizeof(index_t) + 7) & ~size_t(7);
+  thread_local Scratch scratch;
+  char* mem = static_cast<char*>(scratch.get(vb_bytes + ib_bytes + cap));
+  scalar_t* const uval = reinterpret_cast<scalar_t*>(mem);
+  index_t* const uidx = reinterpret_cast<index_t*>(mem + vb_bytes);
+  uint8_t* const ucode = reinterpret_cast<uint8_t*>(mem + vb_bytes + ib_bytes);
+  std::vector<SegmentCut<K>> cut(static_cast<size_t>(S));
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<uint32_t> hist(static_cast<size_t>(Digit<scalar_t>::kBins));
     for (int64_t s = s0; s < s1; ++s) {
-      K* kp = keys.get() + ab[s] + bb[s];
-      int64_t n = 0;
-      walk_union(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
-                 [&](index_t, scalar_t v, int64_t, int64_t) { kp[n++] = key_of(v); });
-      const int64_t k = std::max<int64_t>(0, ks[s]);
-      u_n[s] = n;
-      kept[s] = std::min(n, k);
-      if (n > k && k > 0) {
-        const K T = kth_largest_radix(kp, n, k);
-        int64_t gt = 0;
-        for (int64_t q = 0; q < n; ++q) gt += kp[q] > T;
-        thr[s] = T;
-        ties[s] = k - gt;
-      }
+      const int64_t base = ab[s] + bb[s];
+      cut[s] = union_segment(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
+                             std::max<int64_t>(0, ks[s]), uidx + base, uval + base, ucode + base,
+                             hist.data());
     }
   });
   std::vector<int64_t> start(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + kept[s];
+  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + std::min(cut[s].n, std::max<int64_t>(0, ks[s]));
   out_idx = at::empty({start[S]}, out_idx.options());
   out_val = at::empty({start[S]}, out_val.options());
   index_t* oi = out_idx.data_ptr<index_t>();
   scalar_t* ov = out_val.data_ptr<scalar_t>();
-  // Walk 2.
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t k = std::max<int64_t>(0, ks[s]);
-      const bool all = u_n[s] <= k, none = k == 0;
-      const K T = thr[s];
-      int64_t left = ties[s], w = start[s];
-      const int64_t end = start[s + 1];
-      index_t spare_i;  // where a step that keeps nothing writes once w == end
-      scalar_t spare_v;
-      walk_union(ia, va, ab[s], ab[s + 1], ib, vb, bb[s], bb[s + 1],
-                 [&](index_t idx, scalar_t v, int64_t pa, int64_t pb) {
-                   // branch-free: keep = all, or key > T, or a tie at T
-                   // while ties are left (the first, smallest-index, ones)
-                   const K kk = key_of(v);
-                   const bool tie = !all && !none && kk == T && left > 0;
-                   const bool keep = all || (!none && kk > T) || tie;
-                   left -= tie;
-                   if (pa >= 0) keep_a[pa] = keep;  // in the two-operand loop: always
-                   if (pb >= 0) keep_b[pb] = keep;
-                   const bool room = w < end;
-                   *(room ? oi + w : &spare_i) = idx;
-                   *(room ? ov + w : &spare_v) = v;
-                   w += keep;
-                 });
+      const int64_t base = ab[s] + bb[s];
+      emit_segment(uidx + base, uval + base, ucode + base, std::max<int64_t>(0, ks[s]), cut[s],
+                   keep_a + ab[s], keep_b + bb[s], oi, ov, start[s], start[s + 1]);
     }
   });
 }

@@ -434,6 +434,41 @@ def test_merge_select_lanes_against_numpy(threads, shape, nthreads):
         assert got[3].tolist() == [i in kept for i in ib.tolist()]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_merge_select_threshold_inside_a_crowded_key_bucket(dtype):
+    """The merge finds the k-th largest key through a histogram of the keys'
+    top bits and a select within the one bucket that holds it: here most
+    magnitudes share that bucket (1 + j * 2^-10, j < 8: equal exponent and
+    leading mantissa bits, distinct low bits, many ties), with a few larger
+    and smaller ones around, and k cuts inside the crowd, at its edges and
+    past the union.  Indices, sums and keep flags against numpy."""
+    gen = _gen(41)
+    n = 100_000
+    offsets = [0, n]
+
+    def one(m):
+        idx = torch.randperm(n, generator=gen)[:m].sort().values.to(torch.int32)
+        crowd = 1.0 + torch.randint(0, 8, (m,), generator=gen).double() * 2.0 ** -10
+        sign = torch.where(torch.rand(m, generator=gen) < 0.5, -1.0, 1.0).double()
+        mag = torch.where(torch.rand(m, generator=gen) < 0.05, torch.full((m,), 4.0, dtype=torch.float64),
+                          torch.where(torch.rand(m, generator=gen) < 0.05,
+                                      torch.full((m,), 0.25, dtype=torch.float64), crowd))
+        return idx, (sign * mag).to(dtype)
+
+    ia, va = one(30_000)
+    ib, vb = one(25_000)
+    union = torch.unique(torch.cat([ia, ib])).numel()
+    for k in (1, 1_000, 2_600, 20_000, union - 1_000, union - 1, union, union + 5):
+        got = cpu.merge_select(ia, va, ib, vb, *seg(offsets, [k]))
+        e_idx, e_vals = merge_values_np(ia.numpy(), va.double().numpy(), ib.numpy(), vb.double().numpy(),
+                                        offsets, [k], dtype)
+        np.testing.assert_array_equal(got[0].long().numpy(), e_idx)
+        np.testing.assert_array_equal(got[1].double().numpy(), e_vals)
+        kept = set(e_idx.tolist())
+        assert got[2].tolist() == [i in kept for i in ia.tolist()]
+        assert got[3].tolist() == [i in kept for i in ib.tolist()]
+
+
 def test_merge_select_unsorted_operands_use_the_reference():
     ia, va = torch.tensor([5, 1, 3], dtype=torch.int32), torch.tensor([1.0, 2.0, 3.0])
     ib, vb = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([1.0, -4.0])
