@@ -109,6 +109,23 @@ def _check_list(node_of_rank, world_size: int) -> Tuple[int, ...]:
     return ids
 
 
+def node_keywords(hierarchical: bool, local_size=None, node_of_rank=None,
+                  intra_fabric=None) -> Optional[dict]:
+    """A framework layer's ``hierarchical=`` / ``local_size=`` /
+    ``node_of_rank=`` / ``intra_fabric=`` arguments as the
+    :class:`~gtopk_plugin.HierarchicalReducer`'s node keywords, or ``None``
+    for a flat reduction.  Node keywords without ``hierarchical=True`` are
+    refused rather than ignored: the user meant a hierarchy they would not
+    get."""
+    if not hierarchical:
+        if local_size is not None or node_of_rank is not None or intra_fabric is not None:
+            raise ValueError("local_size= / node_of_rank= / intra_fabric= describe the nodes of a "
+                             "hierarchical reduction: pass hierarchical=True with them")
+        return None
+    return {"local_size": local_size, "node_of_rank": None if node_of_rank is None else list(node_of_rank),
+            **({} if intra_fabric is None else {"intra_fabric": intra_fabric})}
+
+
 def resolve(world_size: int, local_size=None, node_of_rank=None, own_node: Optional[int] = None,
             env_local_size: Optional[int] = None) -> Tuple[int, ...]:
     """This rank's view of ``node_of_rank`` from its arguments, in order of

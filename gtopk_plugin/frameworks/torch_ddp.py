@@ -32,6 +32,7 @@ from .. import registry
 from ..hierarchical import HierarchicalReducer
 from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
+from ..topology import node_keywords
 from ..traffic import StepTraffic
 from .ddp_buckets import finish_bucket, reduce_buckets
 from .ddp_naming import ParameterNaming
@@ -181,7 +182,7 @@ class SparseState(ParameterNaming):
         self.timeout = timeout
         # GradientReducer / ReducerConfig / the transport validate every
         # other value with a ValueError naming the keyword.
-        self._hier = _hierarchy(hierarchical, local_size, node_of_rank, intra_fabric)
+        self._hier = node_keywords(hierarchical, local_size, node_of_rank, intra_fabric)
         self.reducer = _make_reducer(self._reducer_kwargs, self._hier, process_group, timeout)
         self._needs_optimizer = False
         if momentum_correction:
@@ -305,17 +306,6 @@ class SparseState(ParameterNaming):
     def __repr__(self):
         kw = ", ".join(f"{k}={v!r}" for k, v in sorted(self._reducer_kwargs.items()))
         return f"SparseState({kw}, step={self.step})"
-
-
-def _hierarchy(hierarchical, local_size, node_of_rank, intra_fabric=None) -> Optional[dict]:
-    """The node layout of a hierarchical state (None: flat)."""
-    if not hierarchical:
-        if local_size is not None or node_of_rank is not None or intra_fabric is not None:
-            raise ValueError("local_size= / node_of_rank= / intra_fabric= describe the nodes of a "
-                             "hierarchical reduction: pass hierarchical=True with them")
-        return None
-    return {"local_size": local_size, "node_of_rank": None if node_of_rank is None else list(node_of_rank),
-            **({} if intra_fabric is None else {"intra_fabric": intra_fabric})}
 
 
 def _make_reducer(kwargs: dict, hier: Optional[dict], group, timeout):

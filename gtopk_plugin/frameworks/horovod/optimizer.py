@@ -39,6 +39,7 @@ from horovod.torch import mpi_ops as _ops
 from ...buckets import bucket_names, name_parameters, resolve_groups
 from ...reducer import GradientReducer
 from ...stats import ReduceStats
+from ...topology import node_keywords
 from ..compression_names import signature
 from .compression import Compression, SparseCompression, is_dense_compressor, sparse_choices
 from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
@@ -346,13 +347,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
 def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set,
                intra_fabric=None) -> Optional[dict]:
-    """The HierarchicalReducer's topology keywords, or None (flat)."""
-    if not hierarchical:
-        if local_size is not None or node_of_rank is not None or intra_fabric is not None:
-            raise ValueError("local_size= / node_of_rank= / intra_fabric= describe the nodes of a "
-                             "hierarchical reduction: pass hierarchical=True with them")
+    """The HierarchicalReducer's topology keywords, or None (flat); with no
+    node layout given, each rank's node is Horovod's ``cross_rank()``."""
+    kw = node_keywords(hierarchical, local_size, node_of_rank, intra_fabric)
+    if kw is None:
         return None
-    fabric = {} if intra_fabric is None else {"intra_fabric": intra_fabric}
     if not sparse:
         raise ValueError("hierarchical=True is for the sparse compressions; for dense allreduce use "
                          "Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE=1")
@@ -360,6 +359,6 @@ def _hierarchy(hierarchical, local_size, node_of_rank, sparse, process_set,
         if process_set is not hvd.global_process_set:
             raise ValueError("hierarchical=True on a process set: pass local_size= or node_of_rank= "
                              "(Horovod's cross_rank numbers the nodes of the whole job)")
-        return {"own_node": hvd.cross_rank(), **fabric}
-    return {"local_size": local_size,
-            "node_of_rank": None if node_of_rank is None else list(node_of_rank), **fabric}
+        del kw["local_size"], kw["node_of_rank"]
+        kw["own_node"] = hvd.cross_rank()
+    return kw
