@@ -96,6 +96,7 @@ struct Digit {
 // What the walk of one segment leaves for its emit pass.
 template <typename K>
 struct SegmentCut {
+  int64_t k = 0;     // the segment's k (negative requests clamped to 0)
   int64_t n = 0;     // union size
   K thr = K(0);      // the k-th largest key (when n > k > 0)
   int64_t ties = 0;  // how many entries with key == thr are kept (the first ones)
@@ -127,6 +128,7 @@ SegmentCut<typename Mag<scalar_t>::key_t> union_segment(
     ++n;
   });
   SegmentCut<K> cut;
+  cut.k = k;
   cut.n = n;
   if (n > k && k > 0) {
     // the bucket d holding the k-th largest key; `above` keys lie in higher buckets
@@ -153,11 +155,11 @@ SegmentCut<typename Mag<scalar_t>::key_t> union_segment(
 // oi/ov[w, end) and the keep flags of both operands' entries (ka, kb: the
 // segment's first entries), branch-free.
 template <typename scalar_t, typename index_t>
-void emit_segment(const index_t* ui, const scalar_t* uv, const uint8_t* uc, int64_t k,
+void emit_segment(const index_t* ui, const scalar_t* uv, const uint8_t* uc,
                   SegmentCut<typename Mag<scalar_t>::key_t> cut, bool* ka, bool* kb, index_t* oi,
                   scalar_t* ov, int64_t w, int64_t end) {
   using K = typename Mag<scalar_t>::key_t;
-  const int64_t n = cut.n;
+  const int64_t n = cut.n, k = cut.k;
   const bool all = n <= k, none = k == 0;
   const K T = cut.thr;
   int64_t left = cut.ties, pa = 0, pb = 0;
@@ -224,7 +226,7 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
     }
   });
   std::vector<int64_t> start(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + std::min(cut[s].n, std::max<int64_t>(0, ks[s]));
+  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + std::min(cut[s].n, cut[s].k);
   out_idx = at::empty({start[S]}, out_idx.options());
   out_val = at::empty({start[S]}, out_val.options());
   index_t* oi = out_idx.data_ptr<index_t>();
@@ -232,7 +234,7 @@ void merge_impl(const index_t* ia, const scalar_t* va, int64_t na, const index_t
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t base = ab[s] + bb[s];
-      emit_segment(uidx + base, uval + base, ucode + base, std::max<int64_t>(0, ks[s]), cut[s],
+      emit_segment(uidx + base, uval + base, ucode + base, cut[s],
                    keep_a + ab[s], keep_b + bb[s], oi, ov, start[s], start[s + 1]);
     }
   });
