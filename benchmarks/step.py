@@ -16,6 +16,10 @@ times every entry once, in turn, on the same data):
   memory bus with the other rank as reduce()'s passes do);
 - ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
   (what selection costs without compensation, check or update);
+- ``merge``: ``kernels.merge_select`` alone, one butterfly round's merge of
+  that selection with a partner's set of the same size and value
+  distribution (random distinct indices per segment, the values permuted):
+  the local work inside gTop-k's "communicate" phase at P = 2;
 - ``reduce()`` per method (gtopk 0.1 %, gtopk 1 %, topk 0.1 %, dense): the
   phases of ``last_stats.seconds`` (check / select incl. compensation /
   communicate / update / total / wait) and the *local compute* = total
@@ -91,6 +95,21 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     def kern(d):
         return lambda: kernels.select_topk(flat, offs, ks[d])
 
+    def merge(d):
+        # a partner's set like this rank's own: in each segment k distinct
+        # random indices (sorted, as a selection emits them), the same values
+        # permuted; O(k) memory at any N
+        idx_a, val_a = kernels.select_topk(flat, offs, ks[d])
+        parts = []
+        for s, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
+            kk = int(ks[d][s])
+            cand = torch.unique(torch.randint(hi - lo, (2 * kk + 16,), generator=gen))
+            pick = cand[torch.randperm(cand.numel(), generator=gen)[:kk]].sort().values
+            parts.append(pick + lo)
+        idx_b = torch.cat(parts).to(idx_a.dtype)
+        val_b = val_a[torch.randperm(val_a.numel(), generator=gen)]
+        return lambda: kernels.merge_select(idx_a, val_a, idx_b, val_b, offs, ks[d])
+
     def sync():
         # every entry starts on all ranks at once: at P = 2 the floor and the
         # kernel then share the memory bus with the other rank exactly as
@@ -102,6 +121,7 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     entries = {"floor": floor}
     for d in sorted({d for _, m, d in METHODS if m != "dense"}):
         entries[f"kernel {d:g}"] = kern(d)
+        entries[f"merge {d:g}"] = merge(d)
     for label in reducers:
         entries[label] = (lambda r: lambda: r.reduce(grads))(reducers[label])
     for _ in range(2):  # warm-up: first-use compile, buffers, page faults
@@ -134,8 +154,9 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
         local = _median([t - w for t, w in zip(phases[label]["total"], phases[label]["wait"])]) * 1e3
         local_nc = _median([t - c for t, c in zip(phases[label]["total"], phases[label]["communicate"])]) * 1e3
         kernel_ms = None if m == "dense" else _median(times[f"kernel {d:g}"]) * 1e3
+        merge_ms = None if m != "gtopk" else _median(times[f"merge {d:g}"]) * 1e3
         rows.append({"method": label, "density": d, "numel": numel, "tensors": len(sizes),
-                     "threads": threads, "floor_ms": floor_ms, "kernel_ms": kernel_ms,
+                     "threads": threads, "floor_ms": floor_ms, "kernel_ms": kernel_ms, "merge_ms": merge_ms,
                      "phases_ms": ph, "local_ms": local, "local_over_floor": local / floor_ms,
                      "total_minus_communicate_ms": local_nc,
                      "kernel_over_floor": None if kernel_ms is None else kernel_ms / floor_ms,
@@ -180,8 +201,9 @@ def _mem_available() -> int:
 def _fmt(r: dict) -> str:
     ph = r["phases_ms"]
     k = "" if r["kernel_ms"] is None else f"{r['kernel_ms']:8.1f}"
+    mg = "" if r.get("merge_ms") is None else f"{r['merge_ms']:6.1f}"
     return (f"P={r['workers']} t={r['threads']} {r['layout']:>9} {r['method']:>10} | floor "
-            f"{r['floor_ms']:7.1f} kernel {k:>8} | check {ph['check']:7.1f} select {ph['select']:7.1f} "
+            f"{r['floor_ms']:7.1f} kernel {k:>8} merge {mg:>6} | check {ph['check']:7.1f} select {ph['select']:7.1f} "
             f"comm {ph['communicate']:7.1f} update {ph['update']:7.1f} total {ph['total']:7.1f} wait {ph['wait']:6.1f} | "
             f"local {r['local_ms']:7.1f} = {r['local_over_floor']:5.1f}x floor")
 
