@@ -120,11 +120,11 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     P, r = transport.size, transport.rank
     dev = vals.device
     wdt = vals.dtype
-    own_idx = idx.long()
-    alive = torch.ones(own_idx.numel(), dtype=torch.bool, device=dev)
+    alive = torch.ones(idx.numel(), dtype=torch.bool, device=dev)
     adt = wire.accumulation_dtype(wdt, wdt if sum_dtype is None else sum_dtype)
     if P == 1:
         return ButterflyResult(idx, vals if adt is None else wire.values(vals, adt), alive, 0)
+    own_idx = idx.long()  # (not at P = 1: an O(k) copy nothing there reads)
 
     sched = butterfly_schedule(P, r)  # who talks to whom (collectives/schedule.py)
     K = int(k.sum())
