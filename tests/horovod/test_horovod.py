@@ -103,6 +103,27 @@ def test_dense_compression_equals_stock_horovod(P):
             assert torch.allclose(ours[n], stock[n], atol=1e-6, rtol=1e-6), f"groups rank {r} {n}"
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", LAYER_SIZES)
+def test_dense_steps_wait_without_horovods_spinning_synchronize(P):
+    """Horovod 0.28's synchronize() yields in a loop, charging the waiting
+    thread a core; our dense steps (Horovod's own optimizer, and our dense
+    path) first wait with sleeps (frameworks/horovod/waiting.py), so every
+    handle is complete when Horovod's synchronize sees it.  Stock Horovod
+    is the control: with rank 1 late, rank 0 reaches synchronize first."""
+    results = job(P)
+    for r, res in enumerate(results):
+        runs = ok(res, "quiet_wait")
+        for label in ("ours_none", "ours_groups"):
+            polls, params = runs[label]
+            assert polls and all(polls), f"rank {r} {label}: a handle was still in flight at synchronize"
+            stock_params = runs["stock"][1]
+            for n in stock_params:  # the same training as stock Horovod
+                assert torch.allclose(params[n], stock_params[n], atol=1e-6, rtol=1e-6), f"rank {r} {label} {n}"
+    control = ok(results[0], "quiet_wait")["stock"][0]
+    assert control and not all(control), "control: stock Horovod's handles were complete at synchronize on rank 0"
+
+
 SPARSE = {  # name in horovod_jobs -> (oracle kwargs, exact)
     "gtopk": (dict(method="gtopk", density=0.1), True),
     "topk": (dict(method="topk", density=0.1), True),

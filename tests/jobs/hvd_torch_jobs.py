@@ -179,6 +179,48 @@ def job_dense(res):
     check(res, "dense/groups/stock", run_dense, stock)
 
 
+def quiet_wait(late_s=0.5):
+    """Dense steps wait without Horovod's spinning ``synchronize``: rank 1
+    starts each backward ``late_s`` late, and every handle must reach
+    Horovod's ``synchronize`` already complete on every rank (ours: Horovod's
+    own optimizer under Compression.none, and our dense path with groups).
+    Stock Horovod runs the same steps as the control: on rank 0 its handles
+    are still in flight at ``synchronize``.  Returns, per run, the poll
+    results seen at each ``synchronize`` call and the final parameters."""
+    import horovod.torch.optimizer as hopt
+    from horovod.torch import mpi_ops
+
+    seen = []
+    real_module, real_ops = hopt.synchronize, mpi_ops.synchronize
+
+    def recording(real):
+        def sync(handle):
+            seen.append(bool(mpi_ops.poll(handle)))
+            return real(handle)
+        return sync
+
+    runs = {"ours_none": lambda o, m: DistributedOptimizer(o, named_parameters=m.named_parameters()),
+            "ours_groups": lambda o, m: DistributedOptimizer(o, named_parameters=m.named_parameters(), groups=2),
+            "stock": lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())}
+    out = {}
+    hopt.synchronize, mpi_ops.synchronize = recording(real_module), recording(real_ops)
+    try:
+        for label, make in runs.items():
+            model = make_model()
+            opt = make(torch.optim.SGD(model.parameters(), lr=0.05), model)
+            for s in range(2):
+                opt.zero_grad()
+                if R == 1:
+                    time.sleep(late_s)
+                loss_of(model, s).backward()
+                opt.step()
+            out[label] = (list(seen), flat_params(model))
+            seen.clear()
+    finally:
+        hopt.synchronize, mpi_ops.synchronize = real_module, real_ops
+    return out
+
+
 SPARSE_CONFIGS = {
     "gtopk": lambda: Compression.gtopk(0.1),
     "topk": lambda: Compression.topk(0.1),
@@ -503,6 +545,7 @@ JOBS = {
                          check(res, "bad", bad_inputs),
                          check(res, "mixed", mixed_precision),
                          check(res, "grad_scaler", grad_scaler),
+                         check(res, "quiet_wait", quiet_wait),
                          check(res, "procset", process_set_run) if PROCSET is not None else None),
     # the checks that depend on P's butterfly shape (test_horovod.py runs
     # "main" at P = 2, 3 and this at P = 4)

@@ -29,6 +29,7 @@ import torch
 from horovod.torch import mpi_ops as _ops
 
 from ...traffic import StepTraffic
+from . import waiting
 
 Tensor = torch.Tensor
 
@@ -183,13 +184,13 @@ class _DensePath:
         try:
             for key, (kind, h, ctx) in self._handles.items():
                 if kind == "grouped":
-                    for p, out, (c, orig) in zip(key, _ops.synchronize(h), ctx):
+                    for p, out, (c, orig) in zip(key, waiting.synchronize(h), ctx):
                         self._set_grad(p, self._compression.decompress(out, c).to(orig))
                 elif kind == "sparse":
                     self._set_grad(key, h())
                 else:
                     c, orig = ctx
-                    self._set_grad(key, self._compression.decompress(_ops.synchronize(h), c).to(orig))
+                    self._set_grad(key, self._compression.decompress(waiting.synchronize(h), c).to(orig))
             # Horovod's engine is not observable: the ring model of the base
             # Transport, so figures compare with the sparse paths' counts.
             self.last_step_traffic = StepTraffic.ring_allreduce(

@@ -15,7 +15,8 @@ Which optimizer you get:
   ``GradientReducer`` per bucket, overlapping backward);
 * ``Compression.none`` / ``fp16`` / any Horovod ``Compressor``: Horovod's own
   ``horovod.torch.DistributedOptimizer`` (it is exactly what our dense path
-  did), with ``last_step_traffic`` added; ours with
+  did), with ``last_step_traffic`` added and a ``synchronize()`` that waits
+  without spinning (:mod:`.waiting`); ours with
   :class:`~.dense._DensePath` only where Horovod would fail or hang
   (bfloat16 parameters: Horovod 0.28.1 has no bfloat16 allreduce;
   ``groups``: an incomplete group is reduced as a whole on every rank);
@@ -43,6 +44,7 @@ from ...topology import node_keywords
 from ..compression_names import signature
 from .compression import Compression, SparseCompression, is_dense_compressor, sparse_choices
 from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
+from . import waiting
 from .sparse import _SparsePath
 
 __all__ = ["DistributedOptimizer"]
@@ -338,6 +340,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                            backward_passes_per_step, op, gradient_predivide_factor,
                                            0, groups, sparse_as_dense, process_set)
             attach_ring_traffic(opt, compression)
+            waiting.quiet_synchronize(opt)  # Horovod's own wait spins on the training thread's core
             return opt
     body = _SPARSE_BODY if sparse else _DENSE_BODY
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _GtopkHorovodOptimizer), body)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import time
 from typing import List, Optional, Tuple
 
 import horovod.torch as hvd
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from horovod.torch import mpi_ops as _ops
 
 from ...collectives.transport import Transport
+from . import waiting
 from .side_channel import SideChannel
 
 __all__ = ["HorovodTransport"]
@@ -115,15 +115,9 @@ class HorovodTransport(Transport):
     # training recognises a lost peer by that type.
     @staticmethod
     def _wait(handle):
-        """``hvd.synchronize`` after polling with short sleeps: Horovod's own
-        wait spins on a core, which would take CPU from the backward pass
-        that this thread overlaps with.  The sleep (≤ 0.5 ms) stays below
-        Horovod's 1 ms cycle, so it adds almost no latency."""
-        pause = 2e-5
-        while not _ops.poll(handle):
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
-        return _ops.synchronize(handle)
+        # Horovod's own wait spins on a core, which would take CPU from the
+        # backward pass that this thread overlaps with (see waiting.py)
+        return waiting.synchronize(handle)
 
     def _alltoall(self, t: Tensor, splits: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
         self.collectives += 1
