@@ -157,14 +157,15 @@ def refill(held: Optional[List[Tensor]], tensors: Sequence[Tensor]) -> List[Tens
     return [t.detach().clone() for t in tensors]
 
 
-def poll_until_done(poll: Callable[[], bool], timeout: float, what: str, rank: int) -> None:
+def poll_until_done(poll: Callable[[], bool], timeout: Optional[float], what: str = "",
+                    rank: int = -1) -> None:
     """Wait for ``poll()`` with short, growing sleeps (a framework's own
     synchronize may spin on a core with no bound); raise after ``timeout``
-    seconds, naming ``what`` and the rank."""
-    deadline = time.monotonic() + timeout
+    seconds (``None``: no bound), naming ``what`` and the rank."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     pause = 2e-5
     while not poll():
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"gtopk_plugin elastic: {what} did not finish within {timeout:g} s on rank {rank}")
         time.sleep(pause)
         pause = min(pause * 2, 5e-4)

@@ -17,24 +17,20 @@ at most one such sleep per wait, then calls Horovod's ``synchronize``
 """
 from __future__ import annotations
 
-import time
 import types
 
 from horovod.torch import mpi_ops as _ops
 
-__all__ = ["wait", "synchronize", "quiet_synchronize"]
+from ...elastic.backend import poll_until_done
 
-_FIRST_PAUSE_S = 2e-5
-_MAX_PAUSE_S = 5e-4
+__all__ = ["wait", "synchronize", "quiet_synchronize"]
 
 
 def wait(handle) -> None:
     """Return once ``handle``'s operation has completed (``hvd.poll`` is
     true), sleeping between polls; the handle stays valid."""
-    pause = _FIRST_PAUSE_S
-    while not _ops.poll(handle):
-        time.sleep(pause)
-        pause = min(pause * 2, _MAX_PAUSE_S)
+    # no deadline: Horovod's own stall checks bound a lost peer
+    poll_until_done(lambda: _ops.poll(handle), None)
 
 
 def synchronize(handle):
