@@ -124,7 +124,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     adt = wire.accumulation_dtype(wdt, wdt if sum_dtype is None else sum_dtype)
     if P == 1:
         return ButterflyResult(idx, vals if adt is None else wire.values(vals, adt), alive, 0)
-    own_idx = idx.long()  # (not at P = 1: an O(k) copy nothing there reads)
+    own_idx = None  # idx as int64, made where a later round needs it (an O(k) copy)
 
     sched = butterfly_schedule(P, r)  # who talks to whom (collectives/schedule.py)
     K = int(k.sum())
@@ -155,7 +155,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     cur_idx = idx.to(idx_dtype)
     cur_val = vals if adt is None else wire.values(vals, adt).to(adt)
     headers = not static_count
-    own_mask_bytes = wire.bitmask_bytes(own_idx.numel())
+    own_mask_bytes = wire.bitmask_bytes(idx.numel())
 
     # Phase 1 (non-power-of-two P): ranks r >= P' fold their set into r - P'
     # (their own wire values: nothing to round).  Every rank takes part in
@@ -195,6 +195,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
         if first:
             alive &= keep_a
         else:
+            own_idx = idx.long() if own_idx is None else own_idx
             alive &= kernels.member_sorted(own_idx, cur_long, kernels=kernels_choice)
         if folded_idx is not None:
             folded_alive &= kernels.member_sorted(folded_idx, cur_long, kernels=kernels_choice)
@@ -225,7 +226,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
             res_idx, res_val, bits = unpack(blob, own_mask_bytes)
             if adt is not None:
                 res_val = wire.values(res_val, adt)
-            return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), own_idx.numel()),
+            return ButterflyResult(res_idx, res_val, wire.unpack_bits(bits.to(dev), idx.numel()),
                                    message_rounds(P))
     return ButterflyResult(cur_idx, cur_val, alive, message_rounds(P), residual_add)
 
