@@ -25,6 +25,7 @@ finished configurations behind (``meta.complete`` says whether it ended).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -47,11 +48,45 @@ def _name(method, density):
     return f"{method} {100 * density:g}% (recipe)"
 
 
+def horovod_cycles(spec: str) -> list:
+    """``--horovod-cycle-ms``: [None] (Horovod's own cycle) or the values
+    asked, ``default`` meaning None."""
+    out = []
+    for v in [v.strip() for v in (spec or "").split(",") if v.strip()]:
+        if v == "default":
+            out.append(None)
+            continue
+        try:
+            ms = float(v)
+        except ValueError:
+            ms = -1.0
+        if not ms > 0:
+            raise SystemExit(f"--horovod-cycle-ms: {v!r} is not a positive number of ms (or 'default')")
+        out.append(ms)
+    return out or [None]
+
+
+@contextlib.contextmanager
+def horovod_cycle_env(ms):
+    """``HOROVOD_CYCLE_TIME`` for the workers of one job (they inherit the
+    environment; Horovod reads it at ``hvd.init()``); ``None``: unset."""
+    old = os.environ.pop("HOROVOD_CYCLE_TIME", None)
+    if ms is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{ms:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop("HOROVOD_CYCLE_TIME", None)
+        if old is not None:
+            os.environ["HOROVOD_CYCLE_TIME"] = old
+
+
 def configs(args) -> list:
     """Every configuration of one (workload, rate, seed), dense first in each engine."""
     from ..elastic import parse_policies
 
     out = []
+    cycles = horovod_cycles(getattr(args, "horovod_cycle_ms", ""))
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         if m not in METHODS:
@@ -60,8 +95,10 @@ def configs(args) -> list:
         if eng in ("ddp", "horovod"):
             ms = [m for m in (args.horovod_methods or args.methods).split(",") if m] if eng == "horovod" else methods
             for m in sorted(ms, key=lambda m: m != "dense"):
-                out.append({"engine": eng, "method": m, "density": args.density, "policy": None, "beta": None,
-                            "name": f"{_name(m, args.density)}"})
+                for cyc in cycles if eng == "horovod" else [None]:
+                    out.append({"engine": eng, "method": m, "density": args.density, "policy": None, "beta": None,
+                                "cycle_ms": cyc, "name": f"{_name(m, args.density)}"
+                                + ("" if cyc is None else f" cycle {cyc:g} ms")})
         elif eng == "elastic":
             for red in [r for r in args.elastic_reducers.split(",") if r]:
                 for pol in parse_policies(args.policies):
@@ -206,8 +243,9 @@ def run(args) -> dict:
                             engine = "horovod" if cfg["engine"] == "horovod" else "torch"
                             t0 = time.time()
                             load0 = harness.loadavg()
-                            per_rank = harness.run_job(net, P, worker.train, payload, engine, progress,
-                                                       timeout=args.timeout, echo=args.echo)
+                            with horovod_cycle_env(cfg.get("cycle_ms")):
+                                per_rank = harness.run_job(net, P, worker.train, payload, engine, progress,
+                                                           timeout=args.timeout, echo=args.echo)
                             row = report.merge(per_rank, dict(cfg, workload=wl, rate=rate, rate_label=label_rate,
                                                               seed=seed, P=P), desc["label"])
                             row.update(job_seconds=round(time.time() - t0, 1), loadavg=[load0, harness.loadavg()])
@@ -242,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engines", default="ddp,horovod,elastic")
     g.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)} (ddp and horovod)")
     g.add_argument("--horovod-methods", default=None, help="methods of the horovod engine (default: --methods)")
+    g.add_argument("--horovod-cycle-ms", default="",
+                   help="HOROVOD_CYCLE_TIME of the horovod jobs, comma-separated ms ('default': Horovod's own, "
+                        "1 ms); each horovod method runs once per value, e.g. default,10 (its background loop "
+                        "coordinates every cycle, idle or not: docs/horovod.md)")
     g.add_argument("--density", type=float, default=0.01)
     g.add_argument("--elastic-reducers", default="dense,gtopk")
     g.add_argument("--policies", default=DEFAULT_POLICIES)
