@@ -163,6 +163,21 @@ def _hvd_rendezvous(net, P: int) -> Iterator[Dict[int, Dict[str, str]]]:
             launch.stop_all([proc])
 
 
+@contextlib.contextmanager
+def horovod_cycle_env(ms):
+    """``HOROVOD_CYCLE_TIME`` for the workers of one job (they inherit the
+    environment; Horovod reads it at ``hvd.init()``); ``None``: unset."""
+    old = os.environ.pop("HOROVOD_CYCLE_TIME", None)
+    if ms is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{ms:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop("HOROVOD_CYCLE_TIME", None)
+        if old is not None:
+            os.environ["HOROVOD_CYCLE_TIME"] = old
+
+
 def run_job(net, P: int, target: Callable, payload, engine: str, progress: Optional[Progress] = None,
             timeout: float = 3600.0, echo: bool = False) -> list:
     """Run one worker job (all ranks) on ``net``; per-rank results."""

@@ -25,7 +25,6 @@ finished configurations behind (``meta.complete`` says whether it ended).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -64,21 +63,6 @@ def horovod_cycles(spec: str) -> list:
             raise SystemExit(f"--horovod-cycle-ms: {v!r} is not a positive number of ms (or 'default')")
         out.append(ms)
     return out or [None]
-
-
-@contextlib.contextmanager
-def horovod_cycle_env(ms):
-    """``HOROVOD_CYCLE_TIME`` for the workers of one job (they inherit the
-    environment; Horovod reads it at ``hvd.init()``); ``None``: unset."""
-    old = os.environ.pop("HOROVOD_CYCLE_TIME", None)
-    if ms is not None:
-        os.environ["HOROVOD_CYCLE_TIME"] = f"{ms:g}"
-    try:
-        yield
-    finally:
-        os.environ.pop("HOROVOD_CYCLE_TIME", None)
-        if old is not None:
-            os.environ["HOROVOD_CYCLE_TIME"] = old
 
 
 def configs(args) -> list:
@@ -243,7 +227,7 @@ def run(args) -> dict:
                             engine = "horovod" if cfg["engine"] == "horovod" else "torch"
                             t0 = time.time()
                             load0 = harness.loadavg()
-                            with horovod_cycle_env(cfg.get("cycle_ms")):
+                            with harness.horovod_cycle_env(cfg.get("cycle_ms")):
                                 per_rank = harness.run_job(net, P, worker.train, payload, engine, progress,
                                                            timeout=args.timeout, echo=args.echo)
                             row = report.merge(per_rank, dict(cfg, workload=wl, rate=rate, rate_label=label_rate,

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from benchmarks.cluster import harness
 from benchmarks.train import cli
 
 
@@ -46,11 +47,11 @@ def _child_sees():
 
 def test_the_workers_of_a_job_inherit_the_cycle_and_it_is_restored_after(monkeypatch):
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
-    with cli.horovod_cycle_env(12.5):
+    with harness.horovod_cycle_env(12.5):
         assert _child_sees() == "12.5"
     assert os.environ["HOROVOD_CYCLE_TIME"] == "3"
     with pytest.raises(RuntimeError):
-        with cli.horovod_cycle_env(None):
+        with harness.horovod_cycle_env(None):
             assert _child_sees() == "None"  # Horovod's own default
             raise RuntimeError("a failed job")
     assert os.environ["HOROVOD_CYCLE_TIME"] == "3"
