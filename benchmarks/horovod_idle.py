@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                        "join_ms": statistics.median(r["join_ms"] for r in per_rank),
                        "cycle_seen": per_rank[0]["cycle_env"]}
                 rows.append(row)
-                print(f"| {rate} | {'default (1)' if cyc is None else f'{cyc:g}'} | {med / 1e3:.1f} "
+                print(f"| {rate} | {'default (1)' if cyc == 'default' else f'{cyc:g}'} | {med / 1e3:.1f} "
                       f"({min(idle) / 1e3:.1f}-{max(idle) / 1e3:.1f}) | {100 * row['link_share']:.1f} % | "
                       f"{row['allreduce_ms']:.1f} | {row['join_ms']:.1f} |", flush=True)
     settings = {"P": args.workers, "rates": args.rates, "cycles": args.cycles, "idle_s": args.idle_s,

@@ -166,9 +166,14 @@ def _hvd_rendezvous(net, P: int) -> Iterator[Dict[int, Dict[str, str]]]:
 @contextlib.contextmanager
 def horovod_cycle_env(ms):
     """``HOROVOD_CYCLE_TIME`` for the workers of one job (they inherit the
-    environment; Horovod reads it at ``hvd.init()``); ``None``: unset."""
+    environment; Horovod reads it at ``hvd.init()``): ``ms`` milliseconds,
+    ``"default"`` (unset: Horovod's own 1 ms) or ``None`` (the environment
+    as it is)."""
+    if ms is None:
+        yield
+        return
     old = os.environ.pop("HOROVOD_CYCLE_TIME", None)
-    if ms is not None:
+    if ms != "default":
         os.environ["HOROVOD_CYCLE_TIME"] = f"{ms:g}"
     try:
         yield

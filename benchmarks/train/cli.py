@@ -48,12 +48,12 @@ def _name(method, density):
 
 
 def horovod_cycles(spec: str) -> list:
-    """``--horovod-cycle-ms``: [None] (Horovod's own cycle) or the values
-    asked, ``default`` meaning None."""
+    """``--horovod-cycle-ms``: [None] (the environment's cycle, untouched)
+    or the values asked: ms, or ``"default"`` (unset: Horovod's own)."""
     out = []
     for v in [v.strip() for v in (spec or "").split(",") if v.strip()]:
         if v == "default":
-            out.append(None)
+            out.append(v)
             continue
         try:
             ms = float(v)
@@ -63,6 +63,12 @@ def horovod_cycles(spec: str) -> list:
             raise SystemExit(f"--horovod-cycle-ms: {v!r} is not a positive number of ms (or 'default')")
         out.append(ms)
     return out or [None]
+
+
+def _cycle_label(cyc) -> str:
+    if cyc is None:
+        return ""
+    return " cycle 1 ms (default)" if cyc == "default" else f" cycle {cyc:g} ms"
 
 
 def configs(args) -> list:
@@ -81,8 +87,7 @@ def configs(args) -> list:
             for m in sorted(ms, key=lambda m: m != "dense"):
                 for cyc in cycles if eng == "horovod" else [None]:
                     out.append({"engine": eng, "method": m, "density": args.density, "policy": None, "beta": None,
-                                "cycle_ms": cyc, "name": f"{_name(m, args.density)}"
-                                + ("" if cyc is None else f" cycle {cyc:g} ms")})
+                                "cycle_ms": cyc, "name": f"{_name(m, args.density)}" + _cycle_label(cyc)})
         elif eng == "elastic":
             for red in [r for r in args.elastic_reducers.split(",") if r]:
                 for pol in parse_policies(args.policies):
@@ -265,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)} (ddp and horovod)")
     g.add_argument("--horovod-methods", default=None, help="methods of the horovod engine (default: --methods)")
     g.add_argument("--horovod-cycle-ms", default="",
-                   help="HOROVOD_CYCLE_TIME of the horovod jobs, comma-separated ms ('default': Horovod's own, "
-                        "1 ms); each horovod method runs once per value, e.g. default,10 (its background loop "
+                   help="HOROVOD_CYCLE_TIME of the horovod jobs, comma-separated ms ('default': unset, Horovod's "
+                        "own 1 ms; not given: the environment's); each horovod method runs once per value, e.g. default,10 (its background loop "
                         "coordinates every cycle, idle or not: docs/horovod.md)")
     g.add_argument("--density", type=float, default=0.01)
     g.add_argument("--elastic-reducers", default="dense,gtopk")

@@ -28,7 +28,7 @@ def test_idle_traffic_falls_with_the_cycle_time_and_each_job_sees_its_cycle(tmp_
     assert rc == 0
     assert set(netns.list_namespaces()) <= before  # the cluster was taken down
     rows = json.load(open(out))["results"]
-    assert [(r["cycle_ms"], r["cycle_seen"]) for r in rows] == [(None, None), (20.0, "20")]
+    assert [(r["cycle_ms"], r["cycle_seen"]) for r in rows] == [("default", None), (20.0, "20")]
     fast, slow = rows[0]["idle_bytes_per_s"], rows[1]["idle_bytes_per_s"]
     assert len(fast) == len(slow) == 2
     # every rank sends while idle; a 20x longer cycle sends far less (one

@@ -22,15 +22,19 @@ def test_every_horovod_method_runs_once_per_cycle_value_and_ddp_once():
     cfgs = cli.configs(_args(engines="ddp,horovod", methods="gtopk,dense", horovod_cycle_ms="default,10"))
     got = [(c["engine"], c["method"], c["cycle_ms"]) for c in cfgs]
     assert got == [("ddp", "dense", None), ("ddp", "gtopk", None),
-                   ("horovod", "dense", None), ("horovod", "dense", 10.0),
-                   ("horovod", "gtopk", None), ("horovod", "gtopk", 10.0)]
+                   ("horovod", "dense", "default"), ("horovod", "dense", 10.0),
+                   ("horovod", "gtopk", "default"), ("horovod", "gtopk", 10.0)]
     names = [c["name"] for c in cfgs if c["engine"] == "horovod"]
-    assert len(set(names)) == 4 and names[1].endswith("cycle 10 ms") and "cycle" not in names[0]
+    assert len(set(names)) == 4 and names[1].endswith("cycle 10 ms") and names[0].endswith("(default)")
 
 
-def test_without_the_option_horovod_keeps_its_own_cycle():
+def test_without_the_option_horovod_jobs_keep_the_environments_cycle(monkeypatch):
     cfgs = cli.configs(_args(engines="horovod", methods="dense,topk"))
     assert [c["cycle_ms"] for c in cfgs] == [None, None]
+    assert "cycle" not in cfgs[0]["name"]
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "7")
+    with harness.horovod_cycle_env(None):
+        assert _child_sees() == "7"
 
 
 @pytest.mark.parametrize("spec", ["0", "-5", "fast", "10,x"])
@@ -51,7 +55,7 @@ def test_the_workers_of_a_job_inherit_the_cycle_and_it_is_restored_after(monkeyp
         assert _child_sees() == "12.5"
     assert os.environ["HOROVOD_CYCLE_TIME"] == "3"
     with pytest.raises(RuntimeError):
-        with harness.horovod_cycle_env(None):
-            assert _child_sees() == "None"  # Horovod's own default
+        with harness.horovod_cycle_env("default"):
+            assert _child_sees() == "None"  # unset: Horovod's own default
             raise RuntimeError("a failed job")
     assert os.environ["HOROVOD_CYCLE_TIME"] == "3"
