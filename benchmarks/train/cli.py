@@ -236,7 +236,8 @@ def run(args) -> dict:
                                 per_rank = harness.run_job(net, P, worker.train, payload, engine, progress,
                                                            timeout=args.timeout, echo=args.echo)
                             row = report.merge(per_rank, dict(cfg, workload=wl, rate=rate, rate_label=label_rate,
-                                                              seed=seed, P=P), desc["label"])
+                                                              seed=seed, P=P, warmup_steps=payload["warmup_steps"]),
+                                               desc["label"])
                             row.update(job_seconds=round(time.time() - t0, 1), loadavg=[load0, harness.loadavg()])
                             res["rows"].append(row)
                             report.summarise(res["rows"])

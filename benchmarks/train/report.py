@@ -6,10 +6,14 @@ Definitions (also in docs/benchmarks.md, "Time to accuracy"):
 - a step's time is the slowest rank's (a synchronous step goes at the pace
   of the slowest worker); the wall-clock at step s is the sum of the first
   s step times (evaluations not counted);
-- bytes: per step the busiest rank's bytes sent by the library's accounting
-  (DDP's own allreduce and fp16 hook: the ring model 2(P-1)/P x bytes
-  allreduced) and, inside namespaces, the worker's ``eth0`` transmit counter
-  (TCP/IP headers included);
+- bytes: the busiest rank's bytes sent by the library's accounting (DDP's
+  own allreduce and fp16 hook: the ring model 2(P-1)/P x bytes allreduced)
+  and, inside namespaces, the worker's ``eth0`` transmit counter (TCP/IP
+  headers included).  Each rank's bytes are summed over its steps, and the
+  curve takes the largest sum at each step; per step: the busiest rank's
+  mean over the steps after the density warm-up.  (A per-step maximum over
+  ranks would count twice the bytes of an elastic job, whose ranks send a
+  step's late reductions during different later steps.)
 - compute: the median over evaluations of the slowest rank's compute-only
   probe (forward + backward + update without communication);
   communication + waiting = median step - compute;
@@ -26,6 +30,7 @@ Definitions (also in docs/benchmarks.md, "Time to accuracy"):
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import List, Optional
 
@@ -35,25 +40,39 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
+def _busiest(series: List[list], warmup: int):
+    """(cumulative bytes of the busiest rank at each step, its mean per step
+    after ``warmup`` steps); ``series``: per rank, per step bytes (None: not
+    counted).  (None, None) when no rank counted any."""
+    if all(v is None for s in series for v in s):
+        return None, None
+    cums = [list(itertools.accumulate(v or 0 for v in s)) for s in series]
+    n = len(cums[0])
+    w = min(max(0, warmup), n - 1)
+    per_step = max((c[-1] - (c[w - 1] if w else 0)) / (n - w) for c in cums)
+    return [max(c) for c in zip(*cums)], per_step
+
+
 def merge(per_rank: list, cfg: dict, label: str) -> dict:
     r0 = per_rank[0]
     times = [max(t) for t in zip(*(r["times"] for r in per_rank))]
-    bytes_ = [max((b for b in bs if b is not None), default=None) for bs in zip(*(r["bytes"] for r in per_rank))]
-    tx = [max(v) if v[0] is not None else None for v in zip(*(r["tx"] for r in per_rank))]
+    warmup = int(cfg.get("warmup_steps") or 0)
+    acc_b, bytes_per_step = _busiest([r["bytes"] for r in per_rank], warmup)
+    _, tx_per_step = _busiest([r["tx"] for r in per_rank], warmup)
     compute = [max(c) for c in zip(*(r["compute"] for r in per_rank))]
     cpu = [max(c) for c in zip(*(r["cpu"] for r in per_rank))]
-    wall, acc_b, cum, cumb = [], [], 0.0, 0
-    for t, b in zip(times, bytes_):
+    if acc_b is None:
+        acc_b = [0] * len(times)
+    wall, cum = [], 0.0
+    for t in times:
         cum += t
-        cumb += b or 0
         wall.append(cum)
-        acc_b.append(cumb)
     curve = [{"step": e["step"], "wall_s": wall[e["step"] - 1], "bytes": acc_b[e["step"] - 1],
               "accuracy": e["eval"]["accuracy"], "test_loss": e["eval"]["loss"]} for e in r0["evals"]]
     step_med, comp_med = _med(times), _med(compute)
     row = dict(cfg, label=label, steps=len(times), step_times_s=times, losses=r0["losses"], curve=curve,
                final_accuracy=curve[-1]["accuracy"], wall_s=wall[-1], total_bytes=acc_b[-1],
-               bytes_per_step=_med(bytes_), tx_bytes_per_step=_med(tx), step_s=step_med, compute_s=comp_med,
+               bytes_per_step=bytes_per_step, tx_bytes_per_step=tx_per_step, step_s=step_med, compute_s=comp_med,
                comm_wait_s=None if step_med is None or comp_med is None else step_med - comp_med,
                compute_probes_s=compute, step_cpu_s=_med(cpu),
                params_equal=len({r["checksum"] for r in per_rank}) == 1,
