@@ -97,6 +97,9 @@ class ElasticCore:
         self.inflight: Dict[int, None] = {}
         self.records: Dict[int, _StepRecord] = {}
         self._broken_open = 0
+        # per unit, copies of its local gradients that no entry holds any
+        # more (the variance policy's deviation): reused, not reallocated
+        self._spare: List[List[List[Tensor]]] = [[] for _ in range(n_units)]
 
     # ------------------------------------------------------------ launching
     def launch(self, u: int, step: int, names, tensors, last_of_step: bool) -> None:
@@ -112,10 +115,29 @@ class ElasticCore:
         if rec is None:
             rec = self.records[step] = _StepRecord(step, self.n)
         rec.sq_t[u] = local_sq_norm(tensors)
-        local = [t.detach().clone() for t in tensors] if self.policy.needs_deviation else None
+        local = self._copy_local(u, tensors) if self.policy.needs_deviation else None
         handle = self.backend.launch(u, step, names, tensors, last_of_step)
         q.append(_Entry(u, step, handle, local=local))
         self.inflight[u] = None
+
+    def _copy_local(self, u: int, tensors) -> List[Tensor]:
+        """The unit's local gradients at launch, copied (the next backward
+        may overwrite them) into a spare copy of this unit's where one fits
+        (issue #15: no layer-sized allocation per step in steady state).  A
+        unit holds at most ``max_staleness + 1`` copies at once (the hard
+        bound applies older updates before its next forward, and applying
+        one frees its copy), so its first launch makes that many."""
+        spare = self._spare[u]
+        while spare:
+            buf = spare.pop()
+            if len(buf) == len(tensors) and all(b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
+                                                for b, t in zip(buf, tensors)):
+                for b, t in zip(buf, tensors):
+                    b.copy_(t.detach())
+                return buf
+        if not self.pending[u]:  # none held: this unit's first launch (or its layout changed)
+            spare.extend([torch.empty_like(t) for t in tensors] for _ in range(self.max_staleness))
+        return [t.detach().clone() for t in tensors]
 
     def close_step(self, step: int) -> None:
         """Every layer of ``step`` has launched: fix its norms."""
@@ -185,6 +207,8 @@ class ElasticCore:
         rec.arrived[u] = e.arrived_at
         if e.local is not None:
             rec.dev[u] = self.policy.deviation(e.local, e.result)
+            self._spare[u].append(e.local)
+            e.local = None
         self.stats.updates_applied += 1
         if rec.broken:
             self.stats.late_updates += 1

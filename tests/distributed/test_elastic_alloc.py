@@ -38,7 +38,7 @@ def _train(step_fn, mode, model, g):
     return hits
 
 
-def _worker(rank, world, method):
+def _worker(rank, world, method, policy="norm"):
     from gtopk_plugin.elastic import ElasticScheduler
 
     torch.set_num_threads(1)
@@ -58,7 +58,7 @@ def _worker(rank, world, method):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kw = {} if method is None else {"reducer": gp.GradientReducer(method=method, density=0.01)}
-    sched = ElasticScheduler(model, opt, **kw)
+    sched = ElasticScheduler(model, opt, policy=policy, **kw)
     mode = BigAllocs(layer // 2)
     backend = sched.backend
     if hasattr(backend, "_reduce"):  # the reducer's thread: count there too
@@ -81,16 +81,19 @@ def _worker(rank, world, method):
     return {"base": base, "sched": hits}
 
 
-def _many(rank, world, methods):
-    return {m: _worker(rank, world, m) for m in methods}
+def _many(rank, world, cases):
+    return {c: _worker(rank, world, *CASE_ARGS[c]) for c in cases}
 
 
-# method (None: the default dense torch.distributed back end) -> layer-sized
-# allocations per step beyond the plain loop's: none (before issue #15: one
-# per layer, the copy of its gradients).  The reducer's update ring may still
-# grow while the scheduler holds a layer's updates across steps (zeros, at
-# most UpdateBuffers.RING buffers per layer over the run): not counted.
-CASES = {None: 0, "gtopk": 0}
+# case -> layer-sized allocations per step beyond the plain loop's: none
+# (before issue #15: one per layer, the copy of its gradients; the variance
+# policy, until session 20: a copy of each layer's local gradients and five
+# float64 temporaries of twice its size for its deviation).  The reducer's
+# update ring may still grow while the scheduler holds a layer's updates
+# across steps (zeros, at most UpdateBuffers.RING buffers per layer over the
+# run): not counted.  None: the default dense torch.distributed back end.
+CASE_ARGS = {"dense": (None,), "gtopk": ("gtopk",), "dense-variance": (None, "variance")}
+CASES = {"dense": 0, "gtopk": 0, "dense-variance": 0}
 RING_GROWTH = "aten.zeros.default"
 
 
@@ -108,5 +111,5 @@ def test_no_layer_sized_allocation_per_step_beyond_the_plain_loop(reports, metho
             for h in base:
                 if h in extra:
                     extra.remove(h)
-            extra = [h for h in extra if method is None or h != RING_GROWTH]
+            extra = [h for h in extra if CASE_ARGS[method][0] is None or h != RING_GROWTH]
             assert len(extra) <= CASES[method], (method, extra, base)

@@ -324,3 +324,22 @@ def test_import_gtopk_plugin_needs_only_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("div", [1.0, 3.0])
+def test_squared_distance_matches_numpy_in_float64_across_chunk_boundaries(div):
+    import numpy as np
+
+    from gtopk_plugin.elastic.policies import DISTANCE_CHUNK, squared_distance
+
+    g = torch.Generator().manual_seed(7)
+    sizes = [(1,), (DISTANCE_CHUNK + 5,), (2, DISTANCE_CHUNK)]
+    local = [torch.randn(s, generator=g) for s in sizes]
+    reduced = [torch.randn(s, generator=g) * 1e-3 + a for s, a in zip(sizes, local)]
+    want = sum(float(np.sum((a.numpy().astype(np.float64) - b.numpy().astype(np.float64) / div) ** 2))
+               for a, b in zip(local, reduced))
+    before = [t.clone() for t in local + reduced]
+    got = squared_distance(local, reduced, div)
+    assert got == pytest.approx(want, rel=1e-12)
+    # the operands are not modified (the chunks are float64 copies)
+    assert all(torch.equal(x, y) for x, y in zip(before, local + reduced))
