@@ -76,6 +76,14 @@ class BucketedReduction(AsyncReduction):
         self._copies: Dict[Tuple[int, int], List[Tensor]] = {}
 
     @property
+    def reducer(self):
+        """The inner back end's GradientReducer, if it has one: what the
+        variance policy binds to (policies.bind_to_backend).  Without it a
+        bucketed gTop-k back end passed for a native dense one, and the
+        policy took its compression error for the gradient variance."""
+        return getattr(self.inner, "reducer", None)
+
+    @property
     def rank(self) -> int:
         return self.inner.rank
 

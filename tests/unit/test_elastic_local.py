@@ -291,6 +291,21 @@ def test_make_policy_binds_the_variance_policy_to_its_back_end():
     assert make_policy(cfg).world_size is None  # unbound without a back end
 
 
+@pytest.mark.parametrize("cap_mb", [0.0, 0.1])
+def test_the_variance_policy_sees_the_reducer_through_the_bucketed_back_end(cap_mb):
+    from gtopk_plugin.elastic import ElasticScheduler
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for method, exact in (("gtopk", False), ("dense", True)):
+        red = gp.GradientReducer(method=method, density=0.25, transport=gp.SingleProcessTransport())
+        sched = ElasticScheduler(model, opt, reducer=red, policy="variance", bucket_cap_mb=cap_mb)
+        try:
+            assert (sched.policy.exact, sched.policy.op) == (exact, "average"), (method, cap_mb)
+        finally:
+            sched.close()
+
+
 def test_byteps_env_readers(monkeypatch):
     for k in ("BYTEPS_ELASTIC_POLICY", "BYTEPS_ELASTIC_BETA", "BYTEPS_ELASTIC_MAX_STALENESS"):
         monkeypatch.delenv(k, raising=False)
