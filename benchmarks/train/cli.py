@@ -271,9 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)} (ddp and horovod)")
     g.add_argument("--horovod-methods", default=None, help="methods of the horovod engine (default: --methods)")
     g.add_argument("--horovod-cycle-ms", default="",
-                   help="HOROVOD_CYCLE_TIME of the horovod jobs, comma-separated ms ('default': unset, Horovod's "
-                        "own 1 ms; not given: the environment's); each horovod method runs once per value, e.g. default,10 (its background loop "
-                        "coordinates every cycle, idle or not: docs/horovod.md)")
+                   help="HOROVOD_CYCLE_TIME of the horovod jobs, comma-separated ms ('default': unset, "
+                        "Horovod's own 1 ms; not given: the environment's); each horovod method runs once per "
+                        "value, e.g. default,10 (its background loop coordinates every cycle, idle or not: "
+                        "docs/horovod.md)")
     g.add_argument("--density", type=float, default=0.01)
     g.add_argument("--elastic-reducers", default="dense,gtopk")
     g.add_argument("--policies", default=DEFAULT_POLICIES)
