@@ -59,12 +59,6 @@ def idle_worker(ctx, payload) -> dict:
             "cycle_env": os.environ.get("HOROVOD_CYCLE_TIME")}
 
 
-def _rate_bytes_per_s(rate: str) -> float:
-    from .train.cli import _rate_bits
-
-    return _rate_bits(rate) / 8
-
-
 def main(argv=None) -> int:
     from .cluster import harness, netns
     from .record import write_json
@@ -103,7 +97,7 @@ def main(argv=None) -> int:
                 idle = [r["idle_bytes_per_s"] for r in per_rank]
                 med = statistics.median(idle)
                 row = {"rate": rate, "cycle_ms": cyc, "idle_bytes_per_s": idle, "idle_median": med,
-                       "link_share": med / _rate_bytes_per_s(rate),
+                       "link_share": med / (harness.parse_rate(rate) / 8),
                        "allreduce_ms": statistics.median(r["allreduce_ms"] for r in per_rank),
                        "join_ms": statistics.median(r["join_ms"] for r in per_rank),
                        "cycle_seen": per_rank[0]["cycle_env"]}

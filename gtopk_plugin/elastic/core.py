@@ -34,7 +34,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from .backend import AsyncReduction
+from .backend import AsyncReduction, refill
 from .policies import Policy
 from .stats import BreakRecord, ElasticStats
 
@@ -128,16 +128,9 @@ class ElasticCore:
         bound applies older updates before its next forward, and applying
         one frees its copy), so its first launch makes that many."""
         spare = self._spare[u]
-        while spare:
-            buf = spare.pop()
-            if len(buf) == len(tensors) and all(b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
-                                                for b, t in zip(buf, tensors)):
-                for b, t in zip(buf, tensors):
-                    b.copy_(t.detach())
-                return buf
-        if not self.pending[u]:  # none held: this unit's first launch (or its layout changed)
-            spare.extend([torch.empty_like(t) for t in tensors] for _ in range(self.max_staleness))
-        return [t.detach().clone() for t in tensors]
+        if not spare and not self.pending[u]:  # none made yet (or its layout changed)
+            spare.extend([torch.empty_like(t) for t in tensors] for _ in range(self.max_staleness + 1))
+        return refill(spare.pop() if spare else None, tensors)
 
     def close_step(self, step: int) -> None:
         """Every layer of ``step`` has launched: fix its norms."""
