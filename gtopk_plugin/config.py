@@ -280,6 +280,14 @@ def env_shm_dir() -> Optional[str]:
     return _env("GTOPK_SHM_DIR")
 
 
+def env_huge_pages() -> bool:
+    """``GTOPK_HUGE_PAGES=0`` stops the reducer's persistent CPU buffers from
+    asking the kernel for transparent huge pages (default: on; see
+    :mod:`gtopk_plugin.huge_pages`)."""
+    v = _env("GTOPK_HUGE_PAGES")
+    return v is None or v.lower() not in ("0", "false", "no", "off")
+
+
 def env_timeout_seconds(default: float = 300.0) -> float:
     """``GTOPK_TIMEOUT`` (seconds): default timeout of a transport's collective calls."""
     v = os.environ.get("GTOPK_TIMEOUT")

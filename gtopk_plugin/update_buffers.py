@@ -8,7 +8,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import kernels
+from . import huge_pages, kernels
 
 Tensor = torch.Tensor
 
@@ -137,7 +137,7 @@ class UpdateBuffers:
                 entry = e
                 break
         if entry is None:
-            buf = torch.zeros(numel, dtype=dtype, device=device)
+            buf = huge_pages.zeros(numel, dtype, device)  # k scattered writes a step
             if len(ring) >= self.RING:
                 return buf, none  # untracked, fresh: every ring buffer is still held
             entry = {"buf": buf, "prev": None, "base": _storage_refs(buf)}

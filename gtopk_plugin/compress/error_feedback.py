@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import huge_pages
 from .. import kernels as _kernels
 
 Tensor = torch.Tensor
@@ -38,7 +39,8 @@ class FlatResidual:
         self.sizes = tuple(int(s) for s in sizes)
         n = sum(self.sizes)
         # bufs[cur] holds the residual, bufs[1 - cur] is the scratch accumulator
-        self.bufs: List[Optional[Tensor]] = [torch.zeros(n, dtype=dtype, device=device), None]
+        # huge pages: every step scatters k writes into them (huge_pages.py)
+        self.bufs: List[Optional[Tensor]] = [huge_pages.zeros(n, dtype, device), None]
         self.views: List[Optional[List[Tensor]]] = [list(torch.split(self.bufs[0], list(self.sizes))), None]
         self.cur = 0
         self.zero = True  # bufs[cur] is known to be all zeros
@@ -46,7 +48,7 @@ class FlatResidual:
     def _ensure(self, j: int) -> None:
         if self.bufs[j] is None:
             ref = self.bufs[1 - j]
-            self.bufs[j] = torch.empty_like(ref)
+            self.bufs[j] = huge_pages.empty_like(ref)
             self.views[j] = list(torch.split(self.bufs[j], list(self.sizes)))
 
     @property

@@ -29,6 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from .. import huge_pages
 from ..config import check_momentum
 
 Tensor = torch.Tensor
@@ -80,7 +81,7 @@ class MomentumCorrection:
         buf = self._flat.get(key)
         if buf is not None and buf.dtype == dtype and buf.device == device:
             return buf
-        buf = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        buf = huge_pages.zeros(sum(sizes), dtype, device)  # masked at k positions a step
         for n, part in zip(names, torch.split(buf, list(sizes))):
             old = self.velocities.get(n)
             if old is not None:
