@@ -14,6 +14,9 @@ times every entry once, in turn, on the same data):
   cost of the cheapest pass any method must make (at P = 2 every entry
   starts on both ranks at once, after a barrier, so the floor shares the
   memory bus with the other rank as reduce()'s passes do);
+- ``floor huge``: the same read of a copy on 2 MB pages, as the reducer's
+  persistent buffers are (gtopk_plugin.huge_pages); the gradients and the
+  ``floor`` buffer are ordinary 4 KB pages, as a caller's tensors are;
 - ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
   (what selection costs without compensation, check or update);
 - ``merge``: ``kernels.merge_select`` alone, one butterfly round's merge of
@@ -27,7 +30,9 @@ times every entry once, in turn, on the same data):
   peers and the link, at the consistency check and in the exchange; merges
   and copies around them are local work and count).
 
-Prints medians and the ratios local / floor and kernel / floor; writes JSON
+Prints medians and the ratios local / floor and kernel / floor (and
+local / floor paired: the median over repetitions of each repetition's
+local time over its own floor read); writes JSON
 (benchmarks/results/step.json, via benchmarks.record) and a PNG.  The goals of
 issue #15 at 25M fp32, one thread: local / floor <= 6 for gtopk/topk at 0.1 %
 and 1 %, <= 3 for dense.  Timings depend on the machine and its load (the
@@ -76,13 +81,17 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     import torch
 
     import gtopk_plugin as gp
-    from gtopk_plugin import kernels
+    from gtopk_plugin import huge_pages, kernels
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed + 1000 * transport.rank)
     grads = {n: torch.randn(s, generator=gen) for n, s in shapes}
     numel = sum(t.numel() for t in grads.values())
     flat = torch.randn(numel, generator=gen)
+    # the same read on 2 MB pages, as the reducer's own persistent buffers
+    # are (gtopk_plugin.huge_pages); the gradients, like flat, are the
+    # caller's 4 KB pages
+    flat_huge = huge_pages.empty_like(flat).copy_(flat)
     sizes = [t.numel() for t in grads.values()]
     offs = torch.tensor([0] + [sum(sizes[:i + 1]) for i in range(len(sizes))], dtype=torch.int64)
     reducers = {label: gp.GradientReducer(method=m, density=d, transport=transport)
@@ -91,6 +100,9 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
 
     def floor():
         return flat.sum()
+
+    def floor_huge():
+        return flat_huge.sum()
 
     def kern(d):
         return lambda: kernels.select_topk(flat, offs, ks[d])
@@ -118,7 +130,7 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
         if transport.size > 1:
             transport.control_allreduce_max(torch.zeros(1, dtype=torch.int64))
 
-    entries = {"floor": floor}
+    entries = {"floor": floor, "floor huge": floor_huge}
     for d in sorted({d for _, m, d in METHODS if m != "dense"}):
         entries[f"kernel {d:g}"] = kern(d)
         entries[f"merge {d:g}"] = merge(d)
@@ -145,23 +157,35 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     finally:
         gc.enable()
     floor_ms = _median(times["floor"]) * 1e3
+    floor_huge_ms = _median(times["floor huge"]) * 1e3
     rows = []
     for label, m, d in METHODS:
         ph = {p: _median(v) * 1e3 for p, v in phases[label].items()}
         # local compute: total minus the time inside the transport's
         # primitives (waiting on the peer at the check and in the exchange;
         # the merges in "communicate" are local work and count)
-        local = _median([t - w for t, w in zip(phases[label]["total"], phases[label]["wait"])]) * 1e3
+        local_reps = [t - w for t, w in zip(phases[label]["total"], phases[label]["wait"])]
+        local = _median(local_reps) * 1e3
+        # the same ratio per repetition, each local time over the floor read
+        # of its own repetition (a few ms apart), then the median: a drift of
+        # the machine's speed (another VM, the other rank's scheduling) moves
+        # both sides of one repetition alike, where the ratio of two medians
+        # can take the floor from a fast moment and the reduce from a slow one
+        paired = _median([lt / ft for lt, ft in zip(local_reps, times["floor"])])
         local_nc = _median([t - c for t, c in zip(phases[label]["total"], phases[label]["communicate"])]) * 1e3
         kernel_ms = None if m == "dense" else _median(times[f"kernel {d:g}"]) * 1e3
         merge_ms = None if m != "gtopk" else _median(times[f"merge {d:g}"]) * 1e3
         rows.append({"method": label, "density": d, "numel": numel, "tensors": len(sizes),
                      "threads": threads, "floor_ms": floor_ms, "kernel_ms": kernel_ms, "merge_ms": merge_ms,
                      "phases_ms": ph, "local_ms": local, "local_over_floor": local / floor_ms,
+                     "local_over_floor_paired": paired,
+                     "floor_huge_ms": floor_huge_ms, "local_over_floor_huge": local / floor_huge_ms,
+                     "floor_reps_ms": [t * 1e3 for t in times["floor"]],
+                     "local_reps_ms": [t * 1e3 for t in local_reps],
                      "total_minus_communicate_ms": local_nc,
                      "kernel_over_floor": None if kernel_ms is None else kernel_ms / floor_ms,
                      "total_over_floor": ph["total"] / floor_ms})
-    del reducers, grads, flat
+    del reducers, grads, flat, flat_huge
     gc.collect()
     return rows
 
@@ -205,7 +229,10 @@ def _fmt(r: dict) -> str:
     return (f"P={r['workers']} t={r['threads']} {r['layout']:>9} {r['method']:>10} | floor "
             f"{r['floor_ms']:7.1f} kernel {k:>8} merge {mg:>6} | check {ph['check']:7.1f} select {ph['select']:7.1f} "
             f"comm {ph['communicate']:7.1f} update {ph['update']:7.1f} total {ph['total']:7.1f} wait {ph['wait']:6.1f} | "
-            f"local {r['local_ms']:7.1f} = {r['local_over_floor']:5.1f}x floor")
+            f"local {r['local_ms']:7.1f} = {r['local_over_floor']:5.1f}x floor"
+            f" (paired {r['local_over_floor_paired']:4.1f}x; "
+            f"floor on huge pages {r.get('floor_huge_ms', float('nan')):5.1f} ms: "
+            f"{r.get('local_over_floor_huge', float('nan')):4.1f}x)")
 
 
 def plot(rows: List[dict], path: str) -> bool:
@@ -255,8 +282,8 @@ def main(argv=None) -> int:
     skipped = []
     for P in args.workers:
         # grads, flat, residual, accumulator, update, a dense sum and wire copies:
-        # about 8 N-sized fp32 buffers per rank at peak
-        sizes = [n for n in args.sizes if 8 * 4 * n * P < 0.8 * _mem_available()]
+        # about 9 N-sized (with the floor's huge-page copy) fp32 buffers per rank at peak
+        sizes = [n for n in args.sizes if 9 * 4 * n * P < 0.8 * _mem_available()]
         skipped += [(P, n) for n in args.sizes if n not in sizes]
         lays = layouts(sizes)
         if args.no_resnet:

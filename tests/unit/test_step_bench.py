@@ -43,3 +43,14 @@ def test_step_rows_and_merge_inputs(monkeypatch):
         # P = 1: nothing waits on a transport, so local compute is the total
         assert r["phases_ms"]["wait"] == 0
         assert r["local_ms"] == pytest.approx(r["phases_ms"]["total"], rel=1e-9)
+
+
+def test_paired_ratio_is_the_median_of_per_repetition_ratios():
+    lay = step.layouts([40_000])[0]
+    rows = step.worker(None, {"layouts": [lay], "threads": [1], "reps": 5, "seed": 4})
+    for r in rows:
+        floor, local = np.array(r["floor_reps_ms"]), np.array(r["local_reps_ms"])
+        assert len(floor) == len(local) == 5
+        assert r["floor_ms"] == pytest.approx(np.median(floor), rel=1e-9)
+        assert r["local_ms"] == pytest.approx(np.median(local), rel=1e-9)
+        assert r["local_over_floor_paired"] == pytest.approx(np.median(local / floor), rel=1e-9)
