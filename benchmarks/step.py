@@ -30,6 +30,10 @@ times every entry once, in turn, on the same data):
   peers and the link, at the consistency check and in the exchange; merges
   and copies around them are local work and count).
 
+``--pin`` pins rank r's compute thread to CPU r (for ``--threads 1``: one
+core per worker, no two ranks on one core, no migration mid-pass); the
+floor and every entry are then measured pinned alike.
+
 Prints medians and the ratios local / floor and kernel / floor (and
 local / floor paired: the median over repetitions of each repetition's
 local time over its own floor read); writes JSON
@@ -193,16 +197,31 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
 def worker(ctx, payload) -> List[dict]:
     """benchmarks.launch target (P = 2), also called directly for P = 1."""
     transport = ctx.transport if ctx is not None else _single()
+    pinned = _pin(transport.rank) if payload.get("pin") else None
     rows = []
     for lay in payload["layouts"]:
         shapes = [(n, tuple(s)) for n, s in lay["shapes"]]
         for th in payload["threads"]:
             for r in bench_case(transport, shapes, th, payload["reps"], payload["seed"]):
-                r.update(layout=lay["layout"], workers=transport.size)
+                r.update(layout=lay["layout"], workers=transport.size, pinned_cpu=pinned)
                 rows.append(r)
                 if transport.rank == 0 and payload.get("echo"):
                     print(_fmt(r), flush=True)
     return rows
+
+
+def _pin(rank: int):
+    """Pin this rank's calling thread (its compute: one thread per worker)
+    to CPU ``rank`` of those it may use, so two ranks never share a core or
+    migrate between cores in the middle of a pass; threads started later
+    inherit it.  Returns the CPU, or None where affinity cannot be set."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        cpu = cpus[rank % len(cpus)]
+        os.sched_setaffinity(0, {cpu})
+        return cpu
+    except (AttributeError, OSError):
+        return None
 
 
 def _single():
@@ -274,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=WORKERS, choices=[1, 2])
     ap.add_argument("--no-resnet", action="store_true", help="leave out the ResNet-50 layout")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin rank r's compute thread to CPU r (one core per worker; for --threads 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default=os.path.join(RESULTS, "step.json"))
@@ -289,9 +310,12 @@ def main(argv=None) -> int:
         if args.no_resnet:
             lays = [L for L in lays if L["layout"] != "resnet50"]
         payload = {"layouts": lays, "threads": args.threads, "reps": args.reps, "seed": args.seed,
-                   "echo": True}
+                   "echo": True, "pin": args.pin}
         if P == 1:
+            allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
             rows += worker(None, payload)
+            if allowed is not None:  # the P = 2 workers started next inherit it
+                os.sched_setaffinity(0, allowed)
         else:
             per_rank = launch.run_workers(P, worker, payload, engine="torch", ifname="lo",
                                           timeout=args.timeout, echo=True)
@@ -302,6 +326,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(_fmt(r))
     settings = {"sizes": args.sizes, "threads": args.threads, "workers": args.workers, "reps": args.reps,
+                "pin": args.pin,
                 "methods": METHODS, "skipped": skipped, "nice": os.nice(0)}
     write_json(args.json, "step", settings, rows, packages=("torch", "gtopk_plugin"))
     png = os.path.splitext(args.json)[0] + ".png"

@@ -2,6 +2,9 @@
 row is written, and the "merge alone" entry feeds ``merge_select`` inputs a
 butterfly round could hold (checked with numpy, independently of the
 benchmark's construction).  No timing is asserted."""
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -54,3 +57,15 @@ def test_paired_ratio_is_the_median_of_per_repetition_ratios():
         assert r["floor_ms"] == pytest.approx(np.median(floor), rel=1e-9)
         assert r["local_ms"] == pytest.approx(np.median(local), rel=1e-9)
         assert r["local_over_floor_paired"] == pytest.approx(np.median(local / floor), rel=1e-9)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_pin_pins_the_rank_and_restores_the_launcher(tmp_path):
+    before = os.sched_getaffinity(0)
+    out = tmp_path / "step.json"
+    assert step.main(["--sizes", "40000", "--threads", "1", "--workers", "1", "--no-resnet",
+                      "--reps", "1", "--pin", "--json", str(out)]) == 0
+    # the P = 2 workers started after P = 1 inherit the launcher's affinity
+    assert os.sched_getaffinity(0) == before
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["pinned_cpu"] == min(before) for r in rows)
