@@ -27,6 +27,7 @@ BENCHMARKS = {
     "soak": (".soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
     "step": (".step", "main", "reduce() per phase vs the one-read floor and the kernel alone"),
     "train": (".train.cli", "main", "time to accuracy: real training jobs on the emulated cluster"),
+    "train_report": (".train.combine", "main", "one time-to-accuracy table over several train JSONs"),
     "wire_precision": (".wire_precision", "main",
                        "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
 }
