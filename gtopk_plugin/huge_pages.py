@@ -54,6 +54,15 @@ def _libc_madvise():
     return _madvise
 
 
+def _wanted(numel: int, dtype: torch.dtype, device) -> bool:
+    """Whether a buffer of this size and place gets the advice at all.
+    Decided before allocating, so that every other buffer is made exactly
+    as before (``torch.zeros`` stays one op for allocation counters)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return (dev.type == "cpu" and numel * dtype.itemsize >= MIN_BYTES
+            and config.env_huge_pages() and bool(_libc_madvise()))
+
+
 def advise(t: torch.Tensor) -> bool:
     """Ask for huge pages under the 2 MB-aligned interior of ``t``'s memory
     (a CPU tensor of at least :data:`MIN_BYTES`).  True when the kernel
@@ -79,12 +88,15 @@ def empty(numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.empty(numel)``, advised before anything touches it.  Its
     pages are faulted in by whoever writes it first."""
     t = torch.empty(numel, dtype=dtype, device=device)
-    advise(t)
+    if _wanted(numel, dtype, device):
+        advise(t)
     return t
 
 
 def zeros(numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.zeros(numel)`` whose zeros are written after the advice."""
+    if not _wanted(numel, dtype, device):
+        return torch.zeros(numel, dtype=dtype, device=device)
     return empty(numel, dtype, device).zero_()
 
 

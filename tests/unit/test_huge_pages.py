@@ -64,3 +64,23 @@ def test_reducer_persistent_buffers_use_huge_pages(method):
     if method == "gtopk":
         res = red.memory.residuals["a"]
         assert huge_pages.huge_kb(res) > 0
+
+
+def test_small_buffers_are_made_exactly_as_before():
+    # below MIN_BYTES nothing changes: torch.zeros stays a single aten.zeros
+    # op (allocation counters such as tests/distributed/test_elastic_alloc.py
+    # recognise the update ring's growth by it)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as m:
+        z = huge_pages.zeros(1000, torch.float32)
+    assert m.ops == ["aten.zeros.default"] and not z.any()
