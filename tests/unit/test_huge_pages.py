@@ -23,7 +23,10 @@ def _thp_mode():
 
 needs_madvise = pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
                                    reason="transparent huge pages unavailable on this kernel")
-N = 6 * 1024 * 1024  # 24 MB of float32: several aligned 2 MB pages inside
+# 40 MB of float32: above glibc's largest mmap threshold (32 MB), so always a
+# fresh mapping; a smaller buffer may reuse heap pages an earlier test
+# touched, which stay on 4 KB pages (the advice only shapes new faults)
+N = 10 * 1024 * 1024
 
 
 def test_zeros_and_empty_like_are_ordinary_tensors():
