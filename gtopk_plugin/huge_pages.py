@@ -63,33 +63,27 @@ def _wanted(numel: int, dtype: torch.dtype, device) -> bool:
             and config.env_huge_pages() and bool(_libc_madvise()))
 
 
+def _advise_interior(t: torch.Tensor) -> bool:
+    """madvise the 2 MB-aligned interior of ``t``'s memory (checks done)."""
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    lo = (start + _HUGE - 1) // _HUGE * _HUGE
+    hi = (start + nbytes) // _HUGE * _HUGE
+    return hi > lo and _libc_madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+
+
 def advise(t: torch.Tensor) -> bool:
     """Ask for huge pages under the 2 MB-aligned interior of ``t``'s memory
     (a CPU tensor of at least :data:`MIN_BYTES`).  True when the kernel
     accepted the advice (it still decides at each fault); False when the
     tensor is too small, not on the CPU, turned off or refused."""
-    if t.device.type != "cpu" or not config.env_huge_pages():
-        return False
-    nbytes = t.numel() * t.element_size()
-    if nbytes < MIN_BYTES:
-        return False
-    fn = _libc_madvise()
-    if not fn:
-        return False
-    start = t.data_ptr()
-    lo = (start + _HUGE - 1) // _HUGE * _HUGE
-    hi = (start + nbytes) // _HUGE * _HUGE
-    if hi <= lo:
-        return False
-    return fn(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+    return _wanted(t.numel(), t.dtype, t.device) and _advise_interior(t)
 
 
 def empty(numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.empty(numel)``, advised before anything touches it.  Its
     pages are faulted in by whoever writes it first."""
     t = torch.empty(numel, dtype=dtype, device=device)
-    if _wanted(numel, dtype, device):
-        advise(t)
+    advise(t)
     return t
 
 
@@ -97,7 +91,9 @@ def zeros(numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.zeros(numel)`` whose zeros are written after the advice."""
     if not _wanted(numel, dtype, device):
         return torch.zeros(numel, dtype=dtype, device=device)
-    return empty(numel, dtype, device).zero_()
+    t = torch.empty(numel, dtype=dtype, device=device)
+    _advise_interior(t)
+    return t.zero_()
 
 
 def empty_like(ref: torch.Tensor) -> torch.Tensor:
