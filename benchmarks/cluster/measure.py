@@ -39,6 +39,7 @@ from gtopk_plugin.compress import registry
 from gtopk_plugin.reducer import GradientReducer, k_for
 
 from . import codecs as codec_rows
+from .cpu_account import busy_split, cpu_jiffies
 from . import shapes as model_shapes
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -136,26 +137,6 @@ def _ops(ctx):
     return getattr(ctx.transport, "collectives", None)
 
 
-def _cpu_jiffies():
-    """Machine-wide CPU time split from /proc/stat (user, system, softirq, idle...)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        keys = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-        return dict(zip(keys, v))
-    except (OSError, ValueError):
-        return None
-
-
-def _busy(a, b):
-    """Fractions of all CPUs busy, and in softirq (network stack), between two samples."""
-    if not a or not b:
-        return None, None
-    d = {k: b[k] - a[k] for k in a}
-    tot = sum(d.values()) or 1
-    return 1 - (d["idle"] + d["iowait"]) / tot, d["softirq"] / tot
-
-
 def comm_grid(ctx, p):
     """Measurement 1.  ``p``: numels, densities, dtypes, methods, steps
     (dict N -> steps), warmup, and optionally ``linktest`` (the parameters
@@ -201,14 +182,14 @@ def comm_grid(ctx, p):
                         _scope(ctx, f"{N}.{dtype}.{method}.{d}")
                         ctx.barrier()
                         if s == p["warmup"]:
-                            cpu0, j0 = time.process_time(), _cpu_jiffies()
+                            cpu0, j0 = time.process_time(), cpu_jiffies()
                         n0 = _ops(ctx)
                         dt, delta, rounds, w = _timed_exchange(ctx, agg, sel)
                         if s >= p["warmup"]:
                             times.append(dt)
                             wire.append(w)
                             ops.append(None if n0 is None else _ops(ctx) - n0)
-                    busy, softirq = _busy(j0, _cpu_jiffies())
+                    busy, softirq = busy_split(j0, cpu_jiffies())
                     proc_cpu = (time.process_time() - cpu0) / steps
                     rows.append(dict(engine=engine, P=ctx.size, numel=N, dtype=dtype, method=method,
                                      density=d, k=int(k.sum()) if d is not None else None,

@@ -34,6 +34,8 @@ import itertools
 import statistics
 from typing import List, Optional
 
+from ..cluster.cpu_account import fractions
+
 
 def _med(xs):
     xs = [x for x in xs if x is not None]
@@ -78,10 +80,29 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
                params_equal=len({r["checksum"] for r in per_rank}) == 1,
                loss_first=sum(r0["losses"][:5]) / len(r0["losses"][:5]),
                loss_last=sum(r0["losses"][-5:]) / len(r0["losses"][-5:]))
+    row["cpu"] = cpu_demand(per_rank, len(times))
     if "elastic" in r0:
         row["elastic"] = r0["elastic"]
         row["latency_injected"] = [r["latency"] for r in per_rank]
     return row
+
+
+def cpu_demand(per_rank: list, steps: int) -> Optional[dict]:
+    """The job's CPU per step: every rank's process CPU summed, and the
+    machine's busy share over rank 0's step windows (None for results
+    recorded before these counters existed)."""
+    r0 = per_rank[0]
+    if "proc_cpu" not in r0 or not steps:
+        return None
+    workers = sum(sum(r["proc_cpu"]) for r in per_rank) / steps
+    ticks, hz, cores = r0.get("machine_ticks"), r0.get("ticks_per_s"), r0.get("cores")
+    busy, softirq = fractions(ticks)
+    machine = None
+    if busy is not None and hz:
+        machine = (sum(ticks.values()) - ticks["idle"] - ticks["iowait"]) / hz / steps
+    return dict(workers_s_per_step=workers, machine_busy=busy, machine_softirq=softirq,
+                machine_s_per_step=machine, cores=cores,
+                cpu_bound_step_s=None if machine is None or not cores else machine / cores)
 
 
 def group_key(r):
@@ -130,13 +151,19 @@ def _f(v, fmt, dash="–"):
     return dash if v is None else format(v, fmt)
 
 
+def _ms(v):
+    return _f(None if v is None else 1e3 * v, '.0f')
+
+
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | link | seed | engine | method | final acc % | Δ vs base (pp) | target % | "
              "time to target s | × base | × Top-k | to −2 pp s (× base) | wall s | MB/step (accounting) | MB/step (eth0) | "
-             "step ms | compute ms | comm+wait ms | training-thread CPU ms | params equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms | compute ms | comm+wait ms | training-thread CPU ms | workers' CPU ms/step | machine busy % | "
+             "CPU-bound step ms | params equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tgt = r.get("target")
+        c = r.get("cpu") or {}
         lines.append(
             f"| {r['workload']} | {r['rate_label']} | {r['seed']} | {r['engine']} | {r['name']} | "
             f"{100 * r['final_accuracy']:.2f} | {_f(r.get('acc_delta_pp'), '+.2f')} | "
@@ -149,6 +176,9 @@ def markdown(rows: List[dict]) -> str:
             f"{1e3 * r['step_s']:.0f} | {_f(None if r['compute_s'] is None else 1e3 * r['compute_s'], '.0f')} | "
             f"{_f(None if r['comm_wait_s'] is None else 1e3 * r['comm_wait_s'], '.0f')} | "
             f"{_f(None if r.get('step_cpu_s') is None else 1e3 * r['step_cpu_s'], '.0f')} | "
+            f"{_ms(c.get('workers_s_per_step'))} | "
+            f"{_f(None if c.get('machine_busy') is None else 100 * c['machine_busy'], '.0f')} | "
+            f"{_ms(c.get('cpu_bound_step_s'))} | "
             f"{'yes' if r['params_equal'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 

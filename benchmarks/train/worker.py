@@ -34,16 +34,23 @@ test set every ``eval_every`` steps while the others wait at a barrier).
 Compute alone: at every evaluation each rank times forward + backward +
 update of a twin of the model with no communication at all (same batch,
 same processes, same machine load at that moment).
+CPU: each rank records its process's CPU time per step (every thread: the
+engine's background threads, gloo's, Horovod's), and rank 0 the whole
+machine's busy ticks during the steps (/proc/stat: every worker, the
+kernel's network stack): where the workers share a few cores, a step can
+wait on the CPU, not on the link.
 """
 from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ..cluster.cpu_account import Windows
 from ..cluster.netns import tx_bytes
 from . import workloads
 
@@ -212,19 +219,26 @@ def train(ctx, p):
     lr_sched = torch.optim.lr_scheduler.LambdaLR(
         sched_opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gb = p["batch"] * P
-    out = {"times": [], "cpu": [], "losses": [], "bytes": [], "tx": [], "compute": [], "evals": []}
+    out = {"times": [], "cpu": [], "proc_cpu": [], "losses": [], "bytes": [], "tx": [], "compute": [],
+           "evals": []}
+    machine = Windows() if rank == 0 else None
     ctx.barrier()
     for s in range(steps):
         idx = torch.tensor_split(_batch(p["seed"], s, len(y), gb), P)[rank]
         xb, yb = x[idx], y[idx]
         tx0 = tx_bytes(p["iface"])
-        t0, c0 = time.perf_counter(), time.thread_time()
+        if machine is not None:
+            machine.start()
+        t0, c0, q0 = time.perf_counter(), time.thread_time(), time.process_time()
         loss = eng.step(xb, yb)
-        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+        dt, dc, dq = time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - q0
+        if machine is not None:
+            machine.stop()
         tx1 = tx_bytes(p["iface"])
         lr_sched.step()
         out["times"].append(dt)
         out["cpu"].append(dc)  # the training thread's CPU time: compute, hooks, selection
+        out["proc_cpu"].append(dq)  # every thread of this worker's process
         out["losses"].append(loss)
         out["bytes"].append(eng.bytes_last())
         out["tx"].append(None if tx0 is None else tx1 - tx0)
@@ -237,6 +251,10 @@ def train(ctx, p):
             acc = f" acc {100 * ev['accuracy']:.1f}%" if ev else ""
             ctx.progress(what=f"{run['name']} step {s + 1}/{steps}{acc}")
     eng.drain()
+    if machine is not None:
+        out["machine_ticks"] = machine.as_dict()
+        out["ticks_per_s"] = os.sysconf("SC_CLK_TCK")
+        out["cores"] = os.cpu_count()
     with torch.no_grad():
         out["checksum"] = float(sum(q.double().sum().item() for q in model.parameters()))
     stats = getattr(getattr(eng, "sched", None), "stats", None)

@@ -65,6 +65,10 @@ def test_quick_run_writes_curves_and_loss_falls(tmp_path):
         assert r["total_bytes"] > 0 and r["compute_s"] > 0
         # a thread's CPU time within a step cannot exceed the step's wall time
         assert 0 < r["step_cpu_s"] <= r["step_s"] + 1e-4, r["name"]
+        # the job's CPU demand: every rank's process and the machine's ticks during the steps
+        cpu = r["cpu"]
+        assert cpu["workers_s_per_step"] > 0 and cpu["cores"] == os.cpu_count(), r["name"]
+        assert 0 < cpu["machine_busy"] <= 1 and cpu["cpu_bound_step_s"] > 0, r["name"]
     dense = next(r for r in rows if r["engine"] == "ddp" and r["method"] == "dense")
     sparse = [r for r in rows if r["method"] == "gtopk"]
     assert all(r["bytes_per_step"] < dense["bytes_per_step"] / 10 for r in sparse)

@@ -38,3 +38,28 @@ def test_the_per_step_figure_leaves_out_the_density_warm_up_and_the_busiest_rank
 def test_engines_that_count_nothing_report_none():
     row = report.merge([_rank([0.1] * 3, [None] * 3)], {}, "lo")
     assert row["bytes_per_step"] is None and row["tx_bytes_per_step"] is None and row["total_bytes"] == 0
+
+
+# -- CPU demand (the machine's cores are shared by every worker) ----------------
+
+def test_cpu_demand_sums_every_ranks_process_cpu_and_reads_the_machines_ticks():
+    a, b = _rank([0.1] * 4, [0] * 4), _rank([0.1] * 4, [0] * 4)
+    a["proc_cpu"], b["proc_cpu"] = [0.05, 0.07, 0.06, 0.06], [0.10, 0.02, 0.04, 0.04]
+    # 2 cores at 100 ticks/s over 0.4 s of steps: 80 ticks, 60 of them busy (10 softirq)
+    a.update(machine_ticks={"user": 40, "nice": 0, "system": 8, "idle": 16, "iowait": 4, "irq": 2,
+                            "softirq": 10, "steal": 0}, ticks_per_s=100, cores=2)
+    cpu = report.merge([a, b], {}, "lo")["cpu"]
+    assert abs(cpu["workers_s_per_step"] - (0.24 + 0.20) / 4) < 1e-12
+    assert abs(cpu["machine_busy"] - 60 / 80) < 1e-12 and abs(cpu["machine_softirq"] - 10 / 80) < 1e-12
+    assert abs(cpu["machine_s_per_step"] - 0.60 / 4) < 1e-12      # 60 busy ticks = 0.6 CPU-s over 4 steps
+    assert abs(cpu["cpu_bound_step_s"] - 0.60 / 4 / 2) < 1e-12    # spread over both cores
+
+
+def test_rows_recorded_before_the_cpu_counters_show_dashes():
+    row = report.merge([_rank([0.1] * 2, [1, 1])], {}, "lo")
+    assert row["cpu"] is None
+    row.update(workload="vgg", rate_label="1gbit", seed=0, engine="ddp", name="dense")
+    line = report.markdown([row]).splitlines()
+    cells = [len(x.strip().strip("|").split("|")) for x in line]
+    assert cells[0] == cells[1] == cells[2]                      # header, rule and row agree
+    assert line[2].rstrip(" |").endswith("| – | – | – | yes")
