@@ -50,6 +50,27 @@ def busy_split(a: Optional[Dict[str, int]], b: Optional[Dict[str, int]]) -> Tupl
     return fractions({k: b[k] - a[k] for k in b})
 
 
+def parse_schedstat(text: str) -> Tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) from a
+    task's ``schedstat`` (nanoseconds: run time, run-queue wait, slices)."""
+    parts = text.split()
+    if len(parts) < 2:
+        raise ValueError(f"not a schedstat line: {text[:40]!r}")
+    return int(parts[0]) / 1e9, int(parts[1]) / 1e9
+
+
+def thread_schedstat() -> Optional[Tuple[float, float]]:
+    """:func:`parse_schedstat` of the calling thread; None where the kernel
+    does not keep it (no CONFIG_SCHED_INFO, or no /proc).  The wait is
+    the time the thread was ready to run while every core ran something
+    else: on a shared machine, time a step lost to the CPU, not the link."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return parse_schedstat(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 class Windows:
     """Ticks summed over chosen windows only (the training steps, not the
     evaluations between them): ``start()`` … ``stop()`` around each."""

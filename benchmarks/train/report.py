@@ -81,6 +81,10 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
                loss_first=sum(r0["losses"][:5]) / len(r0["losses"][:5]),
                loss_last=sum(r0["losses"][-5:]) / len(r0["losses"][-5:]))
     row["cpu"] = cpu_demand(per_rank, len(times))
+    runq = [r.get("runq") for r in per_rank]
+    if runq and all(q is not None and None not in q for q in runq):
+        # the training thread's wait for a core: like step_cpu_s, the median over steps of the largest rank's
+        row["cpu"] = dict(row["cpu"] or {}, runqueue_s=_med([max(q) for q in zip(*runq)]))
     if "elastic" in r0:
         row["elastic"] = r0["elastic"]
         row["latency_injected"] = [r["latency"] for r in per_rank]
@@ -158,9 +162,9 @@ def _ms(v):
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | link | seed | engine | method | final acc % | Δ vs base (pp) | target % | "
              "time to target s | × base | × Top-k | to −2 pp s (× base) | wall s | MB/step (accounting) | MB/step (eth0) | "
-             "step ms | compute ms | comm+wait ms | training-thread CPU ms | workers' CPU ms/step | machine busy % | "
-             "CPU-bound step ms | params equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms | compute ms | comm+wait ms | training-thread CPU ms | training thread waiting for a core ms | "
+             "workers' CPU ms/step | machine busy % | CPU-bound step ms | params equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tgt = r.get("target")
         c = r.get("cpu") or {}
@@ -176,7 +180,7 @@ def markdown(rows: List[dict]) -> str:
             f"{1e3 * r['step_s']:.0f} | {_f(None if r['compute_s'] is None else 1e3 * r['compute_s'], '.0f')} | "
             f"{_f(None if r['comm_wait_s'] is None else 1e3 * r['comm_wait_s'], '.0f')} | "
             f"{_f(None if r.get('step_cpu_s') is None else 1e3 * r['step_cpu_s'], '.0f')} | "
-            f"{_ms(c.get('workers_s_per_step'))} | "
+            f"{_ms(c.get('runqueue_s'))} | {_ms(c.get('workers_s_per_step'))} | "
             f"{_f(None if c.get('machine_busy') is None else 100 * c['machine_busy'], '.0f')} | "
             f"{_ms(c.get('cpu_bound_step_s'))} | "
             f"{'yes' if r['params_equal'] else 'NO'} |")

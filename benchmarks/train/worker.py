@@ -38,7 +38,9 @@ CPU: each rank records its process's CPU time per step (every thread: the
 engine's background threads, gloo's, Horovod's), and rank 0 the whole
 machine's busy ticks during the steps (/proc/stat: every worker, the
 kernel's network stack): where the workers share a few cores, a step can
-wait on the CPU, not on the link.
+wait on the CPU, not on the link.  The training thread's run-queue wait per
+step (/proc/thread-self/schedstat) says how much of its step it was ready
+to run while every core ran something else.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..cluster.cpu_account import Windows
+from ..cluster.cpu_account import Windows, thread_schedstat
 from ..cluster.netns import tx_bytes
 from . import workloads
 
@@ -219,7 +221,7 @@ def train(ctx, p):
     lr_sched = torch.optim.lr_scheduler.LambdaLR(
         sched_opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gb = p["batch"] * P
-    out = {"times": [], "cpu": [], "proc_cpu": [], "losses": [], "bytes": [], "tx": [], "compute": [],
+    out = {"times": [], "cpu": [], "proc_cpu": [], "runq": [], "losses": [], "bytes": [], "tx": [], "compute": [],
            "evals": []}
     machine = Windows() if rank == 0 else None
     ctx.barrier()
@@ -229,9 +231,11 @@ def train(ctx, p):
         tx0 = tx_bytes(p["iface"])
         if machine is not None:
             machine.start()
+        r0 = thread_schedstat()
         t0, c0, q0 = time.perf_counter(), time.thread_time(), time.process_time()
         loss = eng.step(xb, yb)
         dt, dc, dq = time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - q0
+        r1 = thread_schedstat()
         if machine is not None:
             machine.stop()
         tx1 = tx_bytes(p["iface"])
@@ -239,6 +243,8 @@ def train(ctx, p):
         out["times"].append(dt)
         out["cpu"].append(dc)  # the training thread's CPU time: compute, hooks, selection
         out["proc_cpu"].append(dq)  # every thread of this worker's process
+        # the training thread ready to run but without a core (shared machine)
+        out["runq"].append(None if r0 is None or r1 is None else r1[1] - r0[1])
         out["losses"].append(loss)
         out["bytes"].append(eng.bytes_last())
         out["tx"].append(None if tx0 is None else tx1 - tx0)

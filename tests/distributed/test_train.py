@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.cluster import harness, netns  # noqa: E402
+from benchmarks.cluster import cpu_account, harness, netns  # noqa: E402
 from benchmarks.train import report  # noqa: E402
 
 
@@ -69,6 +69,8 @@ def test_quick_run_writes_curves_and_loss_falls(tmp_path):
         cpu = r["cpu"]
         assert cpu["workers_s_per_step"] > 0 and cpu["cores"] == os.cpu_count(), r["name"]
         assert 0 < cpu["machine_busy"] <= 1 and cpu["cpu_bound_step_s"] > 0, r["name"]
+        if cpu_account.thread_schedstat() is not None:
+            assert 0 <= cpu["runqueue_s"] <= r["step_s"], r["name"]
     dense = next(r for r in rows if r["engine"] == "ddp" and r["method"] == "dense")
     sparse = [r for r in rows if r["method"] == "gtopk"]
     assert all(r["bytes_per_step"] < dense["bytes_per_step"] / 10 for r in sparse)

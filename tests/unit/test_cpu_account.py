@@ -56,3 +56,19 @@ def test_a_busy_thread_shows_in_the_machines_account():
     t = w.as_dict()
     busy_s = (sum(t.values()) - t["idle"] - t["iowait"]) / os.sysconf("SC_CLK_TCK")
     assert busy_s >= 0.45            # at least the spin (ticks are 10 ms; other load only adds)
+
+
+def test_schedstat_is_read_as_seconds_on_a_cpu_and_waiting_for_one():
+    assert cpu_account.parse_schedstat("1500000000 250000000 42\n") == (1.5, 0.25)
+    with pytest.raises(ValueError):
+        cpu_account.parse_schedstat("")
+
+
+@pytest.mark.skipif(cpu_account.thread_schedstat() is None, reason="the kernel keeps no schedstat")
+def test_the_calling_threads_schedstat_counts_its_own_cpu():
+    a = cpu_account.thread_schedstat()
+    stop = time.thread_time() + 0.3
+    while time.thread_time() < stop:     # 0.3 s of this thread's CPU (the kernel's own account is the oracle)
+        pass
+    b = cpu_account.thread_schedstat()
+    assert 0.28 <= b[0] - a[0] <= 0.40 and b[1] >= a[1] >= 0

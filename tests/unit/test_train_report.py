@@ -62,4 +62,13 @@ def test_rows_recorded_before_the_cpu_counters_show_dashes():
     line = report.markdown([row]).splitlines()
     cells = [len(x.strip().strip("|").split("|")) for x in line]
     assert cells[0] == cells[1] == cells[2]                      # header, rule and row agree
-    assert line[2].rstrip(" |").endswith("| – | – | – | yes")
+    assert line[2].rstrip(" |").endswith("| – | – | – | – | yes")
+
+
+def test_the_training_threads_wait_for_a_core_is_the_median_of_each_steps_largest():
+    a, b = _rank([0.1] * 3, [0] * 3), _rank([0.1] * 3, [0] * 3)
+    a["proc_cpu"] = b["proc_cpu"] = [0.01] * 3
+    a["runq"], b["runq"] = [0.010, 0.030, 0.002], [0.020, 0.001, 0.050]
+    assert abs(report.merge([a, b], {}, "lo")["cpu"]["runqueue_s"] - 0.030) < 1e-12   # median of 20, 30, 50 ms
+    b["runq"] = [None] * 3                                                           # no schedstat here
+    assert "runqueue_s" not in report.merge([a, b], {}, "lo")["cpu"]
