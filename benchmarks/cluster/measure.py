@@ -39,8 +39,8 @@ from gtopk_plugin.compress import registry
 from gtopk_plugin.reducer import GradientReducer, k_for
 
 from . import codecs as codec_rows
-from .cpu_account import busy_split, cpu_jiffies
 from . import shapes as model_shapes
+from .cpu_account import busy_split, cpu_jiffies
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 

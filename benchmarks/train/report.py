@@ -81,10 +81,6 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
                loss_first=sum(r0["losses"][:5]) / len(r0["losses"][:5]),
                loss_last=sum(r0["losses"][-5:]) / len(r0["losses"][-5:]))
     row["cpu"] = cpu_demand(per_rank, len(times))
-    runq = [r.get("runq") for r in per_rank]
-    if runq and all(q is not None and None not in q for q in runq):
-        # the training thread's wait for a core: like step_cpu_s, the median over steps of the largest rank's
-        row["cpu"] = dict(row["cpu"] or {}, runqueue_s=_med([max(q) for q in zip(*runq)]))
     if "elastic" in r0:
         row["elastic"] = r0["elastic"]
         row["latency_injected"] = [r["latency"] for r in per_rank]
@@ -92,9 +88,10 @@ def merge(per_rank: list, cfg: dict, label: str) -> dict:
 
 
 def cpu_demand(per_rank: list, steps: int) -> Optional[dict]:
-    """The job's CPU per step: every rank's process CPU summed, and the
-    machine's busy share over rank 0's step windows (None for results
-    recorded before these counters existed)."""
+    """The job's CPU per step: every rank's process CPU summed, the
+    machine's busy share over rank 0's step windows and, where the kernel
+    keeps schedstat, the training thread's wait for a core (None for
+    results recorded before these counters existed)."""
     r0 = per_rank[0]
     if "proc_cpu" not in r0 or not steps:
         return None
@@ -104,9 +101,14 @@ def cpu_demand(per_rank: list, steps: int) -> Optional[dict]:
     machine = None
     if busy is not None and hz:
         machine = (sum(ticks.values()) - ticks["idle"] - ticks["iowait"]) / hz / steps
-    return dict(workers_s_per_step=workers, machine_busy=busy, machine_softirq=softirq,
-                machine_s_per_step=machine, cores=cores,
-                cpu_bound_step_s=None if machine is None or not cores else machine / cores)
+    out = dict(workers_s_per_step=workers, machine_busy=busy, machine_softirq=softirq,
+               machine_s_per_step=machine, cores=cores,
+               cpu_bound_step_s=None if machine is None or not cores else machine / cores)
+    runq = [r.get("runq") for r in per_rank]
+    if all(q is not None and None not in q for q in runq):
+        # the training thread's wait for a core: like step_cpu_s, the median over steps of the largest rank's
+        out["runqueue_s"] = _med([max(q) for q in zip(*runq)])
+    return out
 
 
 def group_key(r):
