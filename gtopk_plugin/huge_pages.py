@@ -12,9 +12,11 @@ Linux grants such pages to private anonymous memory that asks for them
 (``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hugepage/
 enabled`` is ``madvise`` -- the default of most distributions -- or
 ``always``.  The advice must come before the pages are first touched: an
-N-sized ``torch.empty`` is a fresh, untouched ``mmap`` of glibc's, so the
-buffer is allocated empty, advised on its 2 MB-aligned interior, and only
-then filled.  The advice is a hint: where the kernel refuses it (another
+N-sized ``torch.empty`` is usually a fresh, untouched ``mmap`` of glibc's,
+so the buffer is allocated empty, advised on its 2 MB-aligned interior, and
+only then filled.  Where the allocator serves it from memory the process
+touched before (glibc's heap, in a long-running process), those pages stay
+on 4 KB pages and only the rest is backed.  The advice is a hint: where the kernel refuses it (another
 OS, THP ``never``, no ``libc``), the buffer is an ordinary one and nothing
 else changes.  ``GTOPK_HUGE_PAGES=0`` turns it off.
 """
