@@ -74,8 +74,10 @@ def _fresh(code):
 def test_the_kernel_records_the_advice_on_the_whole_interior():
     z = huge_pages.zeros(N, torch.float32)
     flags = _vm_flags(z)
-    assert flags and all("hg" in f for f in flags)       # every mapping under the interior is advised
-    assert not any("hg" in f for f in _vm_flags(torch.zeros(N)))  # a plain tensor's is not
+    # every mapping under the interior is advised (that a plain tensor's is
+    # not is checked in a fresh interpreter below: here it may reuse memory
+    # an earlier test advised)
+    assert flags and all("hg" in f for f in flags)
 
 
 @needs_madvise
