@@ -16,16 +16,16 @@ N-sized ``torch.empty`` is usually a fresh, untouched ``mmap`` of glibc's,
 so the buffer is allocated empty, advised on its 2 MB-aligned interior, and
 only then filled.  Where the allocator serves it from memory the process
 touched before (glibc's heap, in a long-running process), those pages stay
-on 4 KB pages and only the rest is backed.  The advice is a hint: where the kernel refuses it (another
-OS, THP ``never``, no ``libc``), the buffer is an ordinary one and nothing
-else changes.  ``GTOPK_HUGE_PAGES=0`` turns it off.
+on 4 KB pages and only the rest is backed.  The advice is a hint: where the
+kernel refuses it (another OS, THP ``never``, no ``libc``), the buffer is an
+ordinary one and nothing else changes.  ``GTOPK_HUGE_PAGES=0`` turns it off.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -65,11 +65,16 @@ def _wanted(numel: int, dtype: torch.dtype, device) -> bool:
             and config.env_huge_pages() and bool(_libc_madvise()))
 
 
+def interior(t: torch.Tensor):
+    """(lo, hi): the 2 MB-aligned addresses inside ``t``'s memory, the part
+    the advice covers (empty when hi <= lo)."""
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    return (start + _HUGE - 1) // _HUGE * _HUGE, (start + nbytes) // _HUGE * _HUGE
+
+
 def _advise_interior(t: torch.Tensor) -> bool:
     """madvise the 2 MB-aligned interior of ``t``'s memory (checks done)."""
-    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    lo = (start + _HUGE - 1) // _HUGE * _HUGE
-    hi = (start + nbytes) // _HUGE * _HUGE
+    lo, hi = interior(t)
     return hi > lo and _libc_madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
 
 
@@ -103,25 +108,28 @@ def empty_like(ref: torch.Tensor) -> torch.Tensor:
     return empty(ref.numel(), ref.dtype, ref.device)
 
 
-def huge_kb(t: Optional[torch.Tensor] = None) -> int:
-    """KB of this process's memory on huge pages (``AnonHugePages`` summed
-    over /proc/self/smaps; 0 where unreadable).  With ``t``, only over the
-    mappings that overlap ``t``'s memory.  For tests and benchmarks."""
-    if t is None:
-        lo_t, hi_t = 0, 1 << 64
-    else:
-        lo_t = t.data_ptr()
-        hi_t = lo_t + t.numel() * t.element_size()
-    total, inside = 0, False
+def smaps_field(lo: int, hi: int, key: str) -> List[List[str]]:
+    """The values of field ``key`` (e.g. ``"AnonHugePages:"``, ``"VmFlags:"``)
+    of every mapping in /proc/self/smaps that overlaps addresses [lo, hi),
+    split into words; [] where unreadable.  The kernel's own account."""
+    out, inside = [], False
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(None, 1)[0]
                 if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo < hi_t and lo_t < hi
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1])
+                    a, b = (int(x, 16) for x in head.split("-"))
+                    inside = a < hi and lo < b
+                elif inside and head == key:
+                    out.append(line.split()[1:])
     except OSError:
-        return 0
-    return total
+        return []
+    return out
+
+
+def huge_kb(t: Optional[torch.Tensor] = None) -> int:
+    """KB of this process's memory on huge pages (``AnonHugePages`` summed
+    over /proc/self/smaps; 0 where unreadable).  With ``t``, only over the
+    mappings that overlap ``t``'s memory.  For tests and benchmarks."""
+    lo, hi = (0, 1 << 64) if t is None else (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+    return sum(int(v[0]) for v in smaps_field(lo, hi, "AnonHugePages:"))

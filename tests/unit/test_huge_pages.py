@@ -47,18 +47,7 @@ def test_zeros_and_empty_like_are_ordinary_tensors():
 
 def _vm_flags(t):
     """VmFlags of every mapping that overlaps ``t``'s 2 MB-aligned interior."""
-    lo_t = (t.data_ptr() + 2 ** 21 - 1) // 2 ** 21 * 2 ** 21
-    hi_t = (t.data_ptr() + t.numel() * t.element_size()) // 2 ** 21 * 2 ** 21
-    flags, inside = [], False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < hi_t and lo_t < hi
-            elif inside and head == "VmFlags:":
-                flags.append(line.split()[1:])
-    return flags
+    return huge_pages.smaps_field(*huge_pages.interior(t), "VmFlags:")
 
 
 def _fresh(code):
