@@ -75,7 +75,10 @@ class HorovodEngine:
         return HorovodTransport(side_channel=self.side_channel)
 
     def barrier(self) -> None:
-        self.hvd.barrier()
+        # waited with sleeps: Horovod's own barrier spins (waiting.barrier)
+        from gtopk_plugin.frameworks.horovod.waiting import barrier
+
+        barrier()
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

@@ -27,6 +27,7 @@ hvd.init()
 
 import gtopk_plugin as gp  # noqa: E402
 from gtopk_plugin.elastic import ElasticScheduler, ThreadedReduction  # noqa: E402
+from gtopk_plugin.frameworks.horovod.waiting import barrier  # noqa: E402
 from gtopk_plugin.horovod import HorovodTransport  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
@@ -96,7 +97,7 @@ def main():
     check(res, "bad/beta_one", lambda: bad(beta=2.0 if R == 1 else 0.5))
     check(res, "bad/after", lambda: elastic("sgd_momentum", policy="barrier")[0])
     torch.save(res, os.path.join(outdir, f"rank{R}.pt"))
-    hvd.barrier()
+    barrier()  # Horovod's own barrier spins: see waiting.barrier
     hvd.shutdown()
 
 

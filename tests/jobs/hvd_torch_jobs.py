@@ -25,10 +25,19 @@ torch.set_num_threads(1)
 PROCSET = hvd.ProcessSet([0, 1]) if int(os.environ.get("HOROVOD_SIZE", "1")) >= 3 else None
 hvd.init(process_sets=[PROCSET] if PROCSET is not None else None)
 
+from gtopk_plugin.frameworks.horovod.waiting import barrier  # noqa: E402
 from gtopk_plugin.horovod import Compression, DistributedOptimizer  # noqa: E402
 
 R, P = hvd.rank(), hvd.size()
 STEPS = 4
+T0 = time.monotonic()
+
+
+def progress(msg):
+    # on stderr, with the seconds since this rank started: when a job dies
+    # (a gloo timeout, a hang killed by the parent), the tail of its output
+    # says which check each rank was in and since when
+    print(f"{time.monotonic() - T0:7.1f} s {msg}", file=sys.stderr, flush=True)
 
 
 class CountingOps:
@@ -150,11 +159,13 @@ def run_dense(make_opt, steps=STEPS, bpps=1, momentum=0.9):
 
 def check(results, key, fn, *args, **kwargs):
     t0 = time.perf_counter()
+    progress(f"check {key} rank {R} starts")
     try:
         results[key] = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - recorded for the parent
         results[key] = ("error", (type(e).__name__, str(e), traceback.format_exc()))
     results.setdefault("seconds", {})[key] = time.perf_counter() - t0
+    progress(f"check {key} rank {R} {results[key][0]} {time.perf_counter() - t0:.1f} s")
 
 
 # ---------------------------------------------------------------------------
@@ -180,10 +191,11 @@ def job_dense(res):
 
 
 def quiet_wait(late_s=0.5):
-    """Dense steps wait without Horovod's spinning ``synchronize``: rank 1
-    starts each backward ``late_s`` late, and every handle must reach
-    Horovod's ``synchronize`` already complete on every rank (ours: Horovod's
-    own optimizer under Compression.none, and our dense path with groups).
+    """Steps wait without Horovod's spinning ``synchronize``: rank 1 starts
+    each backward ``late_s`` late, and every handle must reach Horovod's
+    ``synchronize`` already complete on every rank (ours: Horovod's own
+    optimizer under Compression.none, our dense path with groups, and the
+    sparse path, whose first step makes the side channel).
     Stock Horovod runs the same steps as the control: on rank 0 its handles
     are still in flight at ``synchronize``.  Returns, per run, the poll
     results seen at each ``synchronize`` call and the final parameters."""
@@ -201,6 +213,9 @@ def quiet_wait(late_s=0.5):
 
     runs = {"ours_none": lambda o, m: DistributedOptimizer(o, named_parameters=m.named_parameters()),
             "ours_groups": lambda o, m: DistributedOptimizer(o, named_parameters=m.named_parameters(), groups=2),
+            # the first step makes the gloo side channel (a Horovod broadcast)
+            "ours_gtopk": lambda o, m: DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                            compression=Compression.gtopk(0.1)),
             "stock": lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())}
     out = {}
     hopt.synchronize, mpi_ops.synchronize = recording(real_module), recording(real_ops)
@@ -320,6 +335,7 @@ def bad_inputs():
     model = make_model()  # never trained here: optimizers that fail to build register no hooks
 
     def expect(key, fn):
+        progress(f"check bad/{key} rank {R} starts")
         try:
             fn()
             out[key] = ("no error", "")
@@ -363,11 +379,13 @@ def bad_inputs():
         opt.synchronize()
         return {n: p.grad.clone() for n, p in model.named_parameters()}, opt.state_dict()["gtopk_plugin"]
     expect("nonfinite_raise", lambda: nonfinite("raise"))
+    progress(f"check bad/nonfinite_propagate rank {R} starts")
     try:
         out["nonfinite_propagate"] = ("ok", nonfinite("propagate"))
     except Exception as e:  # noqa: BLE001
         out["nonfinite_propagate"] = (type(e).__name__, str(e))
     # still usable after all that
+    progress(f"check bad/after rank {R} starts")
     out["after"] = run_sparse(Compression.gtopk(0.1), steps=1)["out"][0]
     return out
 
@@ -537,8 +555,20 @@ def job_momentum(res):
         torch.optim.Adam(make_model().parameters()), compression=Compression.gtopk(0.1, momentum_correction=True)))
 
 
+def barrier_waits_for_the_last_rank(late_s=0.5):
+    """waiting.barrier (the jobs' own exit barrier): the last rank, late,
+    leaves a file before its barrier; every rank must see it after its own."""
+    marker = os.path.join(sys.argv[2], "last_rank_reached_its_barrier")
+    if R == P - 1:
+        time.sleep(late_s)
+        open(marker, "w").close()
+    barrier()
+    return os.path.exists(marker)
+
+
 JOBS = {
     "main": lambda res: (job_dense(res), job_sparse(res),
+                         check(res, "barrier", barrier_waits_for_the_last_rank),
                          check(res, "warn", warn_after_synchronize),
                          check(res, "broadcast", broadcast_state),
                          check(res, "elastic", elastic_round_trip),
@@ -560,10 +590,13 @@ def main():
     res = {"rank": R, "size": P}
     JOBS[job](res)
     torch.save(res, os.path.join(outdir, f"rank{R}.pt"))
+    progress(f"check saved rank {R}")
     # A rank that shuts Horovod down ends it for everyone (rank 2 of the
     # procset job finishes first): leave together.
-    hvd.barrier()
+    barrier()  # Horovod's own barrier spins: see waiting.barrier
+    progress(f"check barrier rank {R}")
     hvd.shutdown()
+    progress(f"check shutdown rank {R}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import horovod.torch as hvd
 torch.set_num_threads(1)
 hvd.init()
 
+from gtopk_plugin.frameworks.horovod.waiting import barrier  # noqa: E402
 from gtopk_plugin.compress import Codec, register  # noqa: E402
 from gtopk_plugin.horovod import Compression, DistributedOptimizer  # noqa: E402
 
@@ -78,7 +79,7 @@ def main():
         except BaseException as e:  # noqa: BLE001 - recorded for the parent
             res[key] = ("error", (type(e).__name__, str(e), traceback.format_exc()))
     torch.save(res, os.path.join(sys.argv[1], f"rank{R}.pt"))
-    hvd.barrier()
+    barrier()  # Horovod's own barrier spins: see waiting.barrier
     hvd.shutdown()
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 import torch
+from horovod.torch import mpi_ops as _ops
 
 from ..gloo_channel import GlooChannel, store_host
+from . import waiting
 
 
 class SideChannel(GlooChannel):
@@ -40,8 +42,11 @@ class SideChannel(GlooChannel):
     def __init__(self, process_set, name: str):
         def broadcast(words):
             t = torch.tensor(words, dtype=torch.int64)
-            return hvd.broadcast(t, root_rank=0, name=f"{name}.side_channel",
-                                 process_set=process_set).tolist()
+            # waited with sleeps, not hvd.broadcast's spinning synchronize:
+            # rank 0 may wait here for seconds on a loaded node, and a
+            # spinning wait takes a core from the ranks it waits for
+            h = _ops.broadcast_async(t, root_rank=0, name=f"{name}.side_channel", process_set=process_set)
+            return waiting.synchronize(h).tolist()
 
         super().__init__(process_set.rank(), process_set.size(), name,
                          store_host(hvd.local_size(), hvd.size()), broadcast)

@@ -42,6 +42,7 @@ from ...consistency import JoinedRankError
 from ...hierarchical import HierarchicalReducer
 from ...reducer import GradientReducer, local_grad_norm
 from ...traffic import StepTraffic
+from . import waiting
 from .transport import HorovodNodeEngine, HorovodTransport
 
 Tensor = torch.Tensor
@@ -112,7 +113,7 @@ class _SparsePath:
     def _abandon_path(self):
         if self._join_handle is not None:
             try:
-                _ops.synchronize(self._join_handle)
+                waiting.synchronize(self._join_handle)
             except BaseException:  # noqa: BLE001 - the step is being discarded
                 pass
         for fut in self._futures:
