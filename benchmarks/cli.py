@@ -22,6 +22,7 @@ BENCHMARKS = {
     "horovod_overhead": (".horovod_overhead", "main", "Horovod integration overhead vs plain Horovod"),
     "horovod_tf": (".horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
     "horovod_idle": (".horovod_idle", "main", "Horovod's idle coordination traffic per cycle time, shaped link"),
+    "fp16_allreduce": (".fp16_allreduce", "main", "one dense allreduce, fp32 vs fp16, Horovod's gloo vs torch's"),
     "elastic": (".elastic", "main", "elastic consistency scheduler: step time and accuracy"),
     "ddp_step": (".ddp_step", "main", "DDP step on loopback: allreduce vs sparse_hook gTop-k 1%/0.1%"),
     "soak": (".soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
