@@ -92,13 +92,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 2 or args.numel < 1 or args.reps < 1:
         ap.error("--workers must be >= 2, --numel and --reps >= 1")
-    ok, why = harness.horovod_status()
-    if not ok:
-        print(f"gtopk-bench fp16-allreduce: {why}", file=sys.stderr)
-        return 2
-    ok, why = netns.available()
-    if not ok:
-        print(f"gtopk-bench fp16-allreduce: needs network namespaces: {why}", file=sys.stderr)
+    if not harness.horovod_netns_preflight("gtopk-bench fp16-allreduce"):
         return 2
     rows: List[dict] = []
     with netns.NetCluster(args.workers, rate=args.rate) as net:

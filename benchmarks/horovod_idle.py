@@ -74,14 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=20)
     ap.add_argument("--json", default=os.path.join(RESULTS, "horovod_idle.json"))
     args = ap.parse_args(argv)
-    ok, why = harness.horovod_status()
-    if not ok:
-        print(f"gtopk-bench horovod-idle: {why}", file=sys.stderr)
-        return 2
-    ok, why = netns.available()
-    if not ok:
-        print(f"gtopk-bench horovod-idle: needs network namespaces (interface byte counters): {why}",
-              file=sys.stderr)
+    if not harness.horovod_netns_preflight("gtopk-bench horovod-idle", "interface byte counters"):
         return 2
     cycles = horovod_cycles(args.cycles)
     rows: List[dict] = []

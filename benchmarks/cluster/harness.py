@@ -46,6 +46,21 @@ def horovod_status():
     return True, "Horovod with gloo (gtopk_plugin.frameworks.horovod.HorovodTransport)"
 
 
+def horovod_netns_preflight(prog: str, netns_need: str = "") -> bool:
+    """For a benchmark that runs Horovod jobs on namespaced links: True when
+    both are usable here, else False after saying on stderr which is not
+    (``netns_need``: what the namespaces are for)."""
+    from . import netns
+
+    ok, why = horovod_status()
+    if ok:
+        ok, why = netns.available()
+        why = f"needs network namespaces{f' ({netns_need})' if netns_need else ''}: {why}"
+    if not ok:
+        print(f"{prog}: {why}", file=sys.stderr)
+    return ok
+
+
 class Loopback:
     """Stand-in for NetCluster without namespaces: every worker on 127.0.0.1."""
 

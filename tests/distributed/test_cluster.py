@@ -17,8 +17,7 @@ if ROOT not in sys.path:
 from benchmarks.cluster import cli, harness, model as abm, netns  # noqa: E402
 from benchmarks.cluster import shapes as S  # noqa: E402
 
-NETNS_OK, NETNS_WHY = netns.available()
-needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"NETNS TESTS SKIPPED: {NETNS_WHY}")
+from netns_marks import NETNS_OK, needs_netns  # noqa: E402
 
 
 # ---------------------------------------------------------------------------
