@@ -14,6 +14,7 @@ Every rank pickles ``OUTDIR/rank{r}.pkl``: per run its local gradients
 (numpy), the reduced ones, its residuals and last-step traffic (warm-up
 runs: per step, beside the torch reducer's updates and statistics).
 """
+import gc
 import os
 import pickle
 import sys
@@ -131,3 +132,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # the torch process group is freed here, not at interpreter shutdown,
+    # where gloo's worker thread aborts the process (examples/ddp_train.py)
+    gc.collect()

@@ -15,6 +15,7 @@ the int8 wire's stochastic rounding (also against the torch reducer with
 Every rank pickles ``OUTDIR/rank{r}.pkl``: per run the TF updates, the
 torch updates, TF's last-step traffic and the torch reducer's last stats.
 """
+import gc
 import os
 import pickle
 import sys
@@ -207,3 +208,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # the torch process group is freed here, not at interpreter shutdown,
+    # where gloo's worker thread aborts the process (examples/ddp_train.py)
+    gc.collect()
