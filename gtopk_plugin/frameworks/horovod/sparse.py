@@ -42,7 +42,6 @@ from ...consistency import JoinedRankError
 from ...hierarchical import HierarchicalReducer
 from ...reducer import GradientReducer, local_grad_norm
 from ...traffic import StepTraffic
-from . import waiting
 from .transport import HorovodNodeEngine, HorovodTransport
 
 Tensor = torch.Tensor
@@ -113,7 +112,7 @@ class _SparsePath:
     def _abandon_path(self):
         if self._join_handle is not None:
             try:
-                waiting.synchronize(self._join_handle)
+                self._transport._wait(self._join_handle)  # sleeps, as every wait of this path
             except BaseException:  # noqa: BLE001 - the step is being discarded
                 pass
         for fut in self._futures:
