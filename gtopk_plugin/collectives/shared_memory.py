@@ -176,6 +176,10 @@ class SharedMemoryNode:
         return self.failed is None
 
     def _open(self, slot_bytes: int) -> None:
+        with self.node.exclusive("SharedMemoryNode.ensure()"):
+            self._open_held(slot_bytes)
+
+    def _open_held(self, slot_bytes: int) -> None:
         total = _HEAD + (self.L + 1) * (slot_bytes + _ALIGN)
         path = token = None
         err = ""
@@ -234,7 +238,13 @@ class SharedMemoryNode:
 
     def reduce_to_leader(self, numel: int, dtype: torch.dtype) -> Tensor:
         """Sums every rank's slot into the leader's (slot 0), each rank one
-        shard; returns slot 0 (the node sum, to be read by the leader)."""
+        shard; returns slot 0 (the node sum, to be read by the leader).
+        Holds the node group for the whole operation: its two barriers and
+        the shared slots between them belong to one thread at a time."""
+        with self.node.exclusive("SharedMemoryNode.reduce_to_leader()"):
+            return self._reduce_to_leader(numel, dtype)
+
+    def _reduce_to_leader(self, numel: int, dtype: torch.dtype) -> Tensor:
         esz = torch.empty(0, dtype=dtype).element_size()
         step = _SHARD_ALIGN // esz if _SHARD_ALIGN % esz == 0 else 1
         per = _round_up((numel + self.L - 1) // self.L, step)
@@ -261,6 +271,10 @@ class SharedMemoryNode:
         """The leader's byte blob to every rank of the node (others pass
         None); every rank gets its own copy.  None on every rank when the
         blob does not fit the region (the caller then uses the engine)."""
+        with self.node.exclusive("SharedMemoryNode.broadcast()"):
+            return self._broadcast(blob)
+
+    def _broadcast(self, blob: Optional[Tensor]) -> Optional[Tensor]:
         cap = self.slot_bytes + _ALIGN
         n = 0
         if self.r == 0:

@@ -32,8 +32,15 @@ to, tests/distributed/test_threads_vs_gloo.py):
   the boundaries; the study's messages are far below that.)
 
 Failures: a rank that raises aborts the group's barrier, so the others
-stop at their next collective instead of waiting for ever; every wait has a
-timeout.  A group whose barrier was aborted cannot be used again.
+stop at their next collective instead of waiting for ever; every wait --
+the error path's ``allgather_object`` included -- is bounded by the
+group's ``timeout``.  A group whose barrier was aborted cannot be used
+again.
+
+Threads: each endpoint is a Transport like any other, used by one thread
+at a time (:class:`~.transport.UseGuard`); ``map`` may run a rank on a
+different pool thread from one call to the next, which is sequential use
+and allowed.
 """
 from __future__ import annotations
 

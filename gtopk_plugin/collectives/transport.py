@@ -14,11 +14,31 @@ Accounting rules:
   payload figures match the formulas of DESIGN.md §3 exactly;
 - a dense allreduce is counted with the ring model, 2·(P−1)/P·nbytes sent
   and received per worker (the engine's internals are not observable).
+
+Threads: a Transport is not thread-safe, and neither are the engines under
+it -- collectives of one group must be issued in the same order on every
+rank, which two threads of one process cannot guarantee (gloo aborts the
+process on a mismatched pair, or the bytes of two calls cross).  Every
+public primitive therefore holds the transport's :class:`UseGuard` while it
+runs: a second thread that calls in meanwhile gets a
+:class:`ConcurrentUseError` at once, before anything is sent, while the
+first thread's call goes on untouched.  Use from different threads one
+after the other (a worker thread per step, the autograd thread of a
+backward hook) is fine.  :meth:`Transport.exclusive` holds the guard over a
+sequence of calls (one ``reduce()``).  Transports on one torch.distributed
+process group share one guard (:mod:`.torch_distributed`).
+
+Timeouts: every wait of every primitive -- the error path's
+:meth:`Transport.allgather_object` included -- is bounded by the
+transport's own timeout, so a peer that stopped answering is reported
+within it on every rank that waits for it.
 """
 from __future__ import annotations
 
 import abc
+import functools
 import pickle
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import List, Optional
@@ -46,12 +66,109 @@ class TrafficCounters:
                                   for f in fields(self)})
 
 
+class ConcurrentUseError(RuntimeError):
+    """A second thread called into a transport (or a reducer) while another
+    thread was inside it.  Nothing was sent on the second thread's behalf;
+    the first thread's call is unaffected."""
+
+
+class UseGuard:
+    """Detects concurrent use of an object that is not thread-safe.
+
+    ``with guard(what): ...`` marks the calling thread as inside the object
+    for the block; the same thread may enter again (nested calls), another
+    thread entering meanwhile raises :class:`ConcurrentUseError` at once
+    (it never waits: two threads taking turns on one group would still
+    issue their collectives in a different order on different ranks).
+    Entering from different threads one after the other is allowed.  Costs
+    one uncontended lock acquire and release per block."""
+
+    __slots__ = ("name", "_lock", "_depth", "_thread", "_what")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.RLock()
+        self._depth = 0                     # written only by the holding thread
+        self._thread: Optional[str] = None  # the holder's name and call, for the message
+        self._what: Optional[str] = None
+
+    def enter(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"gtopk_plugin: {self.name} is not thread-safe: thread "
+                f"{threading.current_thread().name!r} called {what} while thread {self._thread!r} is "
+                f"inside {self._what}.  Use one reducer (and one transport / process group) per thread, "
+                "or serialise the calls (one thread at a time, e.g. under a lock held across each whole "
+                "step); collectives of one group must run in the same order on every rank.")
+        if self._depth == 0:
+            self._thread, self._what = threading.current_thread().name, what
+        self._depth += 1
+
+    def exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._thread = self._what = None
+        self._lock.release()
+
+    def __call__(self, what: str) -> "_Held":
+        return _Held(self, what)
+
+    @property
+    def holder(self) -> Optional[str]:
+        """The name of the thread inside, or None (informational: it may
+        change as soon as it is read)."""
+        return self._thread
+
+
+class _Held:
+    __slots__ = ("guard", "what")
+
+    def __init__(self, guard: UseGuard, what: str):
+        self.guard, self.what = guard, what
+
+    def __enter__(self):
+        self.guard.enter(self.what)
+        return self.guard
+
+    def __exit__(self, *exc):
+        self.guard.exit()
+        return False
+
+
+# The public primitives: each holds the transport's guard while it runs
+# (subclasses' overrides are wrapped too, by Transport.__init_subclass__).
+_GUARDED = ("exchange", "send", "recv", "phase", "allgather_blobs", "allreduce_sum_",
+            "control_allreduce_max", "allgather_object")
+
+
+_MAKE_GUARD = threading.Lock()
+
+
+def _guarded(fn):
+    what = f"Transport.{fn.__name__}()"
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        guard = self._use_guard()
+        guard.enter(what)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            guard.exit()
+
+    call._gtopk_guarded = True
+    return call
+
+
 class Transport(abc.ABC):
     """Point-to-point and collective primitives over byte tensors.
 
     Subclasses implement ``rank``, ``size`` and the ``_raw_*`` methods; the
     public methods below count traffic and must be called identically (same
-    order) on all ranks, like any collective.
+    order) on all ranks, like any collective.  Not thread-safe: a call from
+    a second thread while one is in progress raises
+    :class:`ConcurrentUseError` (module docstring).  The ``_raw_*``
+    primitives must bound every wait by the transport's timeout.
     """
 
     #: seconds spent inside the engine's primitives (waiting on peers and
@@ -67,6 +184,41 @@ class Transport(abc.ABC):
 
     def __init__(self):
         self.counters = TrafficCounters()
+        self._use: Optional[UseGuard] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in _GUARDED:
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_gtopk_guarded", False):
+                setattr(cls, name, _guarded(fn))
+
+    # -- thread-safety guard ------------------------------------------------
+    def _use_guard(self) -> UseGuard:
+        """The guard the public primitives hold (one per transport; engines
+        whose transports can share a group override this to share one)."""
+        guard = self.__dict__.get("_use")
+        if guard is None:  # made lazily: subclasses may skip __init__, unpickling drops it
+            with _MAKE_GUARD:  # two threads' first calls must get the same guard
+                guard = self.__dict__.get("_use")
+                if guard is None:
+                    guard = self._use = UseGuard(f"{type(self).__name__} (rank {self.rank})")
+        return guard
+
+    def exclusive(self, what: str) -> _Held:
+        """``with transport.exclusive("GradientReducer.reduce()"): ...`` holds
+        this transport for the calling thread over a whole sequence of
+        primitives (one reduce(): its consistency check, exchange and error
+        path): another thread calling in meanwhile -- directly, or through
+        another transport on the same process group -- gets
+        :class:`ConcurrentUseError`, and so does a thread entering this
+        block while another is inside.  Re-entrant on the holding thread."""
+        return _Held(self._use_guard(), what)
+
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        d["_use"] = None  # holds a lock; the copy makes its own guard
+        return d
 
     def _wait_for(self, primitive, *args):
         """Runs one of the ``_raw_*`` primitives, timing it (wait_seconds)."""
@@ -111,6 +263,7 @@ class Transport(abc.ABC):
         return torch.device(device)
 
     # -- counted operations -------------------------------------------------
+    @_guarded
     def exchange(self, peer: int, send: Tensor, recv_nbytes: Optional[int] = None) -> Tensor:
         """Swap byte blobs with ``peer``.  When ``recv_nbytes`` is None the
         sizes are swapped first (an 8-byte header each way)."""
@@ -130,6 +283,7 @@ class Transport(abc.ABC):
         self.counters.messages_sent += 1
         return recv
 
+    @_guarded
     def send(self, peer: int, blob: Tensor, with_header: bool) -> None:
         dev = self.comm_device(blob.device)
         blob = blob.to(dev)
@@ -140,6 +294,7 @@ class Transport(abc.ABC):
         self.counters.payload_bytes_sent += blob.numel()
         self.counters.messages_sent += 1
 
+    @_guarded
     def recv(self, peer: int, nbytes: Optional[int], device) -> Tensor:
         dev = self.comm_device(torch.device(device))
         if nbytes is None:
@@ -152,6 +307,7 @@ class Transport(abc.ABC):
         self.counters.payload_bytes_received += nbytes
         return blob
 
+    @_guarded
     def phase(self, send_to: Optional[int], blob: Optional[Tensor], recv_from: Optional[int],
               recv_nbytes: Optional[int], device, headers: bool) -> Optional[Tensor]:
         """One step of a pairwise schedule (the butterfly) that EVERY rank
@@ -171,6 +327,7 @@ class Transport(abc.ABC):
             return self.recv(recv_from, None if headers else recv_nbytes, device)
         return None
 
+    @_guarded
     def allgather_blobs(self, blob: Tensor, nbytes: Optional[List[int]] = None) -> List[Tensor]:
         """Every rank's blob, in rank order (own included), by a ring of P−1
         neighbour exchanges, so each worker receives exactly the other
@@ -205,6 +362,7 @@ class Transport(abc.ABC):
         self.counters.messages_sent += 1
         return recv
 
+    @_guarded
     def allreduce_sum_(self, t: Tensor) -> Tensor:
         """In-place sum over ranks; counted with the ring model."""
         dev = self.comm_device(t.device)
@@ -220,6 +378,7 @@ class Transport(abc.ABC):
         self.counters.messages_sent += 2 * (P - 1)
         return t
 
+    @_guarded
     def control_allreduce_max(self, t: Tensor) -> Tensor:
         """Small int64 consistency vector, max over ranks (control traffic,
         counted once per call as the vector's bytes, whatever the algorithm).
@@ -249,8 +408,12 @@ class Transport(abc.ABC):
         self.counters.control_bytes += buf.numel() * buf.element_size()
         return buf.to(t.device)
 
+    @_guarded
     def allgather_object(self, obj) -> list:
-        """Picklable object from every rank (error paths only)."""
+        """Picklable object from every rank, in rank order (error paths:
+        the details behind a failed consistency check).  Bounded by the
+        transport's timeout like every other primitive: a peer that does
+        not take part is reported, never waited for indefinitely."""
         self.counters.control_bytes += len(pickle.dumps(obj)) * self.size
         return self._wait_for(self._raw_allgather_object, obj)
 

@@ -20,6 +20,12 @@ The group never touches ``torch.distributed``'s default group, so a user's
 own ``init_process_group`` is unaffected.  Errors are raised as Horovod's
 ``HorovodInternalError`` so ``hvd.elastic`` resets the job as it does for a
 failed Horovod op; the caller then drops the channel and makes a new one.
+
+Every wait is bounded by the ``GTOPK_TIMEOUT`` seconds the group was made
+with (the group's own timeout, and each ``wait``'s), so a stalled peer is
+reported within it.  Not thread-safe: one thread at a time (a second
+thread calling in meanwhile gets ``ConcurrentUseError``, see
+:mod:`gtopk_plugin.collectives.transport`).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import torch.distributed as dist
 from horovod.common.exceptions import HorovodInternalError
 
 from .. import config
+from ..collectives.transport import UseGuard
 
 Tensor = torch.Tensor
 _SIZE_TAG, _DATA_TAG = 1, 2
@@ -55,7 +62,9 @@ class GlooChannel:
     def __init__(self, rank: int, size: int, name: str, host: str,
                  broadcast: Callable[[List[int]], List[int]]):
         self.rank, self.size = rank, size
-        timeout = datetime.timedelta(seconds=config.env_timeout_seconds())
+        self.timeout = config.env_timeout_seconds()
+        timeout = self._timeout = datetime.timedelta(seconds=self.timeout)
+        self._use = UseGuard(f"the gtopk_plugin gloo side channel {name!r} (rank {rank})")
         own, store = host, None  # the store's address; this rank's own
         if rank == 0:
             store = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -74,13 +83,13 @@ class GlooChannel:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, opts)
 
-    @staticmethod
-    def _wait(works):
+    def _wait(self, works):
         try:
             for w in works:
-                w.wait()
+                w.wait(self._timeout)
         except RuntimeError as e:  # a lost peer: let hvd.elastic reset, as for a Horovod op
-            raise HorovodInternalError(f"gtopk_plugin side channel: {e}") from e
+            raise HorovodInternalError(f"gtopk_plugin side channel: rank {self.rank} got no answer within "
+                                       f"{self.timeout:g} s, or a peer died: {e}") from e
 
     # -- pairwise ------------------------------------------------------------
     def exchange(self, send_to: Optional[int], send: Optional[Tensor], recv_from: Optional[int],
@@ -89,6 +98,10 @@ class GlooChannel:
         (either may be None) in one step.  ``with_size`` (the same on every
         rank): the size travels first as one int64 (the header the byte
         counts charge), else the receiver knows ``recv_nbytes``."""
+        with self._use("GlooChannel.exchange()"):
+            return self._exchange(send_to, send, recv_from, recv_nbytes, with_size)
+
+    def _exchange(self, send_to, send, recv_from, recv_nbytes, with_size):
         works = []
         if send_to is not None:
             if with_size:
@@ -111,6 +124,10 @@ class GlooChannel:
     def allgather(self, blob: Tensor, nbytes: Optional[List[int]] = None) -> List[Tensor]:
         """Every rank's uint8 ``blob``; sizes are exchanged first unless all
         are known (``nbytes``).  Blocks travel padded to the largest."""
+        with self._use("GlooChannel.allgather()"):
+            return self._allgather(blob, nbytes)
+
+    def _allgather(self, blob: Tensor, nbytes: Optional[List[int]]) -> List[Tensor]:
         if nbytes is None:
             n = torch.tensor([blob.numel()], dtype=torch.int64)
             sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
@@ -125,5 +142,6 @@ class GlooChannel:
         return [o[:k] for o, k in zip(outs, nbytes)]
 
     def allreduce_(self, t: Tensor, op) -> Tensor:
-        self._wait([self.pg.allreduce([t], op)])
+        with self._use("GlooChannel.allreduce_()"):
+            self._wait([self.pg.allreduce([t], op)])
         return t
