@@ -7,6 +7,7 @@ deep inside a reducer or a collective looks at ``os.environ``.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
@@ -68,10 +69,11 @@ class DensityWarmup:
 
 
 def _check_density(name: str, d) -> float:
-    try:
-        d = float(d)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a float in (0, 1], e.g. 0.01; got {d!r}") from None
+    # a real number only: float("0.1") and float(True) would pass silently
+    if isinstance(d, bool) or not isinstance(d, numbers.Real):
+        raise ValueError(f"{name} must be a float in (0, 1], e.g. 0.01; got {d!r} "
+                         f"({type(d).__name__})")
+    d = float(d)
     if not (0.0 < d <= 1.0) or math.isnan(d):
         raise ValueError(f"{name} must be in (0, 1] (fraction of entries kept, e.g. 0.01); got {d!r}")
     return d

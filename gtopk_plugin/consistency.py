@@ -33,6 +33,31 @@ class PeerInputError(RuntimeError):
     """Another rank passed invalid input to the same collective call."""
 
 
+class NonFiniteStateError(RuntimeError):
+    """The error-feedback accumulator (residual plus the step's gradient,
+    through the velocity) overflowed although the gradients were finite:
+    the state can no longer be trusted; ``reset()`` or restore a checkpoint."""
+
+
+def check_state_finite(transport: Transport, overflow_names: Sequence[str]) -> None:
+    """One int64 MAX agreement that no rank's accumulator overflowed (the
+    general path builds it after the main check, from finite gradients);
+    raises :class:`NonFiniteStateError` on every rank otherwise."""
+    v = torch.tensor([1 if overflow_names else 0], dtype=torch.int64)
+    if transport.size > 1:
+        v = transport.control_allreduce_max(v)
+    if int(v[0]) == 0:
+        return
+    names = list(overflow_names)
+    per_rank = transport.allgather_object(names) if transport.size > 1 else [names]
+    detail = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(per_rank) if n)
+    raise NonFiniteStateError(
+        f"gtopk_plugin: the error-feedback accumulator (residual + gradient through the velocity) is "
+        f"not finite although every gradient was, in {detail}: the residual or velocity overflowed.  "
+        "Nothing was sent; call reset() or restore a checkpoint, and lower the learning rate or "
+        "turn on clipping (clip_norm=)")
+
+
 def describe_layout(tensors: Sequence[Tuple], settings: Tuple) -> List[Tuple]:
     """The layout description every rank fingerprints, for every framework
     layer: one ``(name, shape, dtype)`` entry per tensor, then

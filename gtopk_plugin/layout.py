@@ -94,6 +94,10 @@ def validate_grads(grads) -> Tuple[Optional[str], List[str], List[Tensor]]:
                     "(t.reshape(1)) or leave it out of the reducer"), [], []
         if t.numel() == 0:
             return f"gradient {n!r} is empty (shape {tuple(t.shape)}); leave it out of the reducer", [], []
+        if t.device.type == "meta":
+            return (f"gradient {n!r} is on the meta device (shape only, no data); reduce real "
+                    "gradients: materialise the model first (module.to_empty(device=...) and "
+                    "load or initialise its weights)"), [], []
         tensors.append(t)
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -102,11 +106,69 @@ def validate_grads(grads) -> Tuple[Optional[str], List[str], List[Tensor]]:
 
 
 def flat_dtype(tensors) -> torch.dtype:
-    """The dtype of the call's flat accumulator: the promotion of all."""
+    """The promotion of the call's gradient dtypes (the default wire dtype)."""
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+#: gradient dtypes whose error-feedback state is kept in float32
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def state_dtype(grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the error-feedback state (residual, velocity, scratch
+    accumulator) and of the sums, for gradients of ``grad_dtype``: float32
+    for fp16/bf16 (docs/design.md §3, half precision), else the gradient's
+    own.  A float16 residual overflows (the unsent mass outgrows 65504) and
+    a bfloat16 one stops feeding back (a small gradient added to a large
+    residual vanishes in 8 bits of mantissa): neither is offered."""
+    return torch.float32 if grad_dtype in HALF_DTYPES else grad_dtype
+
+
+#: bytes of persistent state per gradient element, at most: residual,
+#: scratch accumulator and update buffer in the state dtype, plus a
+#: flattened copy of an input that is not contiguous
+_BUFFERS = 3
+
+
+def memory_check(tensors, dtype: torch.dtype) -> Optional[str]:
+    """A message when the buffers a first call on this layout allocates
+    (residual, accumulator, update: ``_BUFFERS`` × numel in ``dtype``, and
+    a contiguous copy of every non-contiguous -- e.g. expanded -- gradient)
+    cannot fit in the device's free memory; ``None`` otherwise or when the
+    free memory is unknown.  Checked before any allocation, so every rank
+    raises a clear error instead of one being killed by the OOM killer."""
+    numel = sum(t.numel() for t in tensors)
+    need = _BUFFERS * numel * torch.empty(0, dtype=dtype).element_size()
+    need += sum(t.numel() * t.element_size() for t in tensors if not t.is_contiguous())
+    dev = tensors[0].device
+    free = _free_bytes(dev)
+    if free is None or need <= free:
+        return None
+    return (f"the gradients hold {numel:,} elements: their error-feedback buffers need "
+            f"{need / 2**30:.1f} GiB, but only {free / 2**30:.1f} GiB of {dev.type} memory is free; "
+            "pass fewer or smaller gradients per call (or materialise expanded tensors "
+            "deliberately)")
+
+
+def _free_bytes(device) -> Optional[int]:
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # pragma: no cover - no CUDA runtime
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        return None
+    return None
 
 
 def segment_ks(sizes: Sequence[int], density: float, granularity: str, full: bool = False

@@ -26,7 +26,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from . import collectives, consistency, dense_direct, kernels, small_tensors
+from . import collectives, consistency, dense_direct, kernels, small_tensors, update_rounding
 from .collectives import Selection, Transport, payloads as _payloads, wire
 from .collectives.rounds import codec_contribution
 from .collectives.torch_distributed import TorchDistributedTransport
@@ -36,7 +36,7 @@ from .compress.topk import GTopKSelector, TopKSelector
 from .config import ReducerConfig
 from .reducer_state import ReducerState
 from .layout import (Segments, all_finite, clip_scale, flat_dtype, global_segment_name,  # noqa: F401
-                     k_for, local_grad_norm, segment_ks, validate_grads)
+                     k_for, local_grad_norm, memory_check, segment_ks, state_dtype, validate_grads)
 from .stats import ReduceStats
 from .update_buffers import UpdateBuffers, check_out
 
@@ -204,26 +204,43 @@ class GradientReducer(ReducerState):
         bad, names, tensors = validate_grads(grads)
         bad = bad or check_out(out, names, tensors)
         density = cfg.density_at(self.step)
-        layout, sizes = self._layout(names, tensors, density)
+        layout, sizes = self._layout(names, tensors, density, loss_scale)
         P = self.transport.size
         before, wait0 = self.transport.counters.copy(), self.transport.wait_seconds
-        dtype = flat_dtype(tensors) if not bad else None
+        # grad_dtype: the gradients' (the update's and, by default, the
+        # wire's); dtype: the state's and the sums' -- float32 for fp16/bf16
+        # gradients (docs/design.md §3, half precision)
+        grad_dtype = flat_dtype(tensors) if not bad else None
+        dtype = state_dtype(grad_dtype) if not bad else None
         # Fast path: nothing changes state before the cross-rank check, so
-        # the compensation acc = grad + residual and the finiteness check run
-        # as one pass into the scratch accumulator, ahead of the check
-        # (issue #15).  Momentum, clipping, an optimizer binding, a changed
-        # loss scale or mixed dtypes take the general path: check first.
+        # the compensation acc = grad + residual and the finiteness check of
+        # acc run as one pass into the scratch accumulator, ahead of the
+        # check.  Momentum, clipping, an optimizer binding, a changed loss
+        # scale or mixed dtypes take the general path: check first.
         fused = (not bad and not self.momentum.enabled and cfg.clip_norm is None
-                 and self.binding is None and all(t.dtype == dtype for t in tensors)
+                 and self.binding is None and all(t.dtype == grad_dtype for t in tensors)
                  and (loss_scale is None or float(loss_scale) == self.loss_scale))
         t_comp = 0.0
         flatres = acc = picked = direct = None
+        local_error = None
+        if not bad:
+            # local failures before the exchange (state that does not fit
+            # the gradients, memory) go through the cross-rank check as bad
+            # input, so every rank raises at once instead of waiting for a
+            # peer that will never send
+            try:
+                bad = self._prepare(names, sizes, tensors, dtype)
+            except (RuntimeError, ValueError) as e:
+                local_error, bad = e, f"{type(e).__name__}: {e}"
+            if bad:
+                fused = False
         if bad:
             nonfinite = []
         elif fused:
             tc = time.perf_counter()
             # the dense method: the gradients straight into the update buffer
-            direct = self._dense.start(out, names, sizes, tensors, dtype, P)
+            if grad_dtype == dtype:
+                direct = self._dense.start(out, names, sizes, tensors, dtype, P)
             if direct is None:
                 flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
             if direct is not None:
@@ -244,23 +261,33 @@ class GradientReducer(ReducerState):
             nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)]
         extra, extra_nonfinite, extra_bad = self._also or ((), (), None)
         # the flag: "no exact prescaled copy here" (dense_direct: any rank's makes all redo it)
-        any_nonfinite, where, redo = consistency.check_flagged(
-            self.transport, layout + list(extra), bad or extra_bad, nonfinite + list(extra_nonfinite),
-            flag=direct is None or direct.flag)
+        try:
+            any_nonfinite, where, redo = consistency.check_flagged(
+                self.transport, layout + list(extra), bad or extra_bad, nonfinite + list(extra_nonfinite),
+                flag=direct is None or direct.flag)
+        except ValueError:
+            if local_error is not None:
+                raise local_error from None  # every peer raises PeerInputError naming it
+            raise
         t1 = time.perf_counter()  # the select phase includes compensation: phases tile the call
         seconds = {"check": t1 - t0 - t_comp}
         if any_nonfinite:
             detail = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in where)
             if cfg.nonfinite == "raise":
                 raise consistency.NonFiniteGradientError(
-                    f"gtopk_plugin: non-finite gradient (NaN or Inf) in {detail}; nothing was "
-                    "applied and residuals are unchanged (pass nonfinite='skip' to skip such steps)")
+                    f"gtopk_plugin: non-finite gradient or accumulator (NaN or Inf, or gradient + "
+                    f"residual overflowed) in {detail}; nothing was applied and residuals are "
+                    "unchanged (pass nonfinite='skip' to skip such steps)")
             return self._skip(names, tensors, sizes, density, P, before, seconds, advance_step, out)
 
         if direct is not None:
             self._dense.agreed(direct, redo, names, tensors)
         if not fused:
-            flatres, acc = self._compensate(names, sizes, tensors, dtype, grad_norm, loss_scale, P)
+            flatres, acc, overflow = self._compensate(names, sizes, tensors, dtype, grad_norm, loss_scale, P)
+            # the general path built acc after the check (momentum, clipping
+            # and loss scaling change state): one more one-flag agreement
+            # that no rank's accumulator overflowed
+            consistency.check_state_finite(self.transport, overflow)
         numel = sum(sizes)
         offsets, k, seg_names = self._segments(names, sizes, density)
         ctx = SelectionContext(step=self.step, segment_names=seg_names, seed=cfg.seed,
@@ -281,7 +308,7 @@ class GradientReducer(ReducerState):
             draws = None if cfg.wire_rounding == "nearest" else wire.Draws(cfg.seed, self.step, seg_names[0])
             if hasattr(self._aggregation, "draws"):  # aggregations that re-round sums (int8 wire)
                 self._aggregation.draws = draws
-            wire_vals = wire.to_wire(vals, cfg.value_dtype or dtype) if draws is None else \
+            wire_vals = wire.to_wire(vals, cfg.value_dtype or grad_dtype) if draws is None else \
                 wire.quantize(vals, draws(f"rank{self.transport.rank}",
                                           torch.arange(numel, device=acc.device) if idx is None else idx))[0]
         seconds["select"] = time.perf_counter() - t1 + t_comp
@@ -301,6 +328,10 @@ class GradientReducer(ReducerState):
 
         t3 = time.perf_counter()
         divisor = P if cfg.op == "average" else 1
+        # narrower gradients: the exact result at the entries this rank owns,
+        # taken before the update is formed (it may divide the sum in place)
+        owed = update_rounding.owned_result(agg, sizes, tensors, dtype, self.transport.rank, P) if any(
+            t.dtype != dtype for t in tensors) and self.memory.enabled else None
         update, nnz = direct.finish(agg, divisor) if direct is not None else self._updates.result(
             agg, (tuple(names), dtype, acc.device), numel, divisor, flatres.bufs, cfg.kernels,
             out and [out[n] for n in names], out_reuse)
@@ -321,6 +352,10 @@ class GradientReducer(ReducerState):
         res = {n: out[n] for n in names} if out is not None else {
             n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
             for n, u, t in zip(names, torch.split(update, sizes), tensors)}
+        if owed is not None:
+            # the update is applied in the gradients' narrower dtype: that
+            # rounding lands in the owning rank's residual too
+            self.memory.add_at(flatres, *update_rounding.charge(owed, names, sizes, res, dtype, divisor))
         seconds["update"] = time.perf_counter() - t3
         seconds["total"] = time.perf_counter() - t0
         seconds["wait"] = self.transport.wait_seconds - wait0  # inside the transport's primitives
@@ -332,9 +367,24 @@ class GradientReducer(ReducerState):
             self.step += 1
         return res
 
+    def _prepare(self, names, sizes, tensors, dtype) -> Optional[str]:
+        """The local work before the cross-rank check that can fail: the
+        first call on a layout checks that its buffers fit in memory, and
+        the layout's residuals are imported (a residual that does not fit
+        the gradient raises).  A message, or an exception, is turned into
+        bad input of the check: every rank then raises together."""
+        device = tensors[0].device
+        if not self.memory.has_layout(names, sizes, dtype, device):
+            msg = memory_check(tensors, dtype)
+            if msg:
+                return msg
+        self.memory.layout(names, sizes, dtype, device)
+        return None
+
     def _compensate(self, names, sizes, tensors, dtype, grad_norm, loss_scale, P):
         """The general path's ``acc = grad (clipped, + weight decay, through
-        the velocity) + residual``, after the cross-rank check."""
+        the velocity) + residual``, after the cross-rank check; returns
+        ``(flatres, acc, names whose accumulator is not finite)``."""
         cfg = self.config
         self._follow_loss_scale(loss_scale)
         flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
@@ -351,9 +401,9 @@ class GradientReducer(ReducerState):
         flatres, acc, parts, res_parts = self._buffers(names, sizes, dtype, tensors[0].device)
         if self.momentum.enabled:
             flat = self.momentum.accumulate(names, sizes, flat, dtype, acc.device, scratch=parts)
-        for g, part, r in zip(flat, parts, res_parts):
-            kernels.compensate(part, g, r, kernels=cfg.kernels)
-        return flatres, acc
+        overflow = [n for n, g, part, r in zip(names, flat, parts, res_parts)
+                    if not kernels.compensate(part, g, r, kernels=cfg.kernels)]
+        return flatres, acc, overflow
 
     def _buffers(self, names, sizes, dtype, device):
         """This layout's persistent residual and scratch accumulator, with
@@ -368,15 +418,26 @@ class GradientReducer(ReducerState):
         return f, acc, parts, res_parts
 
     # ------------------------------------------------------------ internals
-    def _layout(self, names, tensors, density):
-        """The call's fingerprint for the cross-rank consistency check (the
-        tensors, the settings and the method's hyper-parameters) and sizes."""
+    def _layout(self, names, tensors, density, loss_scale=None):
+        """The call's fingerprint for the cross-rank consistency check and
+        the sizes.  Everything that changes the result must agree across
+        ranks, so it is all here: the tensors, the method and its
+        hyper-parameters, the wire and its rounding, the seed (random-k's
+        shared draws, stochastic rounding), the non-finite policy, error
+        feedback, momentum correction (and an optimizer binding's settings
+        for these names), clipping, ``dense_below``, the step and the loss
+        scale the gradients carry."""
         sizes = [t.numel() for t in tensors]
         cfg = self.config
         ks = segment_ks(sizes, density, cfg.granularity, full=self.codec)
         layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)]
         layout.append(("settings", cfg.method, self.aggregation, cfg.granularity, str(cfg.value_dtype),
                        cfg.wire_rounding, cfg.op, self.step, tuple(ks)))
+        layout.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback, cfg.momentum, cfg.nesterov,
+                       cfg.dampening, cfg.momentum_masking, cfg.clip_norm, cfg.dense_below,
+                       None if loss_scale is None else float(loss_scale)))
+        if self.binding is not None:
+            layout.append(("optimizer",) + tuple(self.binding.fingerprint(names)))
         if self.compressor.hyperparams:
             layout.append(("hyper",) + tuple(sorted(self.compressor.hyper.items())))
         return layout, sizes

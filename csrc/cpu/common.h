@@ -183,7 +183,9 @@ struct ExpBits<double> {
 // normal store would only add a read of each line for ownership.
 constexpr int64_t kStreamBytes = int64_t(4) << 20;
 
-// out[i] = g[i] (+ r[i]) for i in [b, e); true when g[b, e) is all finite.
+// out[i] = g[i] (+ r[i]) for i in [b, e); true when out[b, e) is all finite:
+// the accumulator is checked, not only the gradient, so a residual or a sum
+// that overflowed is caught too (docs/design.md §3: state stays finite).
 template <typename scalar_t>
 inline bool compensate_range(scalar_t* out, const scalar_t* g, const scalar_t* r, int64_t b, int64_t e) {
   using E = ExpBits<scalar_t>;
@@ -191,10 +193,11 @@ inline bool compensate_range(scalar_t* out, const scalar_t* g, const scalar_t* r
   bits_t bad = 0;
   if (r != nullptr) {
     for (int64_t i = b; i < e; ++i) {
+      const scalar_t v = g[i] + r[i];
       bits_t w;
-      std::memcpy(&w, g + i, sizeof(w));
+      std::memcpy(&w, &v, sizeof(w));
       bad |= (w & E::kExp) + E::kLsb;
-      out[i] = g[i] + r[i];
+      out[i] = v;
     }
   } else {
     for (int64_t i = b; i < e; ++i) {
@@ -216,19 +219,20 @@ inline bool compensate_range_stream(float* out, const float* g, const float* r, 
   int64_t i = b;
   uint32_t bad = 0;
   for (; i < e && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) {
+    const float v = r != nullptr ? g[i] + r[i] : g[i];
     uint32_t w;
-    std::memcpy(&w, g + i, sizeof(w));
+    std::memcpy(&w, &v, sizeof(w));
     bad |= (w & E::kExp) + E::kLsb;
-    out[i] = r != nullptr ? g[i] + r[i] : g[i];
+    out[i] = v;
   }
   const __m128i expm = _mm_set1_epi32(static_cast<int32_t>(E::kExp));
   const __m128i lsb = _mm_set1_epi32(static_cast<int32_t>(E::kLsb));
   __m128i badv = _mm_setzero_si128();
   if (r != nullptr) {
     for (; i + 4 <= e; i += 4) {
-      const __m128 gv = _mm_loadu_ps(g + i);
-      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
-      _mm_stream_ps(out + i, _mm_add_ps(gv, _mm_loadu_ps(r + i)));
+      const __m128 sv = _mm_add_ps(_mm_loadu_ps(g + i), _mm_loadu_ps(r + i));
+      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(sv), expm), lsb));
+      _mm_stream_ps(out + i, sv);
     }
   } else {
     for (; i + 4 <= e; i += 4) {

@@ -2,7 +2,9 @@
 // gTop-k paper, Algorithm 2, line "acc = grad + residual"):
 //
 //   out = grad + residual   (out = grad when there is no residual)
-//   returns whether every entry of grad is finite
+//   returns whether every entry of out is finite (a non-finite gradient
+//   or residual, or a sum that overflowed: the accumulator is what state
+//   is made of, so it is what the check covers; docs/design.md §3)
 //
 // in one streaming pass: the check costs no extra read of the gradient (the
 // reducer used to read it once for the check and once more to compensate).

@@ -209,7 +209,7 @@ bool collect(const typename M::bits_t* p, int64_t n, typename M::key_t L, int64_
 // it is written with non-temporal stores, so its lines are not first read
 // for ownership either (issue #15: 3 transfers of N instead of 4).  Bit for bit
 // compensate_range + collect (one IEEE addition per element).  Returns
-// whether g[b, e) is all finite.
+// whether the sums out[b, e) are all finite.
 template <bool kRes, bool kStream>
 bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t b, int64_t e,
                             uint32_t L, int64_t shift, Cands<Mag<float>>& c) {
@@ -217,13 +217,11 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
   using E = ExpBits<float>;
   uint32_t bad = 0;
   auto one = [&](int64_t i) {
-    uint32_t w;
-    std::memcpy(&w, g + i, sizeof(w));
-    bad |= (w & E::kExp) + E::kLsb;
     const float v = kRes ? g[i] + r[i] : g[i];
     out[i] = v;
     uint32_t vb;
     std::memcpy(&vb, &v, sizeof(vb));
+    bad |= (vb & E::kExp) + E::kLsb;  // the sum: a residual's overflow too
     if (M::key(vb) >= L) {
       c.pos.push_back(i + shift);
       c.bits.push_back(vb);
@@ -255,8 +253,8 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
       uint32_t mk = 0;
       for (int q = 0; q < 4; ++q) {
         const __m128 gv = _mm_loadu_ps(g + o + 4 * q);
-        badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
         const __m128 v = kRes ? _mm_add_ps(gv, _mm_loadu_ps(r + o + 4 * q)) : gv;
+        badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(v), expm), lsb));
         if (kStream) {
           _mm_stream_ps(out + o + 4 * q, v);
         } else {
@@ -298,8 +296,8 @@ bool compensate_collect_f32(float* out, const float* g, const float* r, int64_t 
     __m128i hit[4];
     for (int q = 0; q < 4; ++q) {
       const __m128 gv = _mm_loadu_ps(g + i + 4 * q);
-      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), expm), lsb));
       v[q] = kRes ? _mm_add_ps(gv, _mm_loadu_ps(r + i + 4 * q)) : gv;
+      badv = _mm_or_si128(badv, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(v[q]), expm), lsb));
       if (kStream) {
         _mm_stream_ps(out + i + 4 * q, v[q]);
       } else {
@@ -931,7 +929,7 @@ std::tuple<at::Tensor, at::Tensor> select_threshold(const at::Tensor& x_,
 // segment while the selection's collect pass scans it, so the gradient and
 // the residual are read once and the accumulator is read back from cache.
 // Returns select_topk(acc, offsets, k) and, per gradient tensor, whether all
-// its entries are finite.  float32/float64; grads, residual and acc of one
+// its entries of acc (gradient plus residual) are finite.  float32/float64; grads, residual and acc of one
 // dtype (the Python side passes anything else to the reference twin).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compensate_select_topk(
     const at::Tensor& acc, at::TensorList grads, const c10::optional<at::Tensor>& residual,

@@ -2,7 +2,7 @@
 // CUDA; mirrors csrc/cpu/compensate.cpp (same operations, same results: the
 // reference's, gtopk_plugin/kernels/reference.py, run on the same tensors).
 //
-//   gtopk_compensate_*      out = grad + residual (or grad), and "grad all
+//   gtopk_compensate_*      out = grad + residual (or grad), and "out all
 //                           finite" (DESIGN.md §3; gTop-k paper, Algorithm 2,
 //                           acc = grad + residual) in one pass;
 //   gtopk_comp_sample_*,    the fused front of compensate_select_topk: the
@@ -27,9 +27,10 @@
 // rounded in opmath (BinaryDivTrueKernel.cu), as in scatter.cu.  Without a
 // residual the gradient's bits are copied (NaN payloads, -0.0).
 //
-// Finiteness is the CPU kernel's: a gradient entry is non-finite iff its
-// magnitude key (common.cuh) is the +inf key (Inf or NaN); the residual is
-// not checked (the reducer keeps it finite).  Flags are u32 per gradient,
+// Finiteness is the CPU kernel's, on the accumulator: an entry of
+// grad + residual is non-finite iff its magnitude key (common.cuh) is the
+// +inf key (Inf or NaN), which covers a non-finite gradient, a non-finite
+// residual and a sum that overflowed (docs/design.md §3).  Flags are u32 per gradient,
 // zeroed by the host and set to 1 by any block that saw such an entry.
 #include "radix.cuh"
 #include "sample.cuh"
@@ -105,9 +106,9 @@ __device__ __forceinline__ void compensate(const typename V::bits_t* g,
   for (int m = 0; m < GTOPK_COMP_ITEMS; ++m) {
     const gtopk_i64 i = first + static_cast<gtopk_i64>(m) * GTOPK_THREADS;
     if (i >= n) break;
-    const typename V::bits_t b = g[i];
-    nf |= nonfinite<V>(b) ? 1 : 0;
-    out[i] = comp<V>(b, r, i);
+    const typename V::bits_t a = comp<V>(g[i], r, i);
+    nf |= nonfinite<V>(a) ? 1 : 0;  // the sum: a residual's overflow too
+    out[i] = a;
   }
   if (__syncthreads_or(nf) && threadIdx.x == 0) atomicOr(bad, 1u);
 }
@@ -153,12 +154,11 @@ __device__ __forceinline__ void comp_collect(const gtopk_u64* gptr, const gtopk_
         gbeg = goff[t];
         gend = goff[t + 1];
       }
-      const typename V::bits_t b = gp[gi - gbeg];
-      if (nonfinite<V>(b) && t != flagged) {
+      const typename V::bits_t a = comp<V>(gp[gi - gbeg], r, gi);
+      if (nonfinite<V>(a) && t != flagged) {
         atomicOr(&bad[t], 1u);
         flagged = t;
       }
-      const typename V::bits_t a = comp<V>(b, r, gi);
       acc[gi] = a;
       if (V::key(a) >= t_thr) emask |= 1ull << m;
     }

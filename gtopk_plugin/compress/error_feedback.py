@@ -76,6 +76,11 @@ class ErrorFeedback:
         self._live: set = set()
 
     # -------------------------------------------------- persistent buffers
+    def has_layout(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> bool:
+        """Whether this layout's buffers exist already (no allocation to come)."""
+        f = self._flat.get((tuple(names), dtype, torch.device(device)))
+        return f is not None and f.sizes == tuple(int(s) for s in sizes)
+
     def layout(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> FlatResidual:
         """The persistent buffers of this layout, created on first use.  The
         residuals of its names are imported whenever ``residuals`` no longer
@@ -110,10 +115,12 @@ class ErrorFeedback:
                 if not fresh:
                     part.zero_()
                 continue
-            if old.numel() != part.numel() or old.dtype != part.dtype:
+            # a narrower residual (one saved from fp16 gradients before the
+            # state was float32) widens exactly; a wider one would round
+            if old.numel() != part.numel() or torch.promote_types(old.dtype, part.dtype) != part.dtype:
                 raise RuntimeError(
-                    f"residual of {n!r} has shape {tuple(old.shape)}/{old.dtype} but the gradient "
-                    f"has {(part.numel(),)}/{part.dtype}; the layout changed, call reset()")
+                    f"residual of {n!r} has shape {tuple(old.shape)}/{old.dtype} but the gradient's "
+                    f"state is {(part.numel(),)}/{part.dtype}; the layout changed, call reset()")
             part.copy_(old.reshape(-1))
             zero = False
         f.zero = zero
@@ -168,6 +175,15 @@ class ErrorFeedback:
             f.zero = True
         self._point(f)
         self._live.update(f.names)
+
+    def add_at(self, f: FlatResidual, pos: Tensor, vals: Tensor) -> None:
+        """``residual[pos] += vals`` (unique int64 ``pos``) after the step's
+        commit: a rounding of the applied update this rank owns."""
+        if not self.enabled or pos.numel() == 0:
+            return
+        f.residual.index_add_(0, pos, vals.to(f.residual.dtype))
+        f.zero = False
+        self._point(f)
 
     def rescale_(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (the AMP loss scale changed)."""

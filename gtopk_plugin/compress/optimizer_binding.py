@@ -111,6 +111,17 @@ class OptimizerBinding:
     def specs(self, names) -> Dict[str, Optional[MomentumSpec]]:
         return {n: self.spec(n) for n in names}
 
+    def fingerprint(self, names) -> Tuple:
+        """The settings this binding applies to ``names`` (momentum,
+        nesterov, dampening, weight decay), for the cross-rank check: ranks
+        whose optimizers differ there would reduce different quantities."""
+        out = []
+        for n in names:
+            sp = self.spec(n)
+            out.append(None if sp is None else (sp.momentum, sp.nesterov, sp.dampening,
+                                                self.weight_decay(n)))
+        return tuple(out)
+
     def weight_decay(self, name: str) -> float:
         """The weight decay the reducer applies for ``name`` (0 when the
         optimizer keeps it: groups without momentum)."""

@@ -219,18 +219,19 @@ def all_finite(t: Tensor) -> bool:
 
 
 def compensate(out: Tensor, grad: Tensor, residual) -> bool:
-    """Error-feedback compensation (DESIGN.md §3): ``out = grad + residual``
-    (``out = grad`` when ``residual`` is None), ``grad`` first converted to
-    ``out``'s dtype; returns whether every entry of ``grad`` is finite.
-    ``out`` is the caller's scratch accumulator, so a non-finite step changes
-    no state.  Fast back ends do the check and the sum in one pass."""
-    finite = all_finite(grad)
+    """Error-feedback compensation (docs/design.md §3): ``out = grad +
+    residual`` (``out = grad`` when ``residual`` is None), ``grad`` first
+    converted to ``out``'s dtype; returns whether every entry of ``out`` is
+    finite -- the accumulator, not only the gradient, so a non-finite
+    residual or a sum that overflowed is caught as well.  ``out`` is the
+    caller's scratch accumulator, so a non-finite step changes no state.
+    Fast back ends do the check and the sum in one pass."""
     g = grad.reshape(-1).to(out.dtype)
     if residual is None:
         out.copy_(g)
     else:
         torch.add(g, residual.to(out.device), out=out)
-    return finite
+    return all_finite(out)
 
 
 def compensate_select_topk(acc: Tensor, grads, residual, offsets: Tensor, k: Tensor):

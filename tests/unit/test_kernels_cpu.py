@@ -726,8 +726,8 @@ def test_fused_compensation_and_selection_match_reference(threads, dtype, nthrea
     scanned in the same loop) against the reference: idx, vals, the finite
     flags and every bit of acc.  Odd tensor boundaries and an acc that is not
     16-byte aligned (the scalar head and tail of the vector loop), NaN/Inf
-    gradients, a NaN made by the residual alone (ranks as +inf, gradient
-    finite), sampled bounds at 1 % and 0.1 % of a 300k segment, accumulators
+    gradients, a NaN made by the residual alone (ranks as +inf and flags its
+    tensor: the accumulator is what is checked), sampled bounds at 1 % and 0.1 % of a 300k segment, accumulators
     past 4 MB (non-temporal stores), and the fallback when the bound fails
     (heavy ties: every block still written)."""
     threads(nthreads)
@@ -756,7 +756,9 @@ def test_fused_compensation_and_selection_match_reference(threads, dtype, nthrea
                                 (torch.tensor([0, N]), [3200])):
                 for shift in (0, 1):
                     _, _, finite = check(grads, residual, offsets, ks, shift)
-                    assert finite.tolist() == [t not in bad for t in range(len(sizes))]
+                    # the flag covers the accumulator: the residual's NaN too
+                    nan_by_residual = (4,) if residual is not None else ()
+                    assert finite.tolist() == [t not in bad + nan_by_residual for t in range(len(sizes))]
     # past 4 MB: float32 is written with non-temporal stores
     big = [torch.randn(700_001, generator=g).to(dtype), torch.randn(400_003, generator=g).to(dtype)]
     big[1][123] = float("inf")
@@ -791,6 +793,34 @@ def test_compensate_matches_reference_small_and_streamed(dtype):
                     ok = cpu.compensate(out, grad, residual)
                     assert ok == reference.compensate(ref_out, grad, residual) == (bad_at is None)
                     assert_same(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compensate_flags_an_accumulator_that_overflows(dtype):
+    """The finite flag covers the accumulator, not only the gradient: a
+    finite gradient plus a finite residual whose sum overflows (or a
+    non-finite residual) is flagged, in the plain kernel, the streamed one
+    (past 4 MB) and the fused compensation + selection, like the reference
+    -- and the oracle is numpy's own isfinite of the float sum."""
+    big = torch.finfo(dtype).max
+    for n in (5, 20_001, 1_200_007):
+        for at in (0, n // 2, n - 1):
+            grad = torch.zeros(n, dtype=dtype)
+            residual = torch.zeros(n, dtype=dtype)
+            grad[at], residual[at] = big, big  # both finite; the sum is +inf
+            want = bool(np.isfinite(grad.numpy() + residual.numpy()).all())
+            assert want is False
+            out, ref_out = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            assert cpu.compensate(out, grad, residual) is False
+            assert reference.compensate(ref_out, grad, residual) is False
+            assert_same(out, ref_out)
+            acc, ref_acc = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            offs, k = torch.tensor([0, n]), torch.tensor([3])
+            got = cpu.compensate_select_topk(acc, [grad], residual, offs, k)
+            ref = reference.compensate_select_topk(ref_acc, [grad], residual, offs, k)
+            assert got[2].tolist() == ref[2].tolist() == [False]
+            residual[at] = float("nan")  # a NaN residual alone: flagged too
+            assert cpu.compensate(out, torch.zeros(n, dtype=dtype), residual) is False
 
 
 @pytest.mark.parametrize("itype", [torch.int32, torch.int64])
