@@ -14,7 +14,10 @@ class ParameterNaming:
     ``_given`` (id -> (param, name) as the user named them), ``_seen`` (id ->
     (param, name) in the order the hook first saw them in this process),
     ``_order`` ((name, shape) in first-appearance order: survives pickling and
-    ``state_dict()``) and ``_named``."""
+    ``state_dict()``) and ``_named``.  Every parameter it names is also
+    watched by the state's usage tracker (``_usage``, :mod:`.ddp_usage`):
+    from the start when given by name, else from the step the hook first
+    sees it in."""
 
     def _init_naming(self, named_parameters) -> None:
         # id(param) -> name as given by the user (holds the parameter too, so
@@ -72,6 +75,8 @@ class ParameterNaming:
             name = f"param{n}"
             self._order.append((name, shape))
         self._seen[id(param)] = (param, name)
+        # first seen inside a backward pass: this pass was not observed
+        self._usage.watch([param], fresh=True)
         return name
 
     def set_named_parameters(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -86,4 +91,8 @@ class ParameterNaming:
             raise ValueError("named_parameters is empty; pass model.named_parameters()")
         self._given = given
         self._named = True
+        # rebinding: the old parameters' hooks go, the new ones are watched
+        # from now on (before the next backward pass)
+        self._usage.remove()
+        self._usage.watch([p for p, _ in given.values()], fresh=False)
         self._seen = {}

@@ -34,8 +34,9 @@ from ..reducer import GradientReducer, local_grad_norm
 from ..stats import ReduceStats
 from ..topology import node_keywords
 from ..traffic import StepTraffic
-from .ddp_buckets import finish_bucket, reduce_buckets
+from .ddp_buckets import BucketItem, agree_used, finish_bucket, reduce_buckets
 from .ddp_naming import ParameterNaming
+from .ddp_usage import UsageTracker
 from .torch_distributed import TorchDistributedTransport
 
 __all__ = ["SparseState", "sparse_hook"]
@@ -67,7 +68,9 @@ class SparseState(ParameterNaming):
             ``"param0"``, ``"param1"``, ... in the order the hook first sees
             them; that order is the same on every rank and after a restart
             because DDP's first iteration always runs on the initial bucket
-            layout (buckets are rebuilt only after it).
+            layout (buckets are rebuilt only after it).  The parameters are
+            also watched for DDP's unused parameters (below) from the first
+            step on; without it, from the step the hook first sees them.
         timeout: seconds one exchange may take before this rank raises
             (default: ``GTOPK_TIMEOUT`` or 300 s).
         momentum_correction: take the SGD ``optimizer``'s momentum (nesterov,
@@ -115,6 +118,14 @@ class SparseState(ParameterNaming):
     Internal state (checkpointed by :meth:`state_dict` and by pickling):
         the reducer's residuals and step counter (the RNG state), and the
         parameter names in the order the hook first saw them.
+
+    Unused parameters (DDP's ``find_unused_parameters=True`` or
+    ``static_graph=True``): DDP ignores the hook's result for a parameter
+    that no rank used in the step, so the hook leaves such parameters out of
+    the reduction -- their residuals and velocities stay as they were, and
+    nothing counts as sent that DDP does not apply.  The ranks agree on the
+    set with one small control collective per ``reduce`` call
+    (:mod:`.ddp_usage`; docs/ddp.md, "Unused parameters").
 
     ``op="average"`` (the default) already divides by the world size, so
     ``param.grad`` after ``backward()`` is the averaged sparse update, as with
@@ -187,8 +198,14 @@ class SparseState(ParameterNaming):
         self._needs_optimizer = False
         if momentum_correction:
             self.reducer.correct_momentum(optimizer, named_parameters)
-        # each bucket's persistent result buffer (ddp_buckets._result_views)
+        # each bucket's persistent result buffer and the names last written
+        # there (ddp_buckets._result_views)
         self._results: dict = {}
+        self._written: dict = {}
+        # which parameters received a gradient this step, and the transport
+        # the ranks agree on it over (ddp_usage: DDP's unused parameters)
+        self._usage = UsageTracker()
+        self._usage_transport = TorchDistributedTransport(group=process_group, timeout=timeout)
         # buckets of the current step held back (coalescing, clipping: see sparse_hook)
         self._pending: List[tuple] = []
         # GradScaler.get_scale() of the current step (read at its first bucket)
@@ -280,7 +297,9 @@ class SparseState(ParameterNaming):
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
         self._traffic_acc, self._intra = StepTraffic(), [0, 0]
-        self._pending, self._results = [], {}
+        self._pending, self._results, self._written = [], {}, {}
+        self._usage = UsageTracker()
+        self._usage_transport = TorchDistributedTransport(group=None, timeout=self.timeout)
         self._step_scale = None
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
@@ -290,9 +309,9 @@ class SparseState(ParameterNaming):
         self.load_state_dict(d["state"])
 
     # ------------------------------------------------------------ internals
-    def _record_traffic(self, last: bool) -> None:
+    def _record_traffic(self, last: bool, reduced: bool = True) -> None:
         st = self.reducer.last_stats
-        if st is not None:
+        if reduced and st is not None:
             self._traffic_acc.add(st)  # one bucket
             if self._hier is not None:  # hierarchical: the node level's bytes apart
                 self._intra = [self._intra[0] + st.intra_bytes_sent, self._intra[1] + st.intra_bytes_received]
@@ -322,6 +341,10 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     error feedback, then sparse allgather, gTop-k butterfly or dense
     allreduce) and return the averaged update in the bucket buffer's layout.
 
+    Parameters that no rank used this step (DDP's ``find_unused_parameters``
+    / ``static_graph``: DDP leaves their ``.grad`` alone) are left out of the
+    reduction, residuals and velocities untouched (:mod:`.ddp_usage`).
+
     Example::
         >>> ddp_model.register_comm_hook(SparseState(method="gtopk", density=0.01), sparse_hook)
     """
@@ -335,32 +358,45 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
                            "does not travel with it: call state.correct_momentum(optimizer, "
                            "model.named_parameters()) before training")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    item = (names, bucket.gradients(), bucket.buffer(), bucket.index(), fut)
+    item = BucketItem(names, bucket.gradients(), bucket.buffer(), bucket.index(), fut,
+                      state._usage.used(params))
+    last = bucket.is_last()
     if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
-        finish_bucket(state, item, reduce_buckets(state, [item], bucket.is_last(), None))
+        try:
+            used = agree_used(state, [item])
+            finish_bucket(state, item, reduce_buckets(state, [item], last, None, used))
+        except BaseException:
+            state._usage.end_step()
+            raise
+        if last:
+            state._usage.end_step()
         return fut
     # Hold the bucket back (DDP waits for the futures only after the last
     # bucket's hook has run) and reduce the step's buckets when the last is
     # ready: all in one call (coalesce_buckets), or in order with the
     # step's local norm for clipping.
     state._pending.append(item)
-    if bucket.is_last():
+    if last:
         pending, state._pending = state._pending, []
         try:
+            used = agree_used(state, pending)  # one agreement for the step
             norm = None
             if state.reducer.config.clip_norm is not None:
-                norm = local_grad_norm([g for it in pending for g in it[1]])
+                # over what is reduced: DDP discards the parameters no rank used
+                norm = local_grad_norm([g for it in pending for n, g in zip(it.names, it.grads) if used[n]])
             if state.coalesce_buckets:
-                updates = reduce_buckets(state, pending, True, norm)
+                updates = reduce_buckets(state, pending, True, norm, used)
                 for it in pending:
                     finish_bucket(state, it, updates)
             else:
                 for j, it in enumerate(pending):
-                    finish_bucket(state, it, reduce_buckets(state, [it], j == len(pending) - 1, norm))
+                    finish_bucket(state, it, reduce_buckets(state, [it], j == len(pending) - 1, norm, used))
         except BaseException as exc:
             # the held-back futures must not stay pending forever
             for it in pending:
-                if not it[4].done():
-                    it[4].set_exception(exc)
+                if not it.fut.done():
+                    it.fut.set_exception(exc)
             raise
+        finally:
+            state._usage.end_step()
     return fut
