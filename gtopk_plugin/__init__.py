@@ -14,6 +14,9 @@ from .collectives.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
 from .hierarchical import HierarchicalReducer
 from .stats import ReduceStats
+from . import checkpoint  # noqa: E402  (whole-job checkpoints: save_job / load_job)
+from .checkpoint import load_job, save_job
+from .reducer_state import CheckpointError
 from . import elastic  # noqa: E402
 from .elastic import ElasticScheduler
 # torch.distributed ships with torch: register its asynchronous allreduce as the
@@ -37,4 +40,5 @@ def __getattr__(name):
 
 __all__ = ["GradientReducer", "HierarchicalReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
-           "NonFiniteGradientError", "PeerInputError", "JoinedRankError", "k_for", "ElasticScheduler", "__version__"]
+           "NonFiniteGradientError", "PeerInputError", "JoinedRankError", "k_for", "ElasticScheduler",
+           "checkpoint", "save_job", "load_job", "CheckpointError", "__version__"]
