@@ -2,7 +2,8 @@
 
 * ``hvd.elastic`` (Horovod's elastic mode): :class:`SparseOptimizerStateHandler`
   is registered for our optimizers, so ``hvd.elastic.TorchState`` commits,
-  restores and syncs their residuals and step counter (DESIGN.md §2 rule 4);
+  restores and syncs their residuals and step counter, and moves the
+  residuals to the new world at a resize (docs/horovod.md, hvd.elastic);
 * the elastic consistency scheduler (Nadiradze et al. 2020,
   :mod:`gtopk_plugin.elastic`): :class:`HorovodDenseReduction` is
   registered as the native dense reduction of :class:`HorovodTransport`, so
@@ -23,6 +24,7 @@ Both registrations run once, when the package is imported.
 """
 from __future__ import annotations
 
+import pickle
 from typing import List, Optional
 
 import horovod.torch as hvd
@@ -31,9 +33,12 @@ from horovod.torch import mpi_ops as _ops
 from horovod.torch.elastic import state as _hvd_elastic_state
 
 from ... import config
+from ...checkpoint import exchange_live
+from ...reducer import GradientReducer
 from ...elastic.backend import (AsyncReduction, FlatHandle, agree_by_transport, flatten, poll_until_done,
                                 register_transport)
-from .optimizer import _GtopkHorovodOptimizer
+from . import waiting
+from .optimizer import _STATE_KEY, _GtopkHorovodOptimizer
 from .transport import HorovodTransport
 
 __all__ = ["SparseOptimizerStateHandler", "HorovodDenseReduction"]
@@ -42,16 +47,74 @@ Tensor = torch.Tensor
 
 
 class SparseOptimizerStateHandler(_hvd_elastic_state.OptimizerStateHandler):
-    """``hvd.elastic.TorchState`` handler for our optimizers.  Commit and
-    restore go through ``state_dict()`` / ``load_state_dict()`` (so residuals
-    and the step counter are committed and restored with the optimizer);
-    ``sync()`` broadcasts the optimizer state as Horovod does and then rank
-    0's step counter, keeping each worker's own residuals (a new worker
-    starts with none; no mass is double-counted)."""
+    """``hvd.elastic.TorchState`` handler for our optimizers.
+
+    Commit saves ``state_dict()`` (the wrapped optimizer's state and this
+    rank's reducer state: residuals, velocities, step).  Restore loads this
+    process's own commit back as it was taken (the job may have just lost a
+    peer: the transport is not asked for a rank).  ``sync()`` broadcasts the
+    optimizer state as Horovod does, then rank 0's step counter, and then
+    moves the reducers' states to the new world with the rule of
+    :func:`gtopk_plugin.checkpoint.exchange_live`: new rank j holds the sum
+    of the states made on old ranks i with i mod P' == j, so Σ_ranks
+    residual over the workers still there is kept (exactly where no two
+    states are added), whatever ranks Horovod hands out.  A worker that left
+    took its residual with it; a new worker brings none."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        # the (rank, world size) the live reducer state belongs to
+        self._home = _where(value)
+
+    def save(self):
+        super().save()
+        self._home = _where(self.value)
+
+    def restore(self):
+        saved = dict(self._saved_optimizer_state)
+        ours = saved.pop(_STATE_KEY, None)
+        self.value.load_state_dict(saved)  # the wrapped optimizer's state; abandons a half-done step
+        red = self.value.reducer
+        if ours is None or red is None:
+            return
+        if isinstance(red, GradientReducer):
+            red._load_own_state(ours)
+            self._home = None if ours.get("rank") is None else (ours["rank"], ours["world_size"])
+        else:
+            red.load_state_dict(ours)
 
     def sync(self):
         super().sync()
         self.value._elastic_sync()
+        red = self.value.reducer
+        if isinstance(red, GradientReducer):
+            ps = self.value.process_set
+            exchange_live(red, self._home, lambda obj: _allgather_object(obj, ps))
+            self._home = _where(self.value)
+
+
+def _where(opt):
+    red = opt.reducer
+    if not isinstance(red, GradientReducer):
+        return None
+    return red.transport.rank, red.transport.size
+
+
+def _allgather_object(obj, process_set) -> list:
+    """Every rank's picklable ``obj``, in rank order, by Horovod allgathers
+    with fixed names (every rank of the set calls it at the same point of
+    ``sync()``; the transport's side channel may not exist yet there)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = waiting.synchronize(_ops.allgather_async(n, name="gtopk.elastic.sync.sizes",
+                                                     process_set=process_set)).tolist()
+    blob = waiting.synchronize(_ops.allgather_async(data, name="gtopk.elastic.sync.objects",
+                                                    process_set=process_set))
+    out, pos = [], 0
+    for k in sizes:
+        out.append(pickle.loads(blob[pos:pos + k].numpy().tobytes()))
+        pos += k
+    return out
 
 
 def _register_elastic_handler():
