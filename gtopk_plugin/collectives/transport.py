@@ -89,19 +89,19 @@ class UseGuard:
         self.name = name
         self._lock = threading.RLock()
         self._depth = 0                     # written only by the holding thread
-        self._thread: Optional[str] = None  # the holder's name and call, for the message
+        self._thread: Optional[threading.Thread] = None  # the holder and its call, for the message
         self._what: Optional[str] = None
 
     def enter(self, what: str) -> None:
         if not self._lock.acquire(blocking=False):
             raise ConcurrentUseError(
                 f"gtopk_plugin: {self.name} is not thread-safe: thread "
-                f"{threading.current_thread().name!r} called {what} while thread {self._thread!r} is "
+                f"{threading.current_thread().name!r} called {what} while thread {self.holder!r} is "
                 f"inside {self._what}.  Use one reducer (and one transport / process group) per thread, "
                 "or serialise the calls (one thread at a time, e.g. under a lock held across each whole "
                 "step); collectives of one group must run in the same order on every rank.")
         if self._depth == 0:
-            self._thread, self._what = threading.current_thread().name, what
+            self._thread, self._what = threading.current_thread(), what
         self._depth += 1
 
     def exit(self) -> None:
@@ -117,7 +117,8 @@ class UseGuard:
     def holder(self) -> Optional[str]:
         """The name of the thread inside, or None (informational: it may
         change as soon as it is read)."""
-        return self._thread
+        t = self._thread
+        return None if t is None else t.name
 
 
 class _Held:
