@@ -91,6 +91,9 @@ class _SpecsOnly:
     def specs(self, names):
         return self.binding.specs(names)
 
+    def fingerprint(self, names):
+        return self.binding.fingerprint(names)
+
     @staticmethod
     def add_weight_decay(name, flat_grad, loss_scale=1.0):
         return flat_grad

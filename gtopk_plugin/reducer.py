@@ -196,7 +196,10 @@ class GradientReducer(ReducerState):
         parts = self._small and small_tensors.split(grads, self._small.threshold)
         kw = dict(advance_step=advance_step, grad_norm=grad_norm, loss_scale=loss_scale, out=out,
                   out_reuse=out_reuse)
-        return self._small.reduce(self, *parts, **kw) if parts else self._reduce(grads, **kw)
+        # not thread-safe (state and the group's collective order): a second
+        # thread inside meanwhile gets ConcurrentUseError, never a crash
+        with self.transport.exclusive("GradientReducer.reduce()"):
+            return self._small.reduce(self, *parts, **kw) if parts else self._reduce(grads, **kw)
 
     def _reduce(self, grads, *, advance_step, grad_norm, loss_scale, out=None, out_reuse=False):
         t0 = time.perf_counter()
