@@ -7,9 +7,10 @@ of torch.distributed / DDP, Horovod and BytePS.
 demand (``gtopk_plugin.torch_ddp``, ``gtopk_plugin.horovod``, ...).
 """
 from . import compress, kernels  # noqa: F401
-from .collectives.transport import SingleProcessTransport, TrafficCounters, Transport
+from .collectives.transport import ConcurrentUseError, SingleProcessTransport, TrafficCounters, Transport
 from .config import DensityWarmup, ReducerConfig
-from .consistency import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
+from .consistency import (JoinedRankError, LayoutMismatchError, NonFiniteGradientError,
+                          NonFiniteStateError, PeerInputError)
 from .collectives.torch_distributed import TorchDistributedTransport
 from .reducer import GradientReducer, k_for
 from .hierarchical import HierarchicalReducer
@@ -40,5 +41,6 @@ def __getattr__(name):
 
 __all__ = ["GradientReducer", "HierarchicalReducer", "TorchDistributedTransport", "SingleProcessTransport", "Transport", "TrafficCounters",
            "ReducerConfig", "DensityWarmup", "ReduceStats", "LayoutMismatchError",
-           "NonFiniteGradientError", "PeerInputError", "JoinedRankError", "k_for", "ElasticScheduler",
+           "NonFiniteGradientError", "NonFiniteStateError", "PeerInputError", "JoinedRankError",
+           "ConcurrentUseError", "k_for", "ElasticScheduler",
            "checkpoint", "save_job", "load_job", "CheckpointError", "__version__"]
