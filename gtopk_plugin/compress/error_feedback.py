@@ -110,7 +110,10 @@ class ErrorFeedback:
             return
         zero = True
         for n, part in zip(f.names, f.views[f.cur]):
-            old = self.residuals.get(n)
+            # a name no step has committed (or loaded) holds zeros: nothing to
+            # carry over, whatever layout its views belonged to (a call that
+            # failed the cross-rank check may have made one)
+            old = self.residuals.get(n) if n in self._live else None
             if old is None:
                 if not fresh:
                     part.zero_()
