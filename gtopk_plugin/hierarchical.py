@@ -233,6 +233,9 @@ class HierarchicalReducer:
             return self._finish(names, tensors, sizes, ks, density, status, None, None, control,
                                 seconds, t0, advance_step, inner_ran=False)
 
+        # the node sum in the gradients' dtype (the bytes of the node's
+        # links); an fp16 sum that overflows is caught by the leader's inner
+        # reducer, whose error-feedback state is float32 (docs/design.md §3)
         dtype = flat_dtype(tensors)
         fabric = self.fabric
         flat = fabric.buffer(names, sizes, dtype, tensors[0].device)
@@ -325,6 +328,12 @@ class HierarchicalReducer:
         lay = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)]
         lay.append(("settings", cfg.method, self.aggregation, cfg.granularity, str(cfg.value_dtype),
                     cfg.op, self.step, tuple(ks), cfg.clip_norm, cfg.dense_below))
+        # whatever else changes the result (the leaders' inner check sees
+        # only the leaders; a worker's nonfinite policy acts on every rank)
+        lay.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback, cfg.momentum, cfg.nesterov,
+                    cfg.dampening, cfg.momentum_masking, cfg.wire_rounding))
+        if self.binding is not None:
+            lay.append(("optimizer",) + tuple(self.binding.fingerprint(names)))
         if cfg.hyper:
             lay.append(("hyper",) + tuple(cfg.hyper))
         lay.append(("hierarchical", tensors[0].device.type if tensors else "") + self.topology.node_of_rank)
