@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_workers
-from half_workers import overflow_state, run_half
+from half_workers import overflow_both, run_half_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -27,36 +27,44 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("P,dtype,kw", CASES, ids=[f"P{p}-{str(d)[6:]}-{k['method']}-{i}"
-                                                     for i, (p, d, k) in enumerate(CASES)])
-def test_half_gradients_conserve_mass_with_float32_state(P, dtype, kw):
-    out = run_workers(P, run_half, dtype, kw, STEPS, timeout=300)
+@pytest.mark.parametrize("P", sorted({p for p, _, _ in CASES}))
+def test_half_gradients_conserve_mass_with_float32_state(P):
+    """One spawn per P runs its cases in turn."""
+    cases = [(d, kw) for p, d, kw in CASES if p == P]
+    per_rank = run_workers(P, run_half_cases, cases, STEPS, timeout=400)
+    for i, (dtype, kw) in enumerate(cases):
+        _check_case([r[i] for r in per_rank], P, kw)
+
+
+def _check_case(out, P, kw):
     divisor = 1 if kw.get("op") == "sum" else P
     for r in out:
-        assert r["finite"], "an update was not finite"
-        assert r["res_dtypes"] == ["torch.float32"]
-        assert r["vel_dtypes"] in ([], ["torch.float32"])
+        assert r["finite"], ("an update was not finite", kw)
+        assert r["res_dtypes"] == ["torch.float32"], kw
+        assert r["vel_dtypes"] in ([], ["torch.float32"]), kw
     for n in out[0]["fed"]:
         # every rank was handed the same update, bit for bit
         for r in out[1:]:
-            assert torch.equal(r["last"][n], out[0]["last"][n])
-            assert torch.equal(r["applied"][n], out[0]["applied"][n])
+            assert torch.equal(r["last"][n], out[0]["last"][n]), kw
+            assert torch.equal(r["applied"][n], out[0]["applied"][n]), kw
         fed = sum(r["fed"][n] for r in out)
         res = sum(r["residuals"][n] for r in out)
-        assert bool(torch.isfinite(res).all())
+        assert bool(torch.isfinite(res).all()), kw
         if kw.get("momentum"):
             continue  # with momentum the invariant holds for velocities (tests/distributed/test_momentum.py)
         applied = out[0]["applied"][n] * divisor
         err = float((fed - applied - res).abs().max() / fed.abs().max())
-        assert err <= 1e-5, (n, err)
+        assert err <= 1e-5, (n, err, kw)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "momentum"])
-def test_an_overflowing_accumulator_is_an_error_on_every_rank(fused):
+def test_an_overflowing_accumulator_is_an_error_on_every_rank():
     """float32 gradients that are finite, but whose accumulator overflows on
-    one rank: every rank raises the same error, at the same step."""
-    out = run_workers(3, overflow_state, fused, timeout=120)
-    want = "NonFiniteGradientError" if fused else "NonFiniteStateError"
-    assert [r[0] for r in out] == [want] * 3
-    assert len({r[2] for r in out}) == 1
-    assert all("rank 0" in r[1] for r in out)
+    one rank: every rank raises the same error, at the same step -- on the
+    fused path under the nonfinite policy, on the momentum path as
+    NonFiniteStateError."""
+    out = run_workers(3, overflow_both, timeout=120)
+    for i, want in enumerate(("NonFiniteGradientError", "NonFiniteStateError")):
+        got = [r[i] for r in out]
+        assert [g[0] for g in got] == [want] * 3, got
+        assert len({g[2] for g in got}) == 1
+        assert all("rank 0" in g[1] for g in got)

@@ -55,3 +55,14 @@ def overflow_state(rank, world, fused):
     except Exception as e:  # noqa: BLE001 - the test reads the type
         return type(e).__name__, str(e), red.step
     return None, None, red.step
+
+
+def run_half_cases(rank, world, cases, steps):
+    """:func:`run_half` for each ``(dtype, kwargs)`` of ``cases`` in turn,
+    in one process group."""
+    return [run_half(rank, world, dtype, kw, steps) for dtype, kw in cases]
+
+
+def overflow_both(rank, world):
+    """:func:`overflow_state` on the fused path, then on the general path."""
+    return [overflow_state(rank, world, fused) for fused in (True, False)]

@@ -36,3 +36,7 @@ def one_rank_fails_locally(rank, world, kind):
     unchanged = all(torch.equal(red.memory.residuals[n], before[n]) for n in before)
     second = _outcome(lambda: red.reduce(grads))
     return {"first": first, "unchanged": unchanged, "second": second, "step": red.step}
+
+
+def every_kind(rank, world, kinds):
+    return [one_rank_fails_locally(rank, world, k) for k in kinds]
