@@ -96,6 +96,15 @@ class _DensePath:
             self._handles[p] = self._allreduce_async(p)
 
     def _abandon_path(self):
+        # Wait for the reductions still in flight (every rank started them:
+        # they complete) so their names are free for the next step; a step
+        # started under a name still in flight on this rank would fail here
+        # alone, with Horovod's duplicate-name error.
+        for kind, h, _ in self._handles.values():
+            try:
+                h() if kind == "sparse" else waiting.synchronize(h)
+            except Exception:  # noqa: BLE001 - the step is being discarded
+                pass
         self._handles.clear()
         self._dense_nbytes = self._grad_nbytes = 0
         for p in self._delay:
@@ -182,7 +191,8 @@ class _DensePath:
             if p not in done:
                 self._handles[p] = self._allreduce_async(p)
         try:
-            for key, (kind, h, ctx) in self._handles.items():
+            for key, (kind, h, ctx) in list(self._handles.items()):
+                del self._handles[key]  # waited for below: nothing left to settle if this raises
                 if kind == "grouped":
                     for p, out, (c, orig) in zip(key, waiting.synchronize(h), ctx):
                         self._set_grad(p, self._compression.decompress(out, c).to(orig))

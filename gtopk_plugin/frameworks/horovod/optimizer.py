@@ -26,11 +26,20 @@ As in Horovod, our optimizer is a new class whose base is the user's
 optimizer class (``isinstance(opt, torch.optim.SGD)`` holds) and whose
 methods are copied from a body class: :class:`_OptimizerBody` (Horovod's
 public API, gradient hooks, state) plus one path class.
+
+A parameter's gradients are reduced by one optimizer of ours: the gradient
+hooks hold the optimizer weakly (a dropped optimizer is collected and its
+hooks removed, so it never starts a step again), and building one over
+parameters that an earlier, still referenced one of ours holds retires the
+earlier one (its hooks are removed, its ``step()`` raises).  Otherwise its
+hooks would go on starting steps -- Horovod ops -- whenever the model's
+backward runs, under names the new optimizer uses too.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import List, Optional
 
 import horovod.torch as hvd
@@ -45,7 +54,7 @@ from ..compression_names import signature
 from .compression import Compression, SparseCompression, is_dense_compressor, sparse_choices
 from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
 from . import waiting
-from .sparse import _SparsePath
+from .sparse import _SparsePath, op_prefix
 
 __all__ = ["DistributedOptimizer"]
 
@@ -60,6 +69,23 @@ _HVD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
 class _GtopkHorovodOptimizer:
     """Marker base of every optimizer class made here (the elastic state
     handler in :mod:`.elastic` finds them by it)."""
+
+
+# id(parameter) -> the optimizer of ours whose hooks are on it.  An entry
+# dies with its optimizer, which holds the parameter: an id is not reused
+# while its entry lives.
+_OWNER: "weakref.WeakValueDictionary[int, _OptimizerBody]" = weakref.WeakValueDictionary()
+
+_RETIRED = ("gtopk_plugin: this DistributedOptimizer was retired when another one was built over "
+            "its parameters (a parameter's gradients are reduced by one optimizer; its gradient "
+            "hooks were removed).  Step the newer optimizer, or build the new one only once the "
+            "old one is no longer used.")
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 class _OptimizerBody(torch.optim.Optimizer):
@@ -91,16 +117,29 @@ class _OptimizerBody(torch.optim.Optimizer):
         self.last_step_traffic: Optional[dict] = None
         self._groups = resolve_groups(groups, self._requires_update)
         self._reducer: Optional[GradientReducer] = None
+        self._retired = False
         self._init_path(grad_scaler)
         if self.process_set.included():
+            older = {}
             for p in self._requires_update:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                o = _OWNER.get(id(p))
+                if o is not None and o is not self and p in o._delay:
+                    older[id(o)] = o
+            for o in older.values():
+                o._retire()
+            ref = weakref.ref(self)
+            for p in self._requires_update:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, p)))
+                _OWNER[id(p)] = self
+            weakref.finalize(self, _remove_hooks, self._hooks)
 
     # -- public API (Horovod's) -------------------------------------------
     def synchronize(self):
         """Wait for every gradient's reduction and write the results into
         ``p.grad``.  Parameters that got no gradient this step take part
         with zeros (another rank may have one)."""
+        if self._retired:
+            raise RuntimeError(_RETIRED)
         if self.process_set.included():
             self._synchronize_path()
         self._synchronized = True
@@ -116,6 +155,8 @@ class _OptimizerBody(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._retired:
+            raise RuntimeError(_RETIRED)
         try:
             if self._should_synchronize:
                 if self._synchronized:
@@ -181,10 +222,11 @@ class _OptimizerBody(torch.optim.Optimizer):
         return bucket_names(self._buckets, self._parameter_names)
 
     # -- hooks ---------------------------------------------------------------
-    def _make_hook(self, p):
-        def hook(_param):
-            self._grad_ready(p)
-        return hook
+    def _retire(self):
+        """Another optimizer of ours took this one's parameters: remove its
+        hooks (a step already started finishes on its worker)."""
+        self._retired = True
+        _remove_hooks(self._hooks)
 
     def _grad_ready(self, p):
         if self._delay[p] <= 0:
@@ -216,11 +258,26 @@ class _OptimizerBody(torch.optim.Optimizer):
                                "leaders' residuals are not rebuilt when the job re-forms); use a flat "
                                "compression with elastic training")
         self._transport.drop_side_channel()  # the job was re-formed: a new channel
-        v = torch.tensor([self._reducer.step], dtype=torch.int64)
+        # rank 0's step counter, and its names for this optimizer's Horovod
+        # ops and side channels: a worker that joined the job built its
+        # optimizers afresh and counted them and its channels from zero
+        t = self._transport
+        v = torch.tensor([self._reducer.step, self._op_index, t._channels], dtype=torch.int64)
         if self.process_set.size() > 1:
             v = _ops.broadcast_(v, root_rank=0, name="gtopk.elastic.step", process_set=self.process_set)
         self._reducer.step = int(v[0])
+        self._op_index, t._channels = int(v[1]), int(v[2])
+        t.prefix = op_prefix(self.process_set, self._op_index)
         self._agree_step = False
+
+
+def _make_hook(ref, p):
+    # the optimizer weakly: a hook must not keep a dropped optimizer alive
+    def hook(_param):
+        opt = ref()
+        if opt is not None:
+            opt._grad_ready(p)
+    return hook
 
 
 def _class_body(path) -> dict:

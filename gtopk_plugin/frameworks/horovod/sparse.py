@@ -21,7 +21,21 @@ Why it is shaped this way:
   started by the step's first gradient hook (it overlaps backward), in
   which a rank inside ``hvd.join()`` answers with zero -- every other rank
   then raises :class:`JoinedRankError` before any exchange, instead of
-  waiting on a peer that will never come.
+  waiting on a peer that will never come;
+* Horovod pairs ops by name and refuses a name that is still in flight on
+  that rank, so every Horovod op of an optimizer carries its own prefix
+  ``gtopk.p{process set}.o{n}`` (the n-th sparse optimizer built on that
+  process set: the same on every rank, as Horovod's own names assume the
+  same program on every rank), and a step's join is waited for before the
+  optimizer starts another one.  Without that, an optimizer abandoned
+  after backward (its join still in flight on a rank its peers had not
+  reached yet) or two optimizers whose backward passes interleave made
+  one rank's next join fail with Horovod's duplicate-name error while
+  the others went on: the ranks' op streams parted and the job hung or
+  was shut down by Horovod's timeout;
+* each optimizer's reductions run on one daemon thread of its own, in
+  submission order; a reduction that waits on a dead peer never holds up
+  interpreter exit, and the thread ends when the optimizer is collected.
 
 Methods of :class:`_SparsePath` are copied into the optimizer class that
 :func:`~.optimizer.DistributedOptimizer` builds (see :mod:`.optimizer`).
@@ -29,7 +43,10 @@ Methods of :class:`_SparsePath` are copied into the optimizer class that
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import horovod.torch as hvd
@@ -53,6 +70,62 @@ _JOINED = ("gtopk_plugin: a rank has called hvd.join() (it has no more data) whi
            "residuals are unchanged.")
 
 
+# Sparse optimizers built so far per Horovod process set: the n of each
+# one's op-name prefix (module docstring).
+_BUILT: Dict[int, int] = {}
+
+
+def _next_index(process_set) -> int:
+    sid = int(process_set.process_set_id or 0)
+    n = _BUILT.get(sid, 0)
+    _BUILT[sid] = n + 1
+    return n
+
+
+def op_prefix(process_set, index: int) -> str:
+    """The prefix of every Horovod op name of the ``index``-th sparse
+    optimizer on ``process_set``."""
+    return f"gtopk.p{int(process_set.process_set_id or 0)}.o{index}"
+
+
+class _SerialWorker:
+    """A daemon thread that runs the submitted calls one at a time, in
+    submission order, and hands back ``concurrent.futures.Future`` s.
+
+    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter
+    exit, so a reduction stuck on a dead peer would keep the process
+    alive.  The thread holds no reference to the optimizer between calls
+    (a dropped optimizer is collected, which ends the thread)."""
+
+    def __init__(self, name: str):
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def close(self) -> None:
+        """End the thread after the calls already submitted."""
+        self._queue.put(None)
+
+
+def _serve(q) -> None:
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        fut, fn, args = item
+        del item
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(e)
+        del fut, fn, args  # the call's bound optimizer must not outlive the call here
+
+
 def op_name(op) -> str:
     """``hvd.Average`` etc. by name, for error messages."""
     for n in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
@@ -70,7 +143,8 @@ class _SparsePath:
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("sparse compression supports op=hvd.Average or hvd.Sum; got "
                              f"{op_name(op)}")
-        self._transport = HorovodTransport(self.process_set,
+        self._op_index = _next_index(self.process_set)
+        self._transport = HorovodTransport(self.process_set, prefix=op_prefix(self.process_set, self._op_index),
                                            side_channel=self._spec.exchange == "gloo")
         red_op = "average" if op == hvd.Average else "sum"
         if self._hierarchy is None:
@@ -98,7 +172,8 @@ class _SparsePath:
                 "docs/momentum.md)", UserWarning, stacklevel=4)
         self._buckets = make_buckets(self._requires_update, self._groups, self._spec.fusion_threshold)
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._executor = None
+        self._executor: Optional[_SerialWorker] = None
+        self._join_handle = None
         # The step counter (density warm-up, random draws, layout check)
         # must agree on all ranks; a fresh optimizer takes the largest one
         # at its first step (e.g. rank 0 loaded a checkpoint).  Elastic
@@ -110,27 +185,36 @@ class _SparsePath:
         return bool(self._ready)
 
     def _abandon_path(self):
-        if self._join_handle is not None:
-            try:
-                self._transport._wait(self._join_handle)  # sleeps, as every wait of this path
-            except BaseException:  # noqa: BLE001 - the step is being discarded
-                pass
+        # every rank abandons the same step: its reductions already running
+        # finish (their ops are in the peers' streams too), results dropped
         for fut in self._futures:
             if fut is not None:
                 try:
                     fut.result()
                 except BaseException:  # noqa: BLE001 - the step is being discarded
                     pass
+        self._settle_join()
         self._reset_sparse_step()
 
+    def _settle_join(self):
+        """Wait for a join this optimizer started and no bucket consumed
+        (an abandoned step), so its name is free again on this rank."""
+        h, self._join_handle = self._join_handle, None
+        if h is not None:
+            try:
+                self._transport._wait(h)  # sleeps, as every wait of this path
+            except BaseException:  # noqa: BLE001 - the step is being discarded
+                pass
+
     def _reset_sparse_step(self):
+        # (a join no bucket consumed stays in _join_handle: the next step
+        # settles it before it starts its own under the same name)
         self._step_grad_norm = None
         self._step_loss_scale = None
         self._ready = set()
         self._bucket_left = [len(b) for b in self._buckets]
         self._futures: List[Optional[concurrent.futures.Future]] = [None] * len(self._buckets)
         self._next_bucket = 0
-        self._join_handle = None
         self._joined = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
@@ -140,6 +224,7 @@ class _SparsePath:
             return
         if not self._ready and self._transport.side_channel and self._transport.size > 1:
             # join detection: the step's one Horovod op, overlapping backward
+            self._settle_join()
             self._join_handle = _ops.allreduce_async(
                 torch.ones(1, dtype=torch.int32), op=hvd.Sum, name=f"{self._transport.prefix}.join",
                 process_set=self.process_set)
@@ -160,26 +245,29 @@ class _SparsePath:
             i = self._next_bucket
             grads = {self._parameter_names[p]: p.grad for p in self._buckets[i]}
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="gtopk-horovod")
-            self._futures[i] = self._executor.submit(self._reduce_bucket, i, grads)
+                self._executor = _SerialWorker(f"gtopk-horovod-{self._transport.prefix}")
+                weakref.finalize(self, self._executor.close)
+            join = None
+            if i == 0:  # bucket 0 waits for the step's join (consumed: nothing to settle)
+                join, self._join_handle = self._join_handle, None
+            self._futures[i] = self._executor.submit(self._reduce_bucket, i, grads, join)
             self._next_bucket += 1
 
-    def _reduce_bucket(self, i: int, grads: Dict[str, Tensor]):
-        """Runs on the worker thread: one GradientReducer call per bucket."""
+    def _reduce_bucket(self, i: int, grads: Dict[str, Tensor], join=None):
+        """Runs on the worker thread: one GradientReducer call per bucket
+        (bucket 0 first waits for the step's join allreduce, ``join``)."""
         t = self._transport
         t.set_scope(bucket_scope(i))
         try:
-            return self._reduce_bucket_on(t, i, grads)
+            return self._reduce_bucket_on(t, i, grads, join)
         except HorovodInternalError:
             t.drop_side_channel()  # a lost peer: the next step makes a new channel
             raise
 
-    def _reduce_bucket_on(self, t: HorovodTransport, i: int, grads: Dict[str, Tensor]):
-        if self._join_handle is not None:
-            h, self._join_handle = self._join_handle, None
+    def _reduce_bucket_on(self, t: HorovodTransport, i: int, grads: Dict[str, Tensor], join):
+        if join is not None:
             t.collectives += 1
-            self._joined = int(t._wait(h)[0]) < t.size
+            self._joined = int(t._wait(join)[0]) < t.size
         if self._joined:  # every bucket of the step, on every rank that did not join
             raise JoinedRankError(_JOINED)
         if i == 0:
