@@ -31,6 +31,8 @@ BENCHMARKS = {
     "train_report": (".train.combine", "main", "one time-to-accuracy table over several train JSONs"),
     "wire_precision": (".wire_precision", "main",
                        "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
+    "half_precision": (".half_precision", "main",
+                       "demo model with fp32/fp16/bf16 gradients: finite state, conservation, accuracy"),
 }
 
 
