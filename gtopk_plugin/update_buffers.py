@@ -96,8 +96,12 @@ class UpdateBuffers:
             update, _ = self.take(key, numel, dtype, device, None)
             if agg.vals.dtype == dtype and agg.vals.is_contiguous():
                 return update, kernels.div_count_(agg.vals.view(-1), divisor, out=update, kernels=kernels_backend)
-            # the division in the result's own dtype, then the update's
-            torch.div(agg.vals, divisor, out=update) if divisor != 1 else update.copy_(agg.vals)
+            # widened first, then divided in the update's dtype: a division in
+            # a narrower wire dtype (bf16/fp16) would round the average a
+            # second time, into nobody's residual
+            update.copy_(agg.vals)
+            if divisor != 1:
+                update.div_(divisor)
             return update, torch.count_nonzero(update)
         update, prev = self.take(key, numel, dtype, device, agg.idx)
         # the reference scatter_update's arithmetic: vals / divisor
@@ -189,14 +193,19 @@ def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = N
             v = vals[off:off + t.numel()]
             if t.dtype == v.dtype:  # one pass: divide into t and count
                 nnz += kernels.div_count_(v, divisor, out=t.view(-1), kernels=kernels_backend)
-            else:
-                torch.div(v.view(t.shape), divisor, out=t) if divisor != 1 else t.copy_(v.view(t.shape))
+            else:  # divided in the wider of the two dtypes, then rounded once into t
+                wide = torch.promote_types(torch.promote_types(v.dtype, t.dtype), torch.float32)
+                w = v.view(t.shape).to(wide)
+                t.copy_(w / divisor if divisor != 1 else w)
                 nnz += int(torch.count_nonzero(t))
             off += t.numel()
         return torch.tensor(nnz), None
     idx = agg.idx
-    if divisor != 1:
-        vals = vals / divisor
+    if divisor != 1:  # in the widest dtype written (a wire dtype would round twice)
+        wide = torch.promote_types(vals.dtype, torch.float32)  # as the update buffer's division
+        for t in outs:
+            wide = torch.promote_types(wide, t.dtype)
+        vals = vals.to(wide) / divisor
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
         idx, order = torch.sort(idx)
         vals = vals[order]

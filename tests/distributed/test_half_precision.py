@@ -24,6 +24,12 @@ CASES = [
     (2, torch.bfloat16, dict(method="gtopk", density=0.01, value_dtype=torch.int8)),
     (3, torch.float16, dict(method="dense")),
     (2, torch.float16, dict(method="onebit")),
+    (3, torch.float16, dict(method="gtopk", density=0.01, use_out=True)),
+    # float32 gradients on a narrower wire, averaged over a P that is not a
+    # power of two: the division happens in float32, not in the wire dtype
+    # (which rounded the average a second time, into nobody's residual)
+    (3, torch.float32, dict(method="dense", value_dtype=torch.bfloat16)),
+    (3, torch.float32, dict(method="randomk", density=0.05, value_dtype=torch.float16, use_out=True)),
 ]
 
 

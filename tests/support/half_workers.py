@@ -19,13 +19,15 @@ def run_half(rank, world, dtype, kw, steps):
     """``steps`` reduce() calls; returns the float64 sums of the gradients
     fed and the updates applied, the final residuals (float64) and dtypes,
     whether every update was finite, and one update (for rank agreement)."""
+    kw = dict(kw)
+    use_out = kw.pop("use_out", False)  # updates written into caller tensors (as DDP does)
     red = gp.GradientReducer(transport=gp.TorchDistributedTransport(timeout=60), **kw)
     fed = {n: torch.zeros(s, dtype=torch.float64) for n, s in SIZES.items()}
     applied = {n: torch.zeros(s, dtype=torch.float64) for n, s in SIZES.items()}
     finite, last = True, None
     for step in range(steps):
         g = half_grads(rank, step, dtype)
-        u = red.reduce(g)
+        u = red.reduce(g, out={n: torch.empty_like(t) for n, t in g.items()} if use_out else None)
         for n in SIZES:
             assert u[n].dtype == dtype, (n, u[n].dtype)
             finite &= bool(torch.isfinite(u[n]).all())
