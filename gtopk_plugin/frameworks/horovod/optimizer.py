@@ -54,7 +54,7 @@ from ..compression_names import signature
 from .compression import Compression, SparseCompression, is_dense_compressor, sparse_choices
 from .dense import _DensePath, attach_ring_traffic, needs_own_dense_path
 from . import waiting
-from .sparse import _SparsePath, op_prefix
+from .sparse import _SparsePath, adopt_index, op_prefix
 
 __all__ = ["DistributedOptimizer"]
 
@@ -268,6 +268,7 @@ class _OptimizerBody(torch.optim.Optimizer):
         self._reducer.step = int(v[0])
         self._op_index, t._channels = int(v[1]), int(v[2])
         t.prefix = op_prefix(self.process_set, self._op_index)
+        adopt_index(self.process_set, self._op_index)
         self._agree_step = False
 
 

@@ -82,6 +82,13 @@ def _next_index(process_set) -> int:
     return n
 
 
+def adopt_index(process_set, index: int) -> None:
+    """An optimizer took ``index`` from rank 0 (elastic sync): optimizers
+    built after it here are numbered after it, as on rank 0."""
+    sid = int(process_set.process_set_id or 0)
+    _BUILT[sid] = max(_BUILT.get(sid, 0), index + 1)
+
+
 def op_prefix(process_set, index: int) -> str:
     """The prefix of every Horovod op name of the ``index``-th sparse
     optimizer on ``process_set``."""
