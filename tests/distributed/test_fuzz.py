@@ -61,8 +61,8 @@ step of every case:
 
 Counts: ``CI_CASES`` per P (210 in all); ``test_fuzz_long`` (``pytest -m
 slow``) runs ``FUZZ_LONG_CASES`` (default 5,000) in spawns of LONG_CHUNK
-cases.  A failure names the case and prints its spec; replay one case with
-``FUZZ_ONLY=<P>:<id>`` and the same ``FUZZ_SEED``.  Shrinking is off:
+cases.  A failure names the case and prints how to run it alone (``FUZZ_SPEC``:
+its spec as JSON, or a file holding it).  Shrinking is off:
 every example would cost a spawn.  Cases that would run into a library
 defect found here and not fixed yet are not drawn (KNOWN_BUGS, known_bug);
 ``FUZZ_KNOWN_BUGS=run`` draws them too.
@@ -207,8 +207,13 @@ def _ddp_spec(draw, P):
             return [draw(st.booleans()) for _ in range(P)]
         return [kind == "all"] * P
 
-    fixed = [pattern() for _ in range(nb)]
-    usage = [[list(fixed[b]) if mode == "static" else pattern() for b in range(nb)] for _ in range(steps)]
+    if mode == "static":  # the same graph at every step
+        fixed = [pattern() for _ in range(nb)]
+        usage = [[list(fixed[b]) for b in range(nb)] for _ in range(steps)]
+    else:  # per branch: a pattern drawn at every step, or used by all until a step, by none after
+        kinds = [(draw(st.sampled_from(["stop", "random"])), _pick(draw, 1, steps - 1)) for _ in range(nb)]
+        usage = [[pattern() if kind == "random" else [s < stop] * P for kind, stop in kinds]
+                 for s in range(steps)]
     method = draw(st.sampled_from(["gtopk", "topk", "randomk", "rtopk", "threshold", "dense"]))
     red = {"method": method, "seed": draw(st.integers(0, 2 ** 20)),
            "coalesce_buckets": draw(st.booleans()),
@@ -644,14 +649,32 @@ def _subsets(specs):
     return out
 
 
-def run_and_check(P, specs, timeout):
+def _replay(spec):
+    """How to run one case again (its spec, as the failure prints it)."""
+    return (f"replay: FUZZ_SPEC='{json.dumps(spec, sort_keys=True)}' pytest "
+            f"'tests/distributed/test_fuzz.py::test_fuzz[{spec['P']}]'")
+
+
+def run_and_check(P, specs, timeout, seed=SEED):
+    """Run ``specs`` in one spawn of P ranks and check every case; returns
+    how many were checked and what the checks saw (STATS)."""
+    STATS.clear()
     with tempfile.TemporaryDirectory(prefix="gtopk-fuzz-") as tmp:
         out = run_workers(P, run_cases, specs, _subsets(specs), tmp, timeout=timeout, pg_timeout=90,
                           raise_errors=False)
+        where = {}
+        for r in range(P):  # the case each rank was in (a rank that died says nothing else)
+            try:
+                with open(os.path.join(tmp, f"rank{r}.case")) as f:
+                    where[r] = int(f.read())
+            except (OSError, ValueError):
+                where[r] = None
     per_rank = []
     for r, (status, value) in enumerate(out):
         if status != "ok":
-            pytest.fail(f"P={P}: rank {r} failed outside the cases: {value[0]}: {value[1]}\n{value[2]}")
+            spec = next((s for s in specs if s["id"] == where[r]), None)
+            pytest.fail(f"P={P} seed={seed}: rank {r} failed in case {P}:{where[r]}: {value[0]}: {value[1]}\n"
+                        f"{value[2]}\n" + (_replay(spec) if spec else ""))
         per_rank.append({rec["id"]: rec for rec in value})
     failures, checked = [], 0
     for spec in specs:
@@ -662,48 +685,57 @@ def run_and_check(P, specs, timeout):
         probs = check_case(spec, recs)
         if probs:
             failures.append((spec, probs))
-    msg = [f"P={P} seed={SEED}: {checked} of {len(specs)} cases ran, {len(failures)} failed; "
+    msg = [f"P={P} seed={seed}: {checked} of {len(specs)} cases ran, {len(failures)} failed; "
            + ", ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in sorted(STATS.items()))]
     msg += [f"case {P}:{spec['id']}: {probs[0][:240]}" for spec, probs in failures]
     for spec, probs in failures[:5]:
-        msg.append(f"--- case {P}:{spec['id']} (replay: FUZZ_SEED={SEED} FUZZ_ONLY={P}:{spec['id']})\n"
-                   + json.dumps(spec, sort_keys=True) + "\n" + "\n".join(probs[:5]))
+        msg.append(f"--- case {P}:{spec['id']} ({spec.get('family', 'ddp')})\n" + "\n".join(probs[:5])
+                   + "\n" + _replay(spec))
     print(msg[0])
     assert not failures and checked == len(specs), "\n".join(msg)
-    return checked
+    return checked, dict(STATS)
 
 
-def _only():
-    v = os.environ.get("FUZZ_ONLY")
+def _replayed():
+    """The one spec of FUZZ_SPEC (JSON, or a file holding it), or None."""
+    v = os.environ.get("FUZZ_SPEC")
     if not v:
         return None
-    p, i = v.split(":")
-    return int(p), int(i)
+    if not v.lstrip().startswith("{"):
+        with open(v) as f:
+            v = f.read()
+    return json.loads(v)
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_fuzz(P):
-    only = _only()
-    if only is not None and only[0] != P:
-        pytest.skip(f"FUZZ_ONLY={only[0]}:{only[1]}")
-    specs = draw_cases(P, CI_CASES[P])
-    if only is not None:
-        specs = [s for s in specs if s["id"] == only[1]]
-    run_and_check(P, specs, timeout=360)
+    """``CI_CASES[P]`` cases at P ranks, one spawn (FUZZ_SPEC: that case only)."""
+    one = _replayed()
+    if one is not None:
+        if one["P"] != P:
+            pytest.skip(f"FUZZ_SPEC is a case at P={one['P']}")
+        run_and_check(P, [one], timeout=360)
+        return
+    run_and_check(P, draw_cases(P, CI_CASES[P]), timeout=360)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(6 * 3600)
 def test_fuzz_long():
-    """``FUZZ_LONG_CASES`` cases (default 5,000) split over P = 2, 3, 4, in
-    spawns of ``LONG_CHUNK`` cases; another seed than the CI run's."""
-    total = 0
-    per_p = {P: LONG_CASES * w // 9 for P, w in ((2, 3), (3, 3), (4, 3))}
+    """``FUZZ_LONG_CASES`` cases (default 5,000) split evenly over P = 2, 3,
+    4, in spawns of ``LONG_CHUNK`` cases, drawn from another seed than the
+    CI run's."""
+    total, seen = 0, {}
+    per_p = {P: LONG_CASES // 3 for P in (2, 3, 4)}
     per_p[2] += LONG_CASES - sum(per_p.values())
     for P, count in per_p.items():
         specs = draw_cases(P, count, seed=SEED + 1)
         for a in range(0, len(specs), LONG_CHUNK):
-            total += run_and_check(P, specs[a:a + LONG_CHUNK], timeout=3600)
-    print(f"fuzz long run: {total} cases")
-    assert total >= LONG_CASES * 0.95
+            n, stats = run_and_check(P, specs[a:a + LONG_CHUNK], timeout=3600, seed=SEED + 1)
+            total += n
+            for k, v in stats.items():
+                seen[k] = max(seen.get(k, 0.0), v) if k.startswith("worst") else seen.get(k, 0) + v
+    print(f"fuzz long run: {total} cases; " + ", ".join(
+        f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in sorted(seen.items())))
+    assert total == LONG_CASES

@@ -484,6 +484,15 @@ class _Net(torch.nn.Module):
         return y
 
 
+def _same_or_zero(a, b):
+    """Equal state tensors, an absent one standing for zeros."""
+    if a is None and b is None:
+        return True
+    if a is None or b is None:
+        return not bool((a if a is not None else b).any())
+    return same_state(a, b)
+
+
 class DdpCase:
     """A DDP case: the gloo DDP model with the sparse hook
     (``find_unused_parameters=True`` or ``static_graph=True``) and a plain
@@ -553,8 +562,8 @@ class DdpCase:
                 return
             upd = _flat({n: p.grad for n, p in self.params.items() if p.grad is not None}, self.names, self.sizes)
             res1, vel1 = self._state()
-            touched = sorted(n for n in self.names if not same_state(res0.get(n), res1.get(n))
-                             or not same_state(vel0.get(n), vel1.get(n)))
+            touched = sorted(n for n in self.names if not _same_or_zero(res0.get(n), res1.get(n))
+                             or not _same_or_zero(vel0.get(n), vel1.get(n)))
             rec.update(outcome="ok", red_step=self.state.reducer.step, touched=touched,
                        digest=hashlib.sha1(upd.numpy().tobytes()).hexdigest(),
                        upd_finite=bool(torch.isfinite(upd).all()),
@@ -584,6 +593,9 @@ def run_cases(rank, P, specs, subsets, tmpdir):
     groups = {tuple(m): dist.new_group(list(m)) for m in subsets}
     out = []
     for spec in specs:
+        # where this rank is, for the parent's report should the process die
+        with open(os.path.join(tmpdir, f"rank{rank}.case"), "w") as f:
+            f.write(str(spec["id"]))
         rec = {"id": spec["id"], "steps": [], "ops": [], "fatal": None, "left_at": None}
         try:
             case = DdpCase(spec, rank, P) if spec.get("kind") == "ddp" else Case(spec, rank, P, groups, tmpdir)
