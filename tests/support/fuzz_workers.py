@@ -91,6 +91,12 @@ def grads_for(spec, rank, step):
         else:  # "const": one value everywhere
             x = torch.full((n,), float(torch.randn(1, generator=g)), dtype=torch.float64)
         out[name] = (x * scale).to(DTYPES[dt]).reshape(shape)
+    hg = spec.get("huge")
+    if hg and hg["rank"] == rank and hg["step"] <= step < hg["step"] + hg["steps"]:
+        name, shape = spec["tensors"][hg["tensor"]][:2]
+        s = torch.Generator().manual_seed(spec["grad_seed"])  # the same signs at every step
+        sign = torch.randint(0, 2, (math.prod(shape),), generator=s).float() * 2 - 1
+        out[name] = (sign * (torch.finfo(torch.float32).max / 2)).to(out[name].dtype).reshape(shape)
     inj = spec.get("inject")
     if inj and inj["step"] == step and inj["rank"] == rank:
         name = spec["tensors"][inj["tensor"]][0]
@@ -98,12 +104,6 @@ def grads_for(spec, rank, step):
         v = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[inj["value"]]
         for j in range(inj["count"]):
             flat[(j * 7919 + inj["step"]) % flat.numel()] = v
-    hg = spec.get("huge")
-    if hg and hg["rank"] == rank and hg["step"] <= step < hg["step"] + hg["steps"]:
-        name, shape = spec["tensors"][hg["tensor"]][:2]
-        s = torch.Generator().manual_seed(spec["grad_seed"])  # the same signs at every step
-        sign = torch.randint(0, 2, (math.prod(shape),), generator=s).float() * 2 - 1
-        out[name] = (sign * (torch.finfo(torch.float32).max / 2)).to(out[name].dtype).reshape(shape)
     return out
 
 
@@ -131,9 +131,13 @@ def server_shard(sd):
     return next(iter(server.values())).detach().reshape(-1).double().clone()
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bytes(t):
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    """The bytes of ``t``'s values (any strides: numpy copies them out)."""
+    t = t.detach().reshape(-1)
+    return t.view(_INT_OF_SIZE[t.element_size()]).numpy().tobytes() if t.numel() else b""
 
 
 def same_state(a, b, ignore_step=False):
@@ -305,7 +309,11 @@ class Case:
         kind = "ok"
         if st is not None and st.skipped:
             kind = "skip"
+        # digest: the bits (rank agreement); vdigest: the values, -0.0 as 0.0
+        # (a restored reducer's residual of +0.0 where the original's was
+        # -0.0 gives the same values, not always the same bits)
         rec = {"outcome": kind, "digest": digest(out, self.names),
+               "vdigest": digest({n: t + 0.0 for n, t in out.items()}, self.names),
                "upd_finite": all(bool(torch.isfinite(t).all()) for t in out.values())}
         if kind == "skip":
             vals = {float(v) for t in out.values() for v in t.reshape(-1).double().unique().tolist()}
