@@ -5,13 +5,13 @@ Hypothesis draws random cases in this process (``case_specs``: plain dicts,
 seeded by ``FUZZ_SEED``, so a run is reproducible) in scenario families
 (FAMILIES: plain; fp16/bf16 gradients; a NaN/±Inf gradient on one rank;
 finite float32 gradients of ±max/2 on one rank, whose accumulator may
-overflow; one rank built with another setting; checkpoint operations; a job
-resized to a subgroup; DDP with unused parameters).  Layouts (1..4 tensors,
-names, shapes), dtypes (fp32/fp16/bf16/fp64, also mixed in one call),
-methods (every built-in compressor), densities and warm-ups, wires (None,
-fp16, bf16, int8 nearest/stochastic), merges, op, DGC momentum, dense_below,
-out=, kernels back ends per rank and the nonfinite policy are drawn in every
-family.  One spawn per world size P in {2, 3, 4} runs all of that P's cases
+overflow; one rank built with another setting; invalid input on one rank;
+checkpoint operations; a job resized to a subgroup; DDP with unused
+parameters).  Layouts (1..4 tensors, names, shapes), dtypes
+(fp32/fp16/bf16/fp64, also mixed in one call), methods (every built-in
+compressor), densities and warm-ups, wires (None, fp16, bf16, int8 nearest
+or stochastic), merges, op, DGC momentum, dense_below, out=, the kernels
+back end of each rank and the nonfinite policy are drawn in every family.  One spawn per world size P in {2, 3, 4} runs all of that P's cases
 one after the other on the same group (tests/support/fuzz_workers.py), and
 the invariants are checked here on the workers' float64 records, after every
 step of every case:
@@ -22,7 +22,10 @@ step of every case:
   nothing changed, step counter kept; ``skip``: zero updates, state kept,
   step counted; ``propagate``: +inf updates, the same); where one rank was
   built with another setting, LayoutMismatchError on every rank with the
-  same message; once one rank fed ±max/2, a clean and finite step or one of
+  same message; where one rank passed invalid input (an integer or 0-d
+  gradient, no gradients, an ``out=`` of the wrong size), ValueError there
+  and PeerInputError on the others, nothing changed, and later steps
+  work; once one rank fed ±max/2, a clean and finite step or one of
   those clear errors (NonFiniteStateError on the general path) on every
   rank;
 - **rank agreement**: every rank was handed the same update, bit for bit;
@@ -252,7 +255,7 @@ def _ddp_spec(draw, P):
 # Scenario families and their share of the cases (per 20): every run draws
 # each of them, whatever Hypothesis' preferences among the other choices.
 FAMILIES = (("plain", 3), ("half", 3), ("nonfinite", 3), ("huge", 2), ("mismatch", 2),
-            ("checkpoint", 3), ("resize", 2), ("ddp", 2))
+            ("checkpoint", 3), ("resize", 2), ("ddp", 2), ("badinput", 1))
 
 
 @st.composite
@@ -314,6 +317,9 @@ def case_specs(draw, P, family):
         spec["mismatch"] = _mismatch(draw, P, dict(red, hyper=hyper), sizes)
         spec["steps"] = 1
         return spec
+    if family == "badinput":  # then valid steps again: the group is still usable
+        spec["bad"] = {"step": _pick(draw, 0, steps - 1), "rank": _pick(draw, 0, P - 1),
+                       "kind": draw(st.sampled_from(["int_grad", "zero_dim", "empty", "out_shape"]))}
     if family == "nonfinite" or _chance(draw, 1, 6):
         spec["inject"] = {"step": _pick(draw, 0, steps - 1), "rank": _pick(draw, 0, P - 1),
                           "tensor": _pick(draw, 0, n - 1),
@@ -581,6 +587,20 @@ def check_case(spec, per_rank):
             probs.append(f"{where}: ran on ranks {[r for r, _ in recs]} (steps {[x['s'] for _, x in recs]}), "
                          f"want {want}")
             break
+        bad = spec.get("bad")
+        if bad and bad["step"] == s:
+            # the rank with invalid input: ValueError; its peers: PeerInputError, at once
+            _count("steps bad input")
+            for r, x in recs:
+                want = "ValueError" if r == bad["rank"] else "PeerInputError"
+                if x["outcome"] != "error" or x["err"][0] != want:
+                    probs.append(f"{where}: rank {r} {x['outcome']} {x.get('err', '')} (invalid input "
+                                 f"{bad['kind']} on rank {bad['rank']}: want {want})")
+                elif not x["unchanged"] or x["red_step"] != x["step_before"]:
+                    probs.append(f"{where}: rank {r}: the refused step changed the state or the step counter")
+            if probs:
+                break
+            continue
         kinds = [(x["outcome"], x["err"][0] if x["outcome"] == "error" else None) for _, x in recs]
         if len(set(kinds)) != 1:
             probs.append(f"{where}: ranks disagree: " + "; ".join(

@@ -26,6 +26,8 @@ A case spec (keys; see ``test_fuzz.case_specs`` for the ranges):
   state), "corrupt:<kind>" (a damaged state), "resize:<ranks>" (the job
   saved at P and loaded with gp.load_job by the subgroup ``ranks``, which
   goes on alone);
+- ``bad``: None or ``{"step", "rank", "kind"}``: invalid input on that
+  rank at that step ("int_grad", "zero_dim", "empty" or "out_shape");
 - ``kind: "ddp"``: a DDP case instead (:class:`DdpCase`: ``dims``,
   ``branches``, ``usage`` per step, branch and rank, ``mode``,
   ``bucket_cap_mb``; ``reducer`` holds SparseState's keywords).
@@ -222,6 +224,7 @@ class Case:
         z = torch.zeros(self.N, dtype=torch.float64)
         self.fed, self.applied, self.mag = z.clone(), z.clone(), z.clone()
         self.left_at = None
+        self.bad_out = None
         self.records, self.ops = [], []
 
     # the pieces of a record
@@ -262,6 +265,10 @@ class Case:
     # one step
     def call(self, red, grads):
         mode = self.spec.get("out")
+        if self.bad_out is not None:  # one out= tensor of the wrong size, on this rank only
+            out = {n: torch.empty_like(t) for n, t in grads.items()}
+            out[self.bad_out] = torch.empty(grads[self.bad_out].numel() + 1, dtype=grads[self.bad_out].dtype)
+            return red.reduce(grads, out=out)
         if mode == "fresh":
             return red.reduce(grads, out={n: torch.empty_like(t) for n, t in grads.items()})
         if mode == "inplace":  # the gradients themselves receive the update
@@ -270,6 +277,18 @@ class Case:
 
     def step(self, s, shadow=None):
         grads = grads_for(self.spec, self.rank, s)
+        bad = self.spec.get("bad")
+        self.bad_out = None
+        if bad and bad["step"] == s and bad["rank"] == self.rank:  # invalid input on this rank only
+            n0 = self.names[0]
+            if bad["kind"] == "int_grad":
+                grads[n0] = grads[n0].to(torch.int32)
+            elif bad["kind"] == "zero_dim":
+                grads[n0] = grads[n0].reshape(-1)[0]
+            elif bad["kind"] == "empty":
+                grads = {}
+            else:  # "out_shape"
+                self.bad_out = n0
         rec = {"s": s, "grads_finite": all(bool(torch.isfinite(g).all()) for g in grads.values())}
         before = self.red.state_dict()
         inc = self.increment(grads, before)
@@ -302,7 +321,7 @@ class Case:
         try:
             out = self.call(red, grads)
         except (gp.NonFiniteGradientError, gp.NonFiniteStateError, gp.LayoutMismatchError,
-                gp.PeerInputError, gp.CheckpointError) as e:
+                gp.PeerInputError, ValueError) as e:
             return {"outcome": "error", "err": (type(e).__name__, str(e))}, None
         st = red.last_stats
         out = {n: t.clone() for n, t in out.items()}
@@ -430,8 +449,7 @@ class Case:
                     shadow = replaced
             rec = self.step(s, shadow)
             self.records.append(rec)
-            if rec["outcome"] == "error" and rec["err"][0] in (
-                    "LayoutMismatchError", "PeerInputError", "NonFiniteStateError"):
+            if rec["outcome"] == "error" and rec["err"][0] in ("LayoutMismatchError", "NonFiniteStateError"):
                 return  # every later call would raise the same, or the state is no longer trusted
 
 
