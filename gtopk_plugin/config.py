@@ -166,6 +166,11 @@ class ReducerConfig:
                              "its own wire format); pass value_dtype=None")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; pass 'layer' or 'global'")
+        if self.method == "powersgd" and self.granularity != "layer":
+            # caught here, not inside the first reduce(): PowerSGD needs each
+            # tensor's own matrix shape
+            raise ValueError("powersgd compresses each tensor as a matrix: use granularity='layer' "
+                             "(one segment per tensor, shapes known)")
         if self.value_dtype is not None and self.value_dtype not in WIRE_DTYPES:
             raise ValueError(f"value_dtype must be None, torch.float16, torch.bfloat16 or torch.int8; "
                              f"got {self.value_dtype!r}")

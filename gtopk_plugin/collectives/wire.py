@@ -255,10 +255,20 @@ def unpack_values(blob: Tensor, val_dtype: torch.dtype) -> Tensor:
     return _view(blob, 0, blob.numel(), val_dtype)
 
 
+def _flat_unit_stride(t: Tensor) -> Tensor:
+    """``t`` as a 1-D tensor of stride 1: ``contiguous()`` leaves a tensor
+    of size-1 dimensions with any stride (a (1, 1) slice of a larger
+    matrix), which a byte view refuses."""
+    x = t.contiguous().reshape(-1)
+    if x.numel() and x.stride(0) != 1:
+        x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+    return x
+
+
 def pack_tensors(tensors) -> Tensor:
     """A codec's payload tensors as one uint8 blob (their bytes, in order;
     receivers know the shapes and dtypes: they depend only on the layout)."""
-    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    parts = [_flat_unit_stride(t).view(torch.uint8) for t in tensors]
     if not parts:
         return torch.empty(0, dtype=torch.uint8)
     dev = parts[0].device

@@ -59,3 +59,22 @@ def test_half_gradients_keep_float32_state_and_return_their_dtype():
     red.reduce({"w": torch.zeros(50, dtype=torch.float16)})
     # the old fp16 residual entered the accumulator exactly (widened)
     assert red.memory.residuals["w"].dtype == torch.float32
+
+
+def test_qsgd_on_a_single_bucket_reduces_and_conserves_mass():
+    """A call whose layout is one QSGD bucket (one small tensor, or global
+    granularity) used to fail on every rank packing its payload ("stride
+    must be 1 to view Float as Byte"); the oracle is the invariant."""
+    for kw in (dict(), dict(granularity="global")):
+        red = gp.GradientReducer(method="qsgd", op="sum", transport=gp.SingleProcessTransport(), **kw)
+        x = torch.randn(20, generator=torch.Generator().manual_seed(3))
+        total = torch.zeros(20, dtype=torch.float64)
+        for _ in range(5):
+            total += red.reduce({"w": x})["w"].double()
+        err = (5 * x.double() - total - red.memory.residuals["w"].double()).abs().max()
+        assert float(err) <= 1e-5
+
+
+def test_powersgd_with_global_granularity_is_refused_at_construction():
+    with pytest.raises(ValueError, match="granularity='layer'"):
+        gp.GradientReducer(method="powersgd", granularity="global", transport=gp.SingleProcessTransport())
