@@ -101,11 +101,6 @@ CORRUPTIONS = ("nan_residual", "inf_residual", "nan_velocity", "negative_step", 
 # Library defects the fuzz found that are reported and not fixed yet: cases
 # that would run into one are not drawn (known_bug), so that the run checks
 # everything else; FUZZ_KNOWN_BUGS=run draws them too.
-# - qsgd_one_bucket: QSGD on a call whose layout is a single bucket (one
-#   tensor of <= bucket_size entries, or global granularity): RuntimeError
-#   "self.stride(-1) must be 1 to view Float as Byte" on every rank;
-# - powersgd_global: granularity="global" with several tensors is accepted
-#   at construction and raises ValueError inside the first reduce();
 # - dense_below_rounding: a small tensor (dense_below) narrower than its
 #   part's state dtype: the update's rounding goes to a residual of the
 #   inner dense reducer that state_dict() does not hold (lost at a
@@ -114,7 +109,7 @@ CORRUPTIONS = ("nan_residual", "inf_residual", "nan_velocity", "negative_step", 
 #   products overflow float32 for finite accumulators near its max:
 #   non-finite update and residual from finite gradients, no error.
 KNOWN_BUGS = () if os.environ.get("FUZZ_KNOWN_BUGS") == "run" else (
-    "qsgd_one_bucket", "powersgd_global", "dense_below_rounding", "codec_overflow")
+    "dense_below_rounding", "codec_overflow")
 # the state's epsilon-scaled tolerance (module docstring)
 RTOL = {"float32": 2.0 ** -16, "float64": 2.0 ** -40}
 TINY = {"float32": 1e-30, "float64": 1e-300}
@@ -146,8 +141,9 @@ def _mismatch(draw, P, red, sizes):
     check (a value different from everyone else's): ``kw`` to set, ``drop``
     the keywords that no longer apply."""
     method = red["method"]
-    fields = ["seed", "nonfinite", "op", "granularity", "momentum", "error_feedback", "clip_norm",
-              "dense_below", "method"]
+    fields = ["seed", "nonfinite", "op", "momentum", "error_feedback", "clip_norm", "dense_below", "method"]
+    if method != "powersgd":
+        fields.append("granularity")
     if method not in CODECS:
         fields.append("value_dtype")
     if red.get("value_dtype") == "int8":
@@ -282,7 +278,9 @@ def case_specs(draw, P, family):
     method = draw(st.sampled_from(METHODS))
     red = {"method": method, "op": draw(st.sampled_from(["average", "sum"])),
            "seed": draw(st.integers(0, 2 ** 20)), "nonfinite": draw(st.sampled_from(["raise", "skip", "propagate"])),
-           "granularity": draw(st.sampled_from(["layer", "global"])), "dense_below": 0}
+           # PowerSGD compresses tensors as matrices: granularity="layer" only
+           "granularity": "layer" if method == "powersgd" else draw(st.sampled_from(["layer", "global"])),
+           "dense_below": 0}
     if gp.registry.describe(method)["uses_density"]:
         red["density"] = draw(st.one_of(st.sampled_from([0.01, 0.001, 0.1, 0.5, 1.0]),
                                         st.floats(0.001, 1.0, allow_nan=False)))
@@ -356,26 +354,14 @@ def _dtype_promoted(dtypes):
 def known_bug(spec):
     """The library defect a case would run into, if it is one of those
     reported and not fixed yet (see KNOWN_BUGS), else None."""
-    red, P = spec["reducer"], spec["P"]
-    method = red["method"]
-    db = red.get("dense_below", 0)
-    big = [t for t in spec["tensors"] if math.prod(t[1]) >= db]
-    small = [t for t in spec["tensors"] if math.prod(t[1]) < db]
-    if "qsgd_one_bucket" in KNOWN_BUGS and method == "qsgd" and big:
-        b = red.get("bucket_size", 32)
-        sizes = [math.prod(t[1]) for t in big]
-        n_buckets = -(-sum(sizes) // b) if red.get("granularity") == "global" else sum(-(-n // b) for n in sizes)
-        if n_buckets == 1:
-            return "qsgd_one_bucket"
-    if "powersgd_global" in KNOWN_BUGS and method == "powersgd" and red.get("granularity") == "global" \
-            and len(big) > 1:
-        return "powersgd_global"
+    red = spec["reducer"]
+    small = [t for t in spec["tensors"] if math.prod(t[1]) < red.get("dense_below", 0)]
     if "dense_below_rounding" in KNOWN_BUGS and small:
         sd = _dtype_promoted([t[2] for t in small])
         sd = torch.float32 if sd in (torch.float16, torch.bfloat16) else sd
         if any(getattr(torch, t[2]) != sd for t in small):
             return "dense_below_rounding"
-    if "codec_overflow" in KNOWN_BUGS and spec["huge"] and method in CODECS:
+    if "codec_overflow" in KNOWN_BUGS and spec["huge"] and red["method"] in CODECS:
         return "codec_overflow"
     return None
 
