@@ -252,7 +252,11 @@ class Case:
 
     def increment(self, grads, sd_before):
         """What this step puts into the residual, in float64, from this
-        rank's gradient and (DGC momentum) its velocity before the step."""
+        rank's gradient and (DGC momentum) its velocity before the step;
+        None for invalid input (a step that must be refused)."""
+        if sorted(grads) != self.names or [grads[n].numel() for n in self.names] != self.sizes \
+                or any(t.dim() == 0 for t in grads.values()):
+            return None
         g = _flat(grads, self.names, self.sizes)
         m = self.kw.get("momentum")
         if m is None:
@@ -304,6 +308,8 @@ class Case:
         if got["outcome"] != "ok":
             rec["unchanged"] = same_state(before, after, ignore_step=got["outcome"] == "skip")
         if got["outcome"] == "ok":
+            if inc is None:
+                raise AssertionError(f"step {s}: invalid input on this rank was reduced, not refused")
             upd = _flat(out, self.names, self.sizes) * self.divisor()
             self.fed += inc
             self.applied += upd
