@@ -353,7 +353,9 @@ class GradientReducer(ReducerState):
         selected = int(vals.numel())
         sent = numel if idx is None else int(idx.numel()) if reached is None else int(reached.sum())
         res = {n: out[n] for n in names} if out is not None else {
-            n: u.view_as(t) if t.dtype == dtype else u.view_as(t).to(t.dtype)
+            # narrower dtypes: clamped to their range, never ±inf (update_rounding
+            # charges the remainder to the owner's residual)
+            n: u.view_as(t) if t.dtype == dtype else wire.to_wire(u.view_as(t), t.dtype)
             for n, u, t in zip(names, torch.split(update, sizes), tensors)}
         if owed is not None:
             # the update is applied in the gradients' narrower dtype: that

@@ -9,6 +9,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from . import huge_pages, kernels
+from .collectives import wire
 
 Tensor = torch.Tensor
 
@@ -196,7 +197,7 @@ def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = N
             else:  # divided in the wider of the two dtypes, then rounded once into t
                 wide = torch.promote_types(torch.promote_types(v.dtype, t.dtype), torch.float32)
                 w = v.view(t.shape).to(wide)
-                t.copy_(w / divisor if divisor != 1 else w)
+                t.copy_(wire.to_wire(w / divisor if divisor != 1 else w, t.dtype))  # clamped, never ±inf
                 nnz += int(torch.count_nonzero(t))
             off += t.numel()
         return torch.tensor(nnz), None
@@ -220,5 +221,5 @@ def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = N
             flat.index_fill_(0, (prev[pcuts[j]:pcuts[j + 1]] - s).long(), 0)
         a, b = cuts[j], cuts[j + 1]
         if b > a:
-            flat.index_copy_(0, (idx[a:b] - s).long(), vals[a:b].to(t.dtype))
+            flat.index_copy_(0, (idx[a:b] - s).long(), wire.to_wire(vals[a:b], t.dtype))
     return torch.count_nonzero(vals), idx.clone()

@@ -78,3 +78,25 @@ def test_qsgd_on_a_single_bucket_reduces_and_conserves_mass():
 def test_powersgd_with_global_granularity_is_refused_at_construction():
     with pytest.raises(ValueError, match="granularity='layer'"):
         gp.GradientReducer(method="powersgd", granularity="global", transport=gp.SingleProcessTransport())
+
+
+@pytest.mark.parametrize("use_out", [False, True])
+def test_an_update_beyond_a_narrower_tensors_range_is_clamped_into_the_residual(use_out):
+    """A call mixing float32 and float16 gradients sums in float32; an fp16
+    tensor's update beyond 65504 used to come back as inf with -inf in the
+    residual.  It is clamped to the dtype's range and the remainder stays in
+    the residual: finite, and conserved exactly (float64 oracle)."""
+    red = gp.GradientReducer(method="topk", density=0.25, op="sum", transport=gp.SingleProcessTransport())
+    fed = {n: torch.zeros(4, dtype=torch.float64) for n in "ab"}
+    got = {n: torch.zeros(4, dtype=torch.float64) for n in "ab"}
+    for _ in range(4):
+        x = {"a": torch.ones(4), "b": torch.tensor([6e4, 6e4, 0, 0], dtype=torch.float16)}
+        out = {n: torch.empty_like(t) for n, t in x.items()} if use_out else None
+        u = red.reduce(x, out=out)
+        for n in x:
+            assert bool(torch.isfinite(u[n]).all()) and bool(torch.isfinite(red.memory.residuals[n]).all())
+            fed[n] += x[n].double()
+            got[n] += u[n].double()
+    assert float(u["b"].abs().max()) == 65504.0
+    for n in "ab":
+        assert torch.equal(fed[n] - got[n], red.memory.residuals[n].double())
