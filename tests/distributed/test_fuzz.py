@@ -108,11 +108,8 @@ CORRUPTIONS = ("nan_residual", "inf_residual", "nan_velocity", "negative_step", 
 # - codec_overflow: onebit's scale, QSGD's norm and PowerSGD's factor
 #   products overflow float32 for finite accumulators near its max:
 #   non-finite update and residual from finite gradients, no error.
-# - update_overflow: a call with two dtypes (fp16 with fp32, fp32 with
-#   fp64): the narrower tensor's update beyond its range is ±inf and the
-#   owner's residual takes the opposite infinity (no clamp, no error).
 KNOWN_BUGS = () if os.environ.get("FUZZ_KNOWN_BUGS") == "run" else (
-    "dense_below_rounding", "codec_overflow", "update_overflow")
+    "dense_below_rounding", "codec_overflow")
 # the state's epsilon-scaled tolerance (module docstring)
 RTOL = {"float32": 2.0 ** -16, "float64": 2.0 ** -40}
 TINY = {"float32": 1e-30, "float64": 1e-300}
@@ -370,9 +367,6 @@ def known_bug(spec):
             return "dense_below_rounding"
     if "codec_overflow" in KNOWN_BUGS and spec["huge"] and red["method"] in CODECS:
         return "codec_overflow"
-    if "update_overflow" in KNOWN_BUGS and spec["huge"] and \
-            state_dtypes(spec)[spec["tensors"][spec["huge"]["tensor"]][0]] == "float64":
-        return "update_overflow"
     return None
 
 
