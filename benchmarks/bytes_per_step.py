@@ -48,7 +48,7 @@ def measure(ctx, args):
     import torch.distributed as dist
 
     import gtopk_plugin as gp
-    from gtopk_plugin.compress import registry
+    from gtopk_plugin import registry
 
     shapes = layer_shapes(args["numel"])
     g = torch.Generator().manual_seed(ctx.rank)

@@ -134,7 +134,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default=os.path.join(RESULTS, "ddp_step.json"))
     args = ap.parse_args(argv)
-    from gtopk_plugin import launch
+    from gtopk_plugin._launch import launcher as launch
 
     reps = launch.run(args.workers, worker, args, timeout=1800)
     times = {n: [t for r in reps for t in r["times"][n]] for n in VARIANTS}

@@ -326,7 +326,7 @@ def worker(ctx, p) -> dict:
     import torch.distributed as dist
 
     from .convergence import glyphs
-    from gtopk_plugin.frameworks.torch_distributed import TorchDistributedTransport
+    from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 
     torch.set_num_threads(1)
     P, rank = ctx.size, ctx.rank

@@ -5,7 +5,7 @@ conservation checked against float64 sums.
     gtopk-bench half-precision [--workers 4] [--steps 2000] [--methods gtopk topk randomk]
 
 For each method (gTop-k, Top-k, random-k at ``--density`` 0.01) and each
-gradient dtype, P gloo workers (:mod:`gtopk_plugin.launch`) train the CNN of
+gradient dtype, P gloo workers (:mod:`gtopk_plugin._launch.launcher`) train the CNN of
 ``gtopk-demo`` (:mod:`gtopk_plugin.demo.train`: its data, model and batch
 order) for ``--steps`` steps from the same seed:
 

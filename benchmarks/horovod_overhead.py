@@ -130,8 +130,8 @@ def worker(args):
 def _counting_ops():
     """Count the Horovod ops our sparse layer issues (alltoall, allgather,
     allreduce), by wrapping the module its two files call."""
-    from gtopk_plugin.frameworks.horovod import sparse as sp
-    from gtopk_plugin.frameworks.horovod import transport as tr
+    from gtopk_plugin.frameworks.horovod import hvd_sparse as sp
+    from gtopk_plugin.frameworks.horovod import hvd_transport as tr
 
     counts = {"n": 0}
     real = tr._ops

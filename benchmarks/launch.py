@@ -1,5 +1,5 @@
 """Start P benchmark workers, one process per rank, and collect what each
-returns: the project's one launcher (:func:`gtopk_plugin.launch.run`) with
+returns: the project's one launcher (:func:`gtopk_plugin._launch.launcher.run`) with
 what only benchmarks need on top.
 
 Shared by the benchmarks that run real process groups
@@ -36,7 +36,7 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from gtopk_plugin import launch as _launch
+from gtopk_plugin._launch import launcher as _launch
 
 #: The directory that holds this package's top-level package (the
 #: repository root in a checkout): what a ``python -m`` child needs on its path.
@@ -50,7 +50,7 @@ stop_all = _launch.stop_all
 
 
 class HorovodEngine:
-    """Engine ``horovod`` of :func:`gtopk_plugin.launch.run`: ``hvd.init()``
+    """Engine ``horovod`` of :func:`gtopk_plugin._launch.launcher.run`: ``hvd.init()``
     on Horovod's gloo controller (rendezvous from the environment the caller
     passes), its barrier, ``HorovodTransport`` and ``hvd.shutdown()``.
 
@@ -98,7 +98,7 @@ HOROVOD_ENGINES = ("horovod", "horovod-ops")
 def _as_json(ctx, target: str, payload):
     """The worker side: ``target(ctx, payload)``, its result as JSON would
     carry it (the results are what the benchmarks write)."""
-    from gtopk_plugin.launch import resolve_target
+    from gtopk_plugin._launch.launcher import resolve_target
 
     return json.loads(json.dumps(resolve_target(target)(ctx, payload)))
 

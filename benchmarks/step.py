@@ -15,7 +15,7 @@ times every entry once, in turn, on the same data):
   starts on both ranks at once, after a barrier, so the floor shares the
   memory bus with the other rank as reduce()'s passes do);
 - ``floor huge``: the same read of a copy on 2 MB pages, as the reducer's
-  persistent buffers are (gtopk_plugin.huge_pages); the gradients and the
+  persistent buffers are (gtopk_plugin.pipeline.huge_pages); the gradients and the
   ``floor`` buffer are ordinary 4 KB pages, as a caller's tensors are;
 - ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
   (what selection costs without compensation, check or update);
@@ -85,7 +85,8 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     import torch
 
     import gtopk_plugin as gp
-    from gtopk_plugin import huge_pages, kernels
+    from gtopk_plugin import kernels
+    from gtopk_plugin.pipeline import huge_pages
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed + 1000 * transport.rank)
@@ -93,7 +94,7 @@ def bench_case(transport, shapes, threads: int, reps: int, seed: int) -> List[di
     numel = sum(t.numel() for t in grads.values())
     flat = torch.randn(numel, generator=gen)
     # the same read on 2 MB pages, as the reducer's own persistent buffers
-    # are (gtopk_plugin.huge_pages); the gradients, like flat, are the
+    # are (gtopk_plugin.pipeline.huge_pages); the gradients, like flat, are the
     # caller's 4 KB pages
     flat_huge = huge_pages.empty_like(flat).copy_(flat)
     sizes = [t.numel() for t in grads.values()]

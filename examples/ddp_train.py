@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import gtopk_plugin as gp
-from gtopk_plugin.compress import registry
+from gtopk_plugin import registry
 
 
 def parse_args():

@@ -6,23 +6,23 @@ of torch.distributed / DDP, Horovod and BytePS.
 ``import gtopk_plugin`` needs only torch; framework layers are imported on
 demand (``gtopk_plugin.torch_ddp``, ``gtopk_plugin.horovod``, ...).
 """
-from . import compress, kernels  # noqa: F401
-from .collectives.transport import ConcurrentUseError, SingleProcessTransport, TrafficCounters, Transport
-from .config import DensityWarmup, ReducerConfig
-from .consistency import (JoinedRankError, LayoutMismatchError, NonFiniteGradientError,
+from gtopk_plugin import compress, kernels  # noqa: F401
+from gtopk_plugin.collectives.transport import ConcurrentUseError, SingleProcessTransport, TrafficCounters, Transport
+from gtopk_plugin.config import DensityWarmup, ReducerConfig
+from gtopk_plugin.pipeline.input_check import (JoinedRankError, LayoutMismatchError, NonFiniteGradientError,
                           NonFiniteStateError, PeerInputError)
-from .collectives.torch_distributed import TorchDistributedTransport
-from .reducer import GradientReducer, k_for
-from .hierarchical import HierarchicalReducer
-from .stats import ReduceStats
-from . import checkpoint  # noqa: E402  (whole-job checkpoints: save_job / load_job)
-from .checkpoint import load_job, save_job
-from .reducer_state import CheckpointError
-from . import elastic  # noqa: E402
-from .elastic import ElasticScheduler
+from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
+from gtopk_plugin.reducer import GradientReducer, k_for
+from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
+from gtopk_plugin.pipeline.reduce_stats import ReduceStats
+from gtopk_plugin import checkpoint  # noqa: E402  (whole-job checkpoints: save_job / load_job)
+from gtopk_plugin.checkpoint import load_job, save_job
+from gtopk_plugin.pipeline.reducer_state import CheckpointError
+from gtopk_plugin import elastic  # noqa: E402
+from gtopk_plugin.elastic import ElasticScheduler
 # torch.distributed ships with torch: register its asynchronous allreduce as the
 # elastic scheduler's default back end now (Horovod's registers on its import).
-from .frameworks import elastic_torch as _elastic_torch  # noqa: F401
+from gtopk_plugin.elastic import torch_backend as _elastic_torch  # noqa: F401
 
 __version__ = "0.1.0"
 

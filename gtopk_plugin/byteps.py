@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import config
-from .elastic import ElasticScheduler as _ElasticScheduler
-from .frameworks.byteps import INSTALL_HINT, BytePSDenseReduction
+from gtopk_plugin import config
+from gtopk_plugin.elastic import ElasticScheduler as _ElasticScheduler
+from gtopk_plugin.frameworks.byteps_reduction import INSTALL_HINT, BytePSDenseReduction
 
 __all__ = ["ElasticScheduler", "BytePSDenseReduction", "elastic_settings", "INSTALL_HINT"]
 

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .reducer_state import (MATCHED_SETTINGS, STATE_VERSION, CheckpointError, layout_of, param_sizes, tensors_in,
+from gtopk_plugin.pipeline.reducer_state import (MATCHED_SETTINGS, STATE_VERSION, CheckpointError, layout_of, param_sizes, tensors_in,
                             validate_state)
 
 __all__ = ["save_job", "load_job", "redistribute", "upgrade_state", "CheckpointError", "rank_file",
@@ -58,7 +58,7 @@ def rank_file(path: str, rank: int) -> str:
 
 # ---------------------------------------------------------------- helpers
 def _flat_reducer(reducer):
-    from .reducer import GradientReducer
+    from gtopk_plugin.reducer import GradientReducer
 
     if not isinstance(reducer, GradientReducer):
         raise TypeError(f"gtopk_plugin.checkpoint handles a GradientReducer (SparseState.reducer, the Horovod "

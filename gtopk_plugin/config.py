@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import registry
+from gtopk_plugin import registry
 
 OPS = ("average", "sum")
 GRANULARITIES = ("layer", "global")
@@ -261,7 +261,7 @@ def env_cache_home() -> str:
 
 def env_local_world_size() -> Union[int, str, None]:
     """``LOCAL_WORLD_SIZE`` (set by torchrun): workers per node, the default
-    node size of :class:`~gtopk_plugin.hierarchical.HierarchicalReducer`.
+    node size of :class:`~gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`.
     ``None`` when unset or empty; a value that is not an integer comes back
     as the string, so that the topology agreement rejects it on every rank
     (raising here, on one rank only, would leave the others waiting)."""
@@ -283,14 +283,14 @@ def env_fusion_threshold_bytes(default: int = 64 * 1024 * 1024) -> int:
 
 def env_shm_dir() -> Optional[str]:
     """``GTOPK_SHM_DIR``: where a node's shared-memory fabric puts its file
-    (default ``/dev/shm``; :mod:`gtopk_plugin.collectives.shared_memory`)."""
+    (default ``/dev/shm``; :mod:`gtopk_plugin.two_level.shared_memory`)."""
     return _env("GTOPK_SHM_DIR")
 
 
 def env_huge_pages() -> bool:
     """``GTOPK_HUGE_PAGES=0`` stops the reducer's persistent CPU buffers from
     asking the kernel for transparent huge pages (default: on; see
-    :mod:`gtopk_plugin.huge_pages`)."""
+    :mod:`gtopk_plugin.pipeline.huge_pages`)."""
     v = _env("GTOPK_HUGE_PAGES")
     return v is None or v.lower() not in ("0", "false", "no", "off")
 

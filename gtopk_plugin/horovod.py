@@ -7,7 +7,7 @@ Needs Horovod built against the installed torch; without it this import
 raises an ``ImportError`` naming the install command
 (``bash scripts/install_horovod.sh``).  ``import gtopk_plugin`` never needs it.
 """
-from .frameworks.horovod import (  # noqa: F401
+from gtopk_plugin.frameworks.horovod import (  # noqa: F401
     Compression,
     DistributedOptimizer,
     HorovodDenseReduction,

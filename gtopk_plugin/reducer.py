@@ -15,8 +15,8 @@ plain sum (``op="sum"``).  Mass conservation holds for every method:
 
 The method, its hyper-parameters and its aggregation come from the registry
 (:mod:`gtopk_plugin.registry`); the layout helpers (segments, k, checks)
-from :mod:`gtopk_plugin.layout`; the update buffers from
-:mod:`gtopk_plugin.update_buffers`.
+from :mod:`gtopk_plugin.pipeline.layout`; the update buffers from
+:mod:`gtopk_plugin.pipeline.update_buffers`.
 """
 from __future__ import annotations
 
@@ -26,19 +26,28 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from . import collectives, consistency, dense_direct, kernels, small_tensors, update_rounding
-from .collectives import Selection, Transport, payloads as _payloads, wire
-from .collectives.rounds import codec_contribution
-from .collectives.torch_distributed import TorchDistributedTransport
-from .compress import ErrorFeedback, SelectionContext, registry
-from .compress.momentum import MomentumCorrection, MomentumSpec
-from .compress.topk import GTopKSelector, TopKSelector
-from .config import ReducerConfig
-from .reducer_state import ReducerState
-from .layout import (Segments, all_finite, clip_scale, flat_dtype, global_segment_name,  # noqa: F401
+from gtopk_plugin import collectives, kernels
+
+from gtopk_plugin.pipeline import input_check as consistency
+
+from gtopk_plugin.pipeline import dense_direct
+
+from gtopk_plugin.pipeline import small_tensors
+
+from gtopk_plugin.pipeline import update_rounding
+from gtopk_plugin.collectives import Selection, Transport, payloads as _payloads, wire
+from gtopk_plugin.collectives.rounds import codec_contribution
+from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
+from gtopk_plugin.compress import ErrorFeedback, SelectionContext
+from gtopk_plugin import registry
+from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
+from gtopk_plugin.compress.topk import GTopKSelector, TopKSelector
+from gtopk_plugin.config import ReducerConfig
+from gtopk_plugin.pipeline.reducer_state import ReducerState
+from gtopk_plugin.pipeline.layout import (Segments, all_finite, clip_scale, flat_dtype, global_segment_name,  # noqa: F401
                      k_for, local_grad_norm, memory_check, segment_ks, state_dtype, validate_grads)
-from .stats import ReduceStats
-from .update_buffers import UpdateBuffers, check_out
+from gtopk_plugin.pipeline.reduce_stats import ReduceStats
+from gtopk_plugin.pipeline.update_buffers import UpdateBuffers, check_out
 
 Tensor = torch.Tensor
 _all_finite = all_finite  # the name before the split (issue #16)

@@ -18,11 +18,12 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from . import kernels
-from .compress import SelectionContext, registry
-from .compress.momentum import MomentumCorrection, MomentumSpec
-from .config import ReducerConfig
-from .reducer import global_segment_name, k_for, local_grad_norm
+from gtopk_plugin import kernels
+from gtopk_plugin.compress import SelectionContext
+from gtopk_plugin import registry
+from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
+from gtopk_plugin.config import ReducerConfig
+from gtopk_plugin.reducer import global_segment_name, k_for, local_grad_norm
 
 Tensor = torch.Tensor
 

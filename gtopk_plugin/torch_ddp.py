@@ -1,5 +1,5 @@
 """``import gtopk_plugin.torch_ddp`` / ``gtopk_plugin.torch_ddp``: the PyTorch
-DDP communication hook (see :mod:`gtopk_plugin.frameworks.torch_ddp`)."""
-from .frameworks.torch_ddp import SparseState, sparse_hook  # noqa: F401
+DDP communication hook (see :mod:`gtopk_plugin.frameworks.ddp.ddp_hook`)."""
+from gtopk_plugin.frameworks.ddp.ddp_hook import SparseState, sparse_hook  # noqa: F401
 
 __all__ = ["SparseState", "sparse_hook"]

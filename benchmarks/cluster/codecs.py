@@ -40,8 +40,8 @@ from typing import Dict, List
 from gtopk_plugin import kernels
 from gtopk_plugin.collectives import Selection, payloads
 from gtopk_plugin.collectives.rounds import ROUNDS, codec_contribution
-from gtopk_plugin.compress import registry
-from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin import registry
+from gtopk_plugin.compress.compressor import SelectionContext
 from gtopk_plugin.compress.onebit import OneBitCodec
 
 DEFAULT_HYPER = ["powersgd.rank=4"]

@@ -9,7 +9,7 @@ elements (``bytes_per_step.layer_shapes``, standard normal draws seeded
 the library's reducers, each row a fresh reducer:
 
 * ``flat``: :class:`gtopk_plugin.GradientReducer` over all P workers;
-* ``hier``: :class:`gtopk_plugin.hierarchical.HierarchicalReducer` with
+* ``hier``: :class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer` with
   ``local_size=local`` (dense inside the node, the method between nodes).
 
 The rows take turns in passes (``--repeat``; every other pass reversed:
@@ -127,7 +127,7 @@ def _reducer(method, layout, p, ctx):
     if layout == "flat":
         from gtopk_plugin import GradientReducer
         return GradientReducer(transport=ctx.transport, **kw)
-    from gtopk_plugin.hierarchical import HierarchicalReducer
+    from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
     # ranks r // local on node r; the node's dense data through shared
     # memory ("hier": insisting, so a run that cannot have it fails loudly)
     # or through the node's gloo group over its bridge ("hier-gloo")
@@ -262,10 +262,10 @@ def _median_of_slowest(per_rank: List[List[float]]) -> float:
 def hier_available():
     import importlib
     try:
-        getattr(importlib.import_module("gtopk_plugin.hierarchical"), "HierarchicalReducer")
+        getattr(importlib.import_module("gtopk_plugin.two_level.hierarchical_reducer"), "HierarchicalReducer")
     except Exception as e:  # noqa: BLE001 - any failure: rows not measured, said so
         return False, f"{type(e).__name__}: {e}"
-    return True, "gtopk_plugin.hierarchical.HierarchicalReducer"
+    return True, "gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer"
 
 
 def _merge(per_rank, nodes, local, node_of):

@@ -35,7 +35,7 @@ import torch
 
 from gtopk_plugin import collectives, kernels
 from gtopk_plugin.collectives import Selection
-from gtopk_plugin.compress import registry
+from gtopk_plugin import registry
 from gtopk_plugin.reducer import GradientReducer, k_for
 
 from . import codecs as codec_rows

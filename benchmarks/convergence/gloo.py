@@ -10,7 +10,7 @@ two runs agree bit for bit; :func:`compare` reports the largest differences
 the reducer's own counters (``ReduceStats.bytes_sent``, mean over ranks).
 
 Processes, rendezvous and supervision (first failure or timeout kills
-every worker) are the project's one launcher's (:mod:`gtopk_plugin.launch`).
+every worker) are the project's one launcher's (:mod:`gtopk_plugin._launch.launcher`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from . import sim
 
 
 def worker(ctx, spec_d: dict) -> dict:
-    """Launcher target (:func:`gtopk_plugin.launch.run`, gloo group joined):
+    """Launcher target (:func:`gtopk_plugin._launch.launcher.run`, gloo group joined):
     train ``spec_d`` on this rank; rank 0 returns the history, the mean
     training loss and bytes per step over ranks, and the final weights."""
     import torch
@@ -102,7 +102,7 @@ def run(spec: sim.RunSpec, timeout: float = 600.0) -> dict:
     """Train ``spec`` on ``spec.workers`` gloo processes; return rank 0's
     history, the mean training loss and bytes per step over ranks, and the
     final weights (``params``, a flat tensor)."""
-    from gtopk_plugin import launch
+    from gtopk_plugin._launch import launcher as launch
 
     t0 = time.perf_counter()
     try:

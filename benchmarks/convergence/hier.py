@@ -173,7 +173,7 @@ def worker(ctx, spec_d: dict, local_size: int) -> dict:
 
 
 def gloo_run(spec: sim.RunSpec, nodes: int, timeout: float = 300.0) -> dict:
-    from gtopk_plugin import launch
+    from gtopk_plugin._launch import launcher as launch
 
     return launch.run(spec.workers, worker, spec.as_dict(), spec.workers // nodes, timeout=timeout)[0]
 

@@ -138,7 +138,7 @@ class _Elastic:
 
         import gtopk_plugin as gp
         from gtopk_plugin.elastic import ElasticScheduler
-        from gtopk_plugin.frameworks.torch_distributed import TorchDistributedTransport
+        from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 
         from ..elastic import DelayedTransport
 

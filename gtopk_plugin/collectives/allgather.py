@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from . import wire
-from .base import Aggregated, Aggregation, Selection, register
-from .transport import Transport
+from gtopk_plugin import kernels
+from gtopk_plugin.collectives import wire
+from gtopk_plugin.collectives.aggregation import Aggregated, Aggregation, Selection, register
+from gtopk_plugin.collectives.transport import Transport
 
 
 @register("allgather")

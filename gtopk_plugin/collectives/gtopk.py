@@ -38,11 +38,11 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .. import kernels
-from . import wire
-from .base import Aggregated, Aggregation, Selection, register
-from .schedule import butterfly_schedule, message_rounds
-from .transport import Transport
+from gtopk_plugin import kernels
+from gtopk_plugin.collectives import wire
+from gtopk_plugin.collectives.aggregation import Aggregated, Aggregation, Selection, register
+from gtopk_plugin.collectives.schedule import butterfly_schedule, message_rounds
+from gtopk_plugin.collectives.transport import Transport
 
 Tensor = torch.Tensor
 

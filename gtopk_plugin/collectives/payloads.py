@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from . import wire
-from .base import Aggregated, Aggregation, Selection, register
-from .transport import Transport
+from gtopk_plugin.collectives import wire
+from gtopk_plugin.collectives.aggregation import Aggregated, Aggregation, Selection, register
+from gtopk_plugin.collectives.transport import Transport
 
 
 @register("allgather_payloads")

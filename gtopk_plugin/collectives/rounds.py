@@ -25,8 +25,8 @@ from typing import Callable, Generator
 
 import torch
 
-from .base import Aggregated, Aggregation, Encoded, Selection, register
-from .transport import Transport
+from gtopk_plugin.collectives.aggregation import Aggregated, Aggregation, Encoded, Selection, register
+from gtopk_plugin.collectives.transport import Transport
 
 Tensor = torch.Tensor
 ROUNDS = "allreduce_rounds"

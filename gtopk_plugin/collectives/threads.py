@@ -53,7 +53,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .transport import Transport
+from gtopk_plugin.collectives.transport import Transport
 
 Tensor = torch.Tensor
 

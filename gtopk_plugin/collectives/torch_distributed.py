@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import config
-from .transport import Transport, UseGuard
+from gtopk_plugin import config
+from gtopk_plugin.collectives.transport import Transport, UseGuard
 
 # One guard per process group, shared by every transport on it: two
 # transports on one group, used from two threads at once, interleave their

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 # bit masks (the butterfly's survivor mask): defined below this layer
-from ..compress.bits import bitmask_bytes, pack_bits, unpack_bits  # noqa: F401
+from gtopk_plugin.compress.bits import bitmask_bytes, pack_bits, unpack_bits  # noqa: F401
 
 Tensor = torch.Tensor
 

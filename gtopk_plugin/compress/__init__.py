@@ -10,9 +10,9 @@ one list of methods every layer reads.
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from .base import Codec, Compressor, HyperParam, SelectionContext, Selector
-from .error_feedback import ErrorFeedback
-from .registry import available, describe, get, register, table, unregister
+from gtopk_plugin.compress.compressor import Codec, Compressor, HyperParam, SelectionContext, Selector
+from gtopk_plugin.compress.error_feedback import ErrorFeedback
+from gtopk_plugin.registry import available, describe, get, register, table, unregister
 
 # the built-in compressors, in a fixed order (the registry's order: docs
 # tables, CLI choices), then any other module of this folder (a new one)

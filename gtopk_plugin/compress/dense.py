@@ -1,7 +1,7 @@
 """Dense: no selection; the whole accumulator is summed by allreduce (the
 S-SGD baseline)."""
-from .base import Selector
-from .registry import register
+from gtopk_plugin.compress.compressor import Selector
+from gtopk_plugin.registry import register
 
 
 @register("dense")

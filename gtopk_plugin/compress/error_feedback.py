@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import huge_pages
-from .. import kernels as _kernels
+from gtopk_plugin.pipeline import huge_pages
+from gtopk_plugin import kernels as _kernels
 
 Tensor = torch.Tensor
 

@@ -29,8 +29,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .. import huge_pages
-from ..config import check_momentum
+from gtopk_plugin.pipeline import huge_pages
+from gtopk_plugin.config import check_momentum
 
 Tensor = torch.Tensor
 

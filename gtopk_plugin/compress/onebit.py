@@ -60,9 +60,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from .bits import pack_bits
-from .base import START_ITER, Codec, HyperParam
-from .registry import register
+from gtopk_plugin.compress.bits import pack_bits
+from gtopk_plugin.compress.compressor import START_ITER, Codec, HyperParam
+from gtopk_plugin.registry import register
 
 Tensor = torch.Tensor
 

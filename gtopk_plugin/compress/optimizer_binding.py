@@ -27,7 +27,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .momentum import MomentumSpec
+from gtopk_plugin.compress.momentum import MomentumSpec
 
 Tensor = torch.Tensor
 

@@ -46,8 +46,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import START_ITER, Codec, HyperParam, seeded_generator
-from .registry import register
+from gtopk_plugin.compress.compressor import START_ITER, Codec, HyperParam, seeded_generator
+from gtopk_plugin.registry import register
 
 Tensor = torch.Tensor
 

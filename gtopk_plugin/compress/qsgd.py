@@ -53,9 +53,9 @@ from typing import List, Sequence
 
 import torch
 
-from .base import START_ITER, Codec, HyperParam, seeded_generator
-from .bits import pack_bits, unpack_bits
-from .registry import register
+from gtopk_plugin.compress.compressor import START_ITER, Codec, HyperParam, seeded_generator
+from gtopk_plugin.compress.bits import pack_bits, unpack_bits
+from gtopk_plugin.registry import register
 
 Tensor = torch.Tensor
 

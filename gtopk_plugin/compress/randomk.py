@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from .base import Selector, seeded_generator
-from .registry import register
+from gtopk_plugin.compress.compressor import Selector, seeded_generator
+from gtopk_plugin.registry import register
 
 Tensor = torch.Tensor
 # up to this many entries a keyed randperm(n) is cheaper than the fixed

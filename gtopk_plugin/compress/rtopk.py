@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from .. import kernels
-from .base import HyperParam, Selector, seeded_generator
-from .registry import register
+from gtopk_plugin import kernels
+from gtopk_plugin.compress.compressor import HyperParam, Selector, seeded_generator
+from gtopk_plugin.registry import register
 
 
 @register("rtopk")

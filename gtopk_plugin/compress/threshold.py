@@ -3,9 +3,9 @@ threshold of the top-k from a sample, select everything above it, correct the
 threshold adaptively so that the count lands near ``k``.  The count varies,
 so messages carry a size header; nothing selected is ever dropped silently
 (what the aggregation does not use stays in the residual)."""
-from .. import kernels
-from .base import Selector
-from .registry import register
+from gtopk_plugin import kernels
+from gtopk_plugin.compress.compressor import Selector
+from gtopk_plugin.registry import register
 
 
 @register("threshold")

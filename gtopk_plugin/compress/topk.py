@@ -1,8 +1,8 @@
 """Exact top-k (Top-k S-SGD; Shi et al. 2019 use it as the local step of
 gTop-k).  ``gtopk`` is the same selector with the butterfly merge."""
-from .. import kernels
-from .base import Selector
-from .registry import register
+from gtopk_plugin import kernels
+from gtopk_plugin.compress.compressor import Selector
+from gtopk_plugin.registry import register
 
 
 @register("topk")

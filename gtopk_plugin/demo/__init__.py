@@ -34,11 +34,11 @@ raises, dies, or the run exceeds ``--timeout``; the surviving workers are
 killed rather than left waiting in a collective.
 
 Layout: :mod:`.cli` (arguments, the run on the project's one launcher
-:mod:`gtopk_plugin.launch`, the report), :mod:`.train` (data, model and the
+:mod:`gtopk_plugin._launch.launcher`, the report), :mod:`.train` (data, model and the
 worker side), :mod:`.report` (table and JSON).  ``--method`` takes any
 compressor in the registry (:func:`gtopk_plugin.compress.available`).
 """
-from .cli import DEFAULTS, DemoError, build_parser, main, parse_args, run_workers  # noqa: F401
-from .report import format_table  # noqa: F401
-from .train import (WARMUP_START, build_model, load_data, lr_at, train_one,  # noqa: F401
+from gtopk_plugin.demo.demo_cli import DEFAULTS, DemoError, build_parser, main, parse_args, run_workers  # noqa: F401
+from gtopk_plugin.demo.report import format_table  # noqa: F401
+from gtopk_plugin.demo.train import (WARMUP_START, build_model, load_data, lr_at, train_one,  # noqa: F401
                     uses_momentum_correction, warmup_schedule)

@@ -1,6 +1,6 @@
 """The demo's worker side: data, model, and one rank's training runs.
 
-Every rank runs :func:`worker` (through :func:`gtopk_plugin.launch.run`):
+Every rank runs :func:`worker` (through :func:`gtopk_plugin._launch.launcher.run`):
 for each method in turn it trains the CNN from the same seed, takes its shard
 of every global batch, reduces the gradients with
 :class:`gtopk_plugin.GradientReducer` (gTop-k S-SGD, Shi et al. 2019, arXiv
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .report import fmt_bytes, fmt_ratio
+from gtopk_plugin.demo.report import fmt_bytes, fmt_ratio
 
 WARMUP_START = 0.25  # DGC's first warm-up density
 _TEST_FRACTION = 0.2  # fixed train/test split of the 1797 digits (1437 / 360)
@@ -86,7 +86,7 @@ def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int):
 def warmup_schedule(method: str, args, steps_per_epoch: int):
     """DGC's exponential density warm-up as the reducer's one ``warmup=``
     argument (None for dense or ``--warmup-epochs 0``)."""
-    from ..config import DensityWarmup
+    from gtopk_plugin.config import DensityWarmup
 
     steps = int(round(args.warmup_epochs * steps_per_epoch))
     if method == "dense" or steps < 1:
@@ -229,7 +229,7 @@ def _print_epoch(method: str, epoch: int, epochs: int, loss: float, acc: float, 
 
 
 def worker(ctx, methods: List[str], args, data) -> Optional[List[dict]]:
-    """Launcher target (:func:`gtopk_plugin.launch.run`, gloo group already
+    """Launcher target (:func:`gtopk_plugin._launch.launcher.run`, gloo group already
     joined): run each method in turn; rank 0 returns the results."""
     _thread_lock_for_tqdm()
     results = []

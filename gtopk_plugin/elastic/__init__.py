@@ -6,15 +6,15 @@ than ``max_staleness`` steps behind.
 
 Framework-neutral (DESIGN.md §2): this package imports no framework; the
 framework layers provide :class:`AsyncReduction` back ends
-(``gtopk_plugin.frameworks.elastic_torch``, ``.horovod.elastic``,
+(``gtopk_plugin.elastic.torch_backend``, ``.horovod.elastic``,
 ``.byteps``).  See docs/elastic.md.
 """
-from .backend import AsyncReduction, UnitSpec, register_default, register_transport
-from .policies import BarrierPolicy, NormPolicy, Policy, VariancePolicy
-from .scheduler import ElasticScheduler
-from .settings import ElasticConfig
-from .stats import BreakRecord, ElasticStats
-from .threaded import ThreadedReduction, TransportDenseReduction
+from gtopk_plugin.elastic.backend import AsyncReduction, UnitSpec, register_default, register_transport
+from gtopk_plugin.elastic.policies import BarrierPolicy, NormPolicy, Policy, VariancePolicy
+from gtopk_plugin.elastic.scheduler import ElasticScheduler
+from gtopk_plugin.elastic.settings import ElasticConfig
+from gtopk_plugin.elastic.scheduler_stats import BreakRecord, ElasticStats
+from gtopk_plugin.elastic.threaded import ThreadedReduction, TransportDenseReduction
 
 __all__ = ["ElasticScheduler", "ElasticConfig", "ElasticStats", "BreakRecord", "AsyncReduction",
            "UnitSpec", "ThreadedReduction", "TransportDenseReduction", "Policy", "BarrierPolicy",

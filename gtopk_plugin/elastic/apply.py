@@ -29,7 +29,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .units import Unit
+from gtopk_plugin.elastic.units import Unit
 
 
 def check_optimizer(optimizer) -> None:

@@ -31,8 +31,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import consistency
-from ..collectives.transport import Transport
+from gtopk_plugin.pipeline import input_check as consistency
+from gtopk_plugin.collectives.transport import Transport
 
 Tensor = torch.Tensor
 

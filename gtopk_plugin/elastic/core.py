@@ -34,9 +34,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from .backend import AsyncReduction, refill
-from .policies import Policy
-from .stats import BreakRecord, ElasticStats
+from gtopk_plugin.elastic.backend import AsyncReduction, refill
+from gtopk_plugin.elastic.policies import Policy
+from gtopk_plugin.elastic.scheduler_stats import BreakRecord, ElasticStats
 
 Tensor = torch.Tensor
 

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Sequence, Type
 
 import torch
 
-from .settings import ElasticConfig
+from gtopk_plugin.elastic.settings import ElasticConfig
 
 Tensor = torch.Tensor
 

@@ -13,10 +13,10 @@ interface module imports no back end: :mod:`.threaded` builds on
 """
 from __future__ import annotations
 
-from ..collectives.transport import Transport
-from ..reducer import GradientReducer
-from .backend import _DEFAULT, _ISOLATE, _NATIVE, AsyncReduction, lookup
-from .threaded import ThreadedReduction, TransportDenseReduction
+from gtopk_plugin.collectives.transport import Transport
+from gtopk_plugin.reducer import GradientReducer
+from gtopk_plugin.elastic.backend import _DEFAULT, _ISOLATE, _NATIVE, AsyncReduction, lookup
+from gtopk_plugin.elastic.threaded import ThreadedReduction, TransportDenseReduction
 
 
 def resolve(transport, reducer) -> AsyncReduction:

@@ -30,16 +30,16 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..consistency import LayoutMismatchError, PeerInputError
-from .apply import OptimizerApplier, check_optimizer
-from .backend import AsyncReduction
-from .buckets import BucketedReduction
-from .core import ElasticCore
-from .policies import make_policy
-from .resolution import resolve
-from .settings import ElasticConfig
-from .stats import ElasticStats
-from .units import build_units
+from gtopk_plugin.pipeline.input_check import LayoutMismatchError, PeerInputError
+from gtopk_plugin.elastic.apply import OptimizerApplier, check_optimizer
+from gtopk_plugin.elastic.backend import AsyncReduction
+from gtopk_plugin.elastic.fusion_buckets import BucketedReduction
+from gtopk_plugin.elastic.core import ElasticCore
+from gtopk_plugin.elastic.policies import make_policy
+from gtopk_plugin.elastic.resolution import resolve
+from gtopk_plugin.elastic.settings import ElasticConfig
+from gtopk_plugin.elastic.scheduler_stats import ElasticStats
+from gtopk_plugin.elastic.units import build_units
 
 _STATE_VERSION = 1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import ELASTIC_POLICIES
+from gtopk_plugin.config import ELASTIC_POLICIES
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..collectives.transport import Transport
-from .backend import AsyncReduction, UnitSpec, agree_by_transport, refill
+from gtopk_plugin.collectives.transport import Transport
+from gtopk_plugin.elastic.backend import AsyncReduction, UnitSpec, agree_by_transport, refill
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .backend import UnitSpec
+from gtopk_plugin.elastic.backend import UnitSpec
 
 
 @dataclass

@@ -23,7 +23,7 @@ Framework-neutral: imports only the registry.
 """
 from typing import Optional
 
-from .. import registry
+from gtopk_plugin import registry
 
 # Density handed to ``_sparse`` for methods that ignore it (a valid value).
 _NO_DENSITY = 1.0

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from horovod.common.exceptions import HorovodInternalError
 
-from .. import config
-from ..collectives.transport import UseGuard
+from gtopk_plugin import config
+from gtopk_plugin.collectives.transport import UseGuard
 
 Tensor = torch.Tensor
 _SIZE_TAG, _DATA_TAG = 1, 2

@@ -27,9 +27,9 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .. import config
-from . import reference
-from .reference import index_dtype, INT32_LIMIT  # noqa: F401  (re-exported)
+from gtopk_plugin import config
+from gtopk_plugin.kernels import reference
+from gtopk_plugin.kernels.reference import index_dtype, INT32_LIMIT  # noqa: F401  (re-exported)
 
 # device type -> back-end module with the reference signatures.  Fast back
 # ends add themselves here once they load; until then the reference serves.
@@ -148,7 +148,7 @@ def prescale_copy(out, grad, shift: int, *, kernels: Optional[str] = None):
     """``out = grad * 2**-shift`` with the finiteness check, the exactness
     flag of a prescaled sum and the count of nonzeros, in one pass where the
     back end can: ``(finite, exact, nnz)``; see ``reference.prescale_copy``.
-    The dense step of the CPU back ends (``gtopk_plugin.dense_direct``); a
+    The dense step of the CPU back ends (``gtopk_plugin.pipeline.dense_direct``); a
     back end without its own kernel (CUDA) serves it with the reference's
     torch ops."""
     mod = _module(out.device, kernels)
@@ -169,14 +169,14 @@ def scatter_reset_(out, prev, idx, vals, divisor, *, kernels: Optional[str] = No
 
 
 # The CPU back end compiles (or loads) csrc/cpu on first use; see kernels/cpu.py.
-from . import cpu as _cpu  # noqa: E402
+from gtopk_plugin.kernels import cpu as _cpu  # noqa: E402
 
 register_backend("cpu", loader=_cpu.load)
 
 # The CUDA back end compiles csrc/cuda with CuPy (NVRTC) on the first kernel
 # call on a CUDA tensor; without CuPy it warns once and the reference serves.
 # See kernels/cuda.py (it imports CuPy only inside its loader).
-from . import cuda as _cuda  # noqa: E402
+from gtopk_plugin.kernels import cuda as _cuda  # noqa: E402
 
 register_backend("cuda", loader=_cuda.load)
 

@@ -37,8 +37,8 @@ from typing import List
 
 import torch
 
-from . import reference
-from ._cuda_layout import _INDEX, _VALUES, THREADS
+from gtopk_plugin.kernels import reference
+from gtopk_plugin.kernels._cuda_layout import _INDEX, _VALUES, THREADS
 
 #: entries per block of the elementwise kernels (GTOPK_THREADS * GTOPK_COMP_ITEMS)
 ELEMS = THREADS * 8

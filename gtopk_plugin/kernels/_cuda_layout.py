@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 import torch
 
-from . import reference
+from gtopk_plugin.kernels import reference
 
 #: Value dtypes the kernels handle: name suffix and magnitude-key bits.
 _VALUES = {torch.float32: ("f32", 31), torch.float64: ("f64", 63),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Dict, List
 
-from . import _build
-from ._cuda_layout import _INDEX, _VALUES
+from gtopk_plugin.kernels import _build
+from gtopk_plugin.kernels._cuda_layout import _INDEX, _VALUES
 
 FILES = ("select.cu", "merge.cu", "scatter.cu", "compensate.cu")
 

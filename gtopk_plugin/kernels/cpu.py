@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from .. import config
-from . import _build, reference
+from gtopk_plugin import config
+from gtopk_plugin.kernels import _build, reference
 
 log = logging.getLogger("gtopk_plugin.kernels")
 

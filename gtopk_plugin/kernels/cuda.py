@@ -42,13 +42,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _cuda_fused, reference
-from .reference import member_sorted  # noqa: F401  (torch.searchsorted runs on the device)
-from ._cuda_layout import (  # noqa: F401  (re-exported: tests model the kernels with them)
+from gtopk_plugin.kernels import _cuda_fused, reference
+from gtopk_plugin.kernels.reference import member_sorted  # noqa: F401  (torch.searchsorted runs on the device)
+from gtopk_plugin.kernels._cuda_layout import (  # noqa: F401  (re-exported: tests model the kernels with them)
     _IMAX, _INDEX, _VALUES, BINS, CHUNK, DIGIT, KERNEL_RUN, KERNEL_SAMPLE, ST_N, SUPPORTED, THREADS,
     _bound_rank, _cand_capacity, _Layout, _make_layout, _passes, _threshold_params, _work,
     merge_layout)
-from ._cuda_source import FILES, kernel_names, sources  # noqa: F401
+from gtopk_plugin.kernels._cuda_source import FILES, kernel_names, sources  # noqa: F401
 
 log = logging.getLogger("gtopk_plugin.kernels")
 

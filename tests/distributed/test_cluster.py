@@ -285,7 +285,7 @@ def test_node_cluster_shapes_only_the_uplinks():
 
 def test_nodes_smoke(tmp_path, monkeypatch):
     """``comm --nodes 2 --local 2`` (tiny N, one step): the flat rows and,
-    once gtopk_plugin.hierarchical exists, the hierarchical ones; per node,
+    once gtopk_plugin.two_level.hierarchical_reducer exists, the hierarchical ones; per node,
     the bytes its workers sent split into intra + inter and add up to the
     reducers' accounting; gTop-k's inter-node bytes are the issue's
     formulas.  Shaped namespaces where possible, else loopback."""

@@ -311,7 +311,7 @@ def test_public_imports():
 
     assert gp.torch_ddp.SparseState is td.SparseState
     assert gp.torch_ddp.sparse_hook is td.sparse_hook
-    from gtopk_plugin.frameworks.torch_ddp import SparseState
+    from gtopk_plugin.frameworks.ddp.ddp_hook import SparseState
 
     assert SparseState is td.SparseState
 

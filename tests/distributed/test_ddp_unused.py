@@ -202,7 +202,7 @@ def test_usage_tracker_sees_accumulation_until_the_step_ends():
 
     import torch.nn as nn
 
-    from gtopk_plugin.frameworks.ddp_usage import UsageTracker
+    from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
 
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     tr = UsageTracker()
@@ -241,7 +241,7 @@ def test_bucket_with_nothing_to_reduce_keeps_state_and_advances_the_step():
 
     import gtopk_plugin as gp
     from gtopk_plugin.collectives.transport import SingleProcessTransport
-    from gtopk_plugin.frameworks.ddp_buckets import BucketItem, finish_bucket, reduce_buckets
+    from gtopk_plugin.frameworks.ddp.ddp_buckets import BucketItem, finish_bucket, reduce_buckets
 
     red = gp.GradientReducer(method="gtopk", density=0.5, transport=SingleProcessTransport())
     calls = []

@@ -1,4 +1,4 @@
-"""The dense step's one pass (gtopk_plugin.dense_direct) on real gloo groups:
+"""The dense step's one pass (gtopk_plugin.pipeline.dense_direct) on real gloo groups:
 bit for bit the sum divided by P, against oracles that do not depend on
 gloo's order of addition -- P = 2 (one addition, commutative) on random
 float32, P = 3..8 on values whose sums are exact in any order -- and
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin import dense_direct
+from gtopk_plugin.pipeline import dense_direct
 from dist_utils import run_workers
 
 SHAPES = {"w": (300, 7), "b": (13,)}

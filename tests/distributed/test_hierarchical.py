@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from gtopk_plugin.layout import clip_scale
+from gtopk_plugin.pipeline.layout import clip_scale
 from gtopk_plugin.testing import Oracle
 from dist_utils import run_workers
 from hierarchical_workers import (DENSITY, NAMES, SHAPES, STEPS, TOPOLOGIES, WD, WD_PARAMS, features,

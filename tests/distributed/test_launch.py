@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gtopk_plugin import launch
+from gtopk_plugin._launch import launcher as launch
 
 
 def allreduce_rank(ctx, tag):

@@ -22,7 +22,7 @@ import torch
 
 import gtopk_plugin as gp
 from gtopk_plugin.compress import Codec, register
-from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin.compress.compressor import SelectionContext
 from dist_utils import run_workers
 
 SHAPES = {"w": (37, 11), "b": (13,), "c": (5, 3, 2)}  # segments not multiples of 8
@@ -211,7 +211,7 @@ def _np_two_phase(decodes, offsets, server):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_onebit_two_phase_matches_numpy_oracle_conserves_mass_and_resumes(P):
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
 
     results = run_workers(P, _rs_worker, timeout=220)
     offsets = results[0]["offsets"].tolist()
@@ -336,7 +336,7 @@ def _chunk_run(P, merge):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("merge", ["allgather_payloads", RS])
 def test_onebit_chunked_scales_match_numpy_oracle_agree_and_conserve_mass(merge):
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
 
     P = 3
     offsets, steps = _chunk_run(P, merge)

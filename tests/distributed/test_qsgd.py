@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin.compress.compressor import SelectionContext
 from gtopk_plugin.compress.qsgd import QSGDCodec, code_bits
 from dist_utils import run_workers
 from ddp_vs_reducer import hook_vs_reducer

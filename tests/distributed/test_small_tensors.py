@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin.consistency import NonFiniteGradientError
+from gtopk_plugin.pipeline.input_check import NonFiniteGradientError
 from dist_utils import run_workers
 from ddp_vs_reducer import hook_vs_reducer
 

@@ -9,7 +9,7 @@ one exponent byte per message) on real gloo process groups, P = 2, 3, 4:
   Σ_ranks Σ_steps grad = Σ_steps result + Σ_ranks residual to float32
   rounding -- every quantization error is owned by exactly one residual;
 - the bytes every rank sends and receives equal the exact predictions of
-  gtopk_plugin.traffic (k·5 + 1 per message);
+  gtopk_plugin.pipeline.traffic (k·5 + 1 per message);
 - the elastic scheduler and the DDP hook run with it (P = 2).
 """
 import math
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin import traffic
+from gtopk_plugin.pipeline import traffic
 from gtopk_plugin.testing import Oracle
 from dist_utils import run_workers
 import wire_workers

@@ -18,7 +18,7 @@ import torch
 
 import gtopk_plugin as gp
 from benchmarks.cluster import model as abm
-from gtopk_plugin.collectives.dense import shard_bounds
+from gtopk_plugin.collectives.dense_allreduce import shard_bounds
 from gtopk_plugin.testing import Oracle
 from dist_utils import run_workers
 from wire_workers import SHAPES, flat, wire_grads, wire_run

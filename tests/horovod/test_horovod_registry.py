@@ -43,7 +43,7 @@ def flat(d):
 @pytest.mark.parametrize("method", ["onebit", "half_user"])
 def test_codecs_agree_across_ranks_and_conserve_mass(method):
     runs = [ok(res, method) for res in results()]
-    assert runs[0]["type"] == "gtopk_plugin.frameworks.horovod.optimizer"
+    assert runs[0]["type"] == "gtopk_plugin.frameworks.horovod.hvd_optimizer"
     steps = len(runs[0]["out"])
     for s in range(steps):
         for r in range(1, P):

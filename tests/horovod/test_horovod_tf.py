@@ -19,7 +19,7 @@ Nesterov, no masking) and local clipping give the oracle's updates,
 residuals and velocities, and Keras SGD with momentum_correction=True the
 oracle's weights; fp16/bf16 wires stay finite on overflow inputs, conserve
 mass to 1e-5 and give the oracle's bits, and so does the int8 wire (nearest
-and stochastic; bytes as gtopk_plugin.traffic; a ValueError where it cannot
+and stochastic; bytes as gtopk_plugin.pipeline.traffic; a ValueError where it cannot
 run); Compression.none/fp16 must equal
 stock Horovod-TF; Keras fit and checkpoint round trips of the residuals and
 velocities (Keras optimizer and tape); non-finite gradients.
@@ -574,12 +574,12 @@ def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_int8_wire_bytes_and_validation(P):
     """The int8 wire's bytes per rank in the last step are the core's
-    formulas (gtopk_plugin.traffic, 5·k + 1 bytes per sparse message: int32
+    formulas (gtopk_plugin.pipeline.traffic, 5·k + 1 bytes per sparse message: int32
     index + int8 code per entry, one exponent byte per message); where the
     TF layer cannot carry int8 (exchange='horovod', the elastic state,
     threshold's varying counts) every rank raises a ValueError naming the
     alternative.  (Bits, residuals and mass: the wire test above.)"""
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
     from gtopk_plugin.reducer import k_for
 
     results = job(P)

@@ -28,7 +28,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
 
 from gtopk_plugin import DensityWarmup  # noqa: E402
-from gtopk_plugin.consistency import NonFiniteGradientError  # noqa: E402
+from gtopk_plugin.pipeline.input_check import NonFiniteGradientError  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, DistributedOptimizer  # noqa: E402
 from gtopk_plugin.tensorflow import SparseKerasState  # noqa: E402
 

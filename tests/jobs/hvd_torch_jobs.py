@@ -46,7 +46,8 @@ class CountingOps:
     asserts the number per step)."""
 
     def __init__(self):
-        from gtopk_plugin.frameworks.horovod import sparse, transport
+        from gtopk_plugin.frameworks.horovod import hvd_sparse as sparse
+        from gtopk_plugin.frameworks.horovod import hvd_transport as transport
 
         self.n, self._real = 0, transport._ops
         transport._ops = sparse._ops = self

@@ -1,5 +1,5 @@
 """Real torch.distributed gloo process groups for tests, through the
-project's one launcher (:func:`gtopk_plugin.launch.run`).
+project's one launcher (:func:`gtopk_plugin._launch.launcher.run`).
 
 Rendezvous goes through a file store in a fresh temporary directory (no fixed
 port numbers; gloo's own sockets use ephemeral ports).  Every worker's return
@@ -8,7 +8,7 @@ within ``timeout`` seconds fails the test and all workers are killed.
 """
 from __future__ import annotations
 
-from gtopk_plugin import launch
+from gtopk_plugin._launch import launcher as launch
 
 WorkerError = launch.WorkerError
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import gtopk_plugin as gp
 from gtopk_plugin.elastic import ElasticScheduler, ThreadedReduction
-from gtopk_plugin.frameworks.elastic_torch import TorchDenseReduction
+from gtopk_plugin.elastic.torch_backend import TorchDenseReduction
 
 from elastic_helpers import (OPTIMIZERS, Gate, Recorder, RecordingSGD, make_model, params_of,
                              train_elastic, train_sync)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import gtopk_plugin as gp
-from gtopk_plugin.hierarchical import HierarchicalReducer
+from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
 
 SHAPES = {"w": (40, 30), "v": (300,), "b": (13,)}
 NAMES = sorted(SHAPES)

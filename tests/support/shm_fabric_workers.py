@@ -6,8 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from gtopk_plugin.collectives import shared_memory
-from gtopk_plugin.hierarchical import HierarchicalReducer
+from gtopk_plugin.two_level import shared_memory
+from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
 from hierarchical_workers import DENSITY, STEPS, _attempt, _run, flat, grads
 
 

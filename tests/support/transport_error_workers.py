@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 import gtopk_plugin as gp
-from gtopk_plugin import consistency
+from gtopk_plugin.pipeline import input_check as consistency
 from gtopk_plugin.collectives.transport import ConcurrentUseError
 
 _LONG = datetime.timedelta(seconds=110)  # a bound on store waits; the tests' own timeouts are shorter

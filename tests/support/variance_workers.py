@@ -10,7 +10,7 @@ import torch.distributed as dist
 import gtopk_plugin as gp
 from gtopk_plugin.elastic import ElasticScheduler, ThreadedReduction
 from gtopk_plugin.elastic.policies import bind_to_backend
-from gtopk_plugin.frameworks.elastic_torch import TorchDenseReduction
+from gtopk_plugin.elastic.torch_backend import TorchDenseReduction
 
 from elastic_helpers import Gate, RecordingSGD, make_model, train_elastic
 

@@ -1,9 +1,9 @@
-"""gtopk_plugin.buckets: parameter naming, groups and the fixed bucket layout
+"""gtopk_plugin.pipeline.param_buckets: parameter naming, groups and the fixed bucket layout
 shared by the Horovod optimizer and the DDP hook."""
 import pytest
 import torch
 
-from gtopk_plugin.buckets import (bucket_names, bucket_scope, make_buckets, name_parameters, named_pairs,
+from gtopk_plugin.pipeline.param_buckets import (bucket_names, bucket_scope, make_buckets, name_parameters, named_pairs,
                                   resolve_groups)
 
 

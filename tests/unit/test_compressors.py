@@ -12,7 +12,7 @@ import torch
 
 import gtopk_plugin as gp
 from gtopk_plugin.compress import Codec, HyperParam, Selector, register, unregister
-from gtopk_plugin.compress.base import SelectionContext
+from gtopk_plugin.compress.compressor import SelectionContext
 from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, CompressionNames
 
 BUILTIN = ("dense", "topk", "gtopk", "rtopk", "randomk", "threshold", "onebit")
@@ -39,7 +39,7 @@ def test_builtins_registered_with_metadata():
     table = gp.compress.table()
     assert all(f"`{n}`" in table for n in BUILTIN)
     # the old import path still works
-    from gtopk_plugin.compress import registry as old
+    from gtopk_plugin import registry as old
 
     assert old.get("gtopk") is gp.compress.get("gtopk")
 
@@ -144,7 +144,7 @@ def _np_chunks(sizes, chunk):
 @pytest.mark.parametrize("sizes, chunk", [([1], 64), ([8], 3), ([13, 5, 64], 8), ([3, 1000, 7], 64),
                                           ([0, 70, 0, 9], 16), ([300], 1000)])
 def test_onebit_chunked_scales_match_numpy_and_the_byte_formula(sizes, chunk):
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
 
     g = torch.Generator().manual_seed(7 + sum(sizes))
     acc = torch.randn(sum(sizes), generator=g)
@@ -172,7 +172,7 @@ def test_onebit_chunked_scales_match_numpy_and_the_byte_formula(sizes, chunk):
 
 @pytest.mark.parametrize("sizes, P, chunk", [([450], 3, 64), ([13, 30, 407], 4, 16), ([1, 8, 9, 0, 70], 2, 4)])
 def test_onebit_chunked_shard_plan_carries_the_overlapped_chunks(sizes, P, chunk):
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
 
     o = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     plan = gp.compress.get("onebit")(chunk=chunk).shard_plan(o, o[-1], P)
@@ -212,7 +212,7 @@ def test_onebit_single_worker_conserves_mass_and_shrinks_the_residual():
 
 @pytest.mark.parametrize("sizes, P", [([450], 3), ([13, 30, 407], 4), ([1, 8, 9, 0, 70], 2), ([5], 2)])
 def test_onebit_shard_plan_tiles_the_payload_and_matches_the_byte_formula(sizes, P):
-    from gtopk_plugin import traffic
+    from gtopk_plugin.pipeline import traffic
 
     o = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     plan = gp.compress.get("onebit")().shard_plan(o, o[-1], P)

@@ -1,4 +1,4 @@
-"""gtopk_plugin.huge_pages: persistent buffers advised onto transparent huge
+"""gtopk_plugin.pipeline.huge_pages: persistent buffers advised onto transparent huge
 pages.  Whether the kernel took the advice and backed them is read from
 /proc/self/smaps (the kernel's own account, independent of the module's
 advice call): ``VmFlags`` ``hg`` marks advised memory, ``AnonHugePages``
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from gtopk_plugin import huge_pages
+from gtopk_plugin.pipeline import huge_pages
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -73,7 +73,7 @@ def test_the_kernel_records_the_advice_on_the_whole_interior():
 def test_advised_buffer_is_backed_by_huge_pages():
     kb = _fresh(f"""
 import json, torch
-from gtopk_plugin import huge_pages
+from gtopk_plugin.pipeline import huge_pages
 z = huge_pages.zeros({N}, torch.float32)
 print(json.dumps(huge_pages.huge_kb(z)))
 """)
@@ -85,7 +85,7 @@ print(json.dumps(huge_pages.huge_kb(z)))
 def test_off_switch_and_plain_tensors():
     plain, off = _fresh(f"""
 import json, os, torch
-from gtopk_plugin import huge_pages
+from gtopk_plugin.pipeline import huge_pages
 plain = huge_pages.huge_kb(torch.zeros({N}))        # unadvised memory: 4 KB pages
 os.environ["GTOPK_HUGE_PAGES"] = "0"
 off = huge_pages.huge_kb(huge_pages.zeros({N}, torch.float32))
@@ -100,7 +100,7 @@ def test_reducer_persistent_buffers_use_huge_pages(method):
     update_kb, residual_kb = _fresh(f"""
 import json, torch
 import gtopk_plugin as gp
-from gtopk_plugin import huge_pages
+from gtopk_plugin.pipeline import huge_pages
 from gtopk_plugin.collectives.transport import SingleProcessTransport
 g = torch.Generator().manual_seed(0)
 grads = {{"a": torch.randn({N // 2}, generator=g), "b": torch.randn({N // 2}, generator=g)}}

@@ -5,7 +5,7 @@ import pytest
 
 from gtopk_plugin import config
 from gtopk_plugin.collectives.transport import SingleProcessTransport
-from gtopk_plugin.topology import agree, resolve
+from gtopk_plugin.two_level.topology import agree, resolve
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), ("", None), (" 4 ", 4), ("x2", "x2")])

@@ -1,9 +1,9 @@
 """The framework layers' node arguments (hierarchical= / local_size= /
 node_of_rank= / intra_fabric=) as the hierarchical reducer's keywords:
-one helper, gtopk_plugin.topology.node_keywords, serves DDP and Horovod."""
+one helper, gtopk_plugin.two_level.topology.node_keywords, serves DDP and Horovod."""
 import pytest
 
-from gtopk_plugin.topology import node_keywords
+from gtopk_plugin.two_level.topology import node_keywords
 
 
 def test_flat_is_none():

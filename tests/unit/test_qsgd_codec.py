@@ -13,7 +13,7 @@ import torch
 
 import gtopk_plugin as gp
 from gtopk_plugin.collectives import SingleProcessTransport
-from gtopk_plugin.compress.base import SelectionContext, seeded_generator
+from gtopk_plugin.compress.compressor import SelectionContext, seeded_generator
 from gtopk_plugin.compress.qsgd import QSGDCodec, code_bits
 from gtopk_plugin.frameworks.compression_names import CompressionNames, signature
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gtopk_plugin.compress import randomk
-from gtopk_plugin.compress.base import seeded_generator
+from gtopk_plugin.compress.compressor import seeded_generator
 from oracles import chi2_critical, hypergeom_pmf, subset_chi2
 
 ALPHA = 1e-3

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from gtopk_plugin.collectives import shared_memory as shm
+from gtopk_plugin.two_level import shared_memory as shm
 from gtopk_plugin.collectives.transport import SingleProcessTransport
 
 

@@ -10,7 +10,7 @@ import torch
 
 import gtopk_plugin as gp
 from gtopk_plugin.config import ReducerConfig
-from gtopk_plugin.small_tensors import split
+from gtopk_plugin.pipeline.small_tensors import split
 
 SHAPES = {"w": (30, 20), "b": (20,), "g": (7,)}
 
@@ -86,7 +86,7 @@ def test_momentum_checkpoint_and_ddp_keyword():
     b = [again.reduce(_grads(t)) for t in range(3, 5)]
     for x, y in zip(a, b):
         assert all(torch.equal(x[n], y[n]) for n in x)
-    from gtopk_plugin.frameworks import torch_ddp
+    from gtopk_plugin.frameworks.ddp import ddp_hook as torch_ddp
     assert "dense_below" in inspect.signature(gp.GradientReducer).parameters
     assert "dense_below" in torch_ddp._REDUCER_KWARGS
 
@@ -95,6 +95,6 @@ def test_nonfinite_small_raises_before_anything_applied():
     red = _red(method="topk", density=0.1, dense_below=21)
     g = _grads(0)
     g["g"][0] = float("nan")
-    with pytest.raises(gp.consistency.NonFiniteGradientError, match="g"):
+    with pytest.raises(gp.NonFiniteGradientError, match="g"):
         red.reduce(g)
     assert red.step == 0 and red.state_dict()["residuals"] == {}

@@ -1,8 +1,8 @@
-"""gtopk_plugin.traffic.StepTraffic: the one per-step traffic record."""
+"""gtopk_plugin.pipeline.traffic.StepTraffic: the one per-step traffic record."""
 from gtopk_plugin.collectives.transport import TrafficCounters
-from gtopk_plugin.stats import ReduceStats
-from gtopk_plugin import traffic
-from gtopk_plugin.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
+from gtopk_plugin.pipeline.reduce_stats import ReduceStats
+from gtopk_plugin.pipeline import traffic
+from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
 
 
 def _stats(i, skipped=False):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin import testing, traffic
+from gtopk_plugin import testing
+from gtopk_plugin.pipeline import traffic
 from gtopk_plugin.collectives import wire
 
 I8 = torch.int8

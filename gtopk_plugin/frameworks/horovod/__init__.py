@@ -15,7 +15,7 @@ Cut as Horovod cuts ``horovod/torch/``, one concern per module:
 =================  ==========================================================
 
 Framework-neutral pieces live in the core: naming and bucketing in
-:mod:`gtopk_plugin.buckets`, the traffic record in :mod:`gtopk_plugin.traffic`.
+:mod:`gtopk_plugin.pipeline.param_buckets`, the traffic record in :mod:`gtopk_plugin.pipeline.traffic`.
 Imports go one way (``elastic`` → ``optimizer`` → ``sparse``/``dense`` →
 ``compression``/``transport``); no module imports this package's namespace.
 
@@ -31,10 +31,10 @@ except ImportError as _e:  # pragma: no cover - exercised only without Horovod
         "bash scripts/install_horovod.sh  (builds horovod==0.28.1 against the installed torch, "
         "cached after the first build)") from _e
 
-from .compression import Compression, SparseCompression  # noqa: E402
-from .elastic import HorovodDenseReduction, SparseOptimizerStateHandler  # noqa: E402  (registers both)
-from .optimizer import DistributedOptimizer  # noqa: E402
-from .transport import HorovodTransport  # noqa: E402
+from gtopk_plugin.frameworks.horovod.hvd_compression import Compression, SparseCompression  # noqa: E402
+from gtopk_plugin.frameworks.horovod.hvd_elastic import HorovodDenseReduction, SparseOptimizerStateHandler  # noqa: E402  (registers both)
+from gtopk_plugin.frameworks.horovod.hvd_optimizer import DistributedOptimizer  # noqa: E402
+from gtopk_plugin.frameworks.horovod.hvd_transport import HorovodTransport  # noqa: E402
 
 __all__ = ["HorovodTransport", "Compression", "SparseCompression", "DistributedOptimizer",
            "SparseOptimizerStateHandler", "HorovodDenseReduction"]

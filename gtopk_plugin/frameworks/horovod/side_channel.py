@@ -29,8 +29,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch import mpi_ops as _ops
 
-from ..gloo_channel import GlooChannel, store_host
-from . import waiting
+from gtopk_plugin.frameworks.gloo_channel import GlooChannel, store_host
+from gtopk_plugin.frameworks.horovod import waiting
 
 
 class SideChannel(GlooChannel):

@@ -22,7 +22,7 @@ import types
 import torch
 from horovod.torch import mpi_ops as _ops
 
-from ...elastic.backend import poll_until_done
+from gtopk_plugin.elastic.backend import poll_until_done
 
 __all__ = ["wait", "synchronize", "barrier", "quiet_synchronize"]
 

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from ...compress.base import Compressor
+from gtopk_plugin.compress.compressor import Compressor
 
 __all__ = ["has_state", "CodecState", "numpy_call", "decode"]
 

@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from ...config import ReducerConfig
-from ...traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
-from . import selection
-from ._guard import tf
-from .codec_state import CodecState, decode, has_state
+from gtopk_plugin.config import ReducerConfig
+from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
+from gtopk_plugin.frameworks.horovod_tf import selection
+from gtopk_plugin.frameworks.horovod_tf._guard import tf
+from gtopk_plugin.frameworks.horovod_tf.codec_state import CodecState, decode, has_state
 
 __all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
 
@@ -46,7 +46,7 @@ def _check_int8(config, exchange: str, cmp) -> None:
     (:mod:`.fused`: the core quantizes every message, re-rounds the merged
     sums and hands back the roundings this rank owns); elsewhere every rank
     raises the same ValueError at construction."""
-    from .fused import FUSED_AGGREGATIONS
+    from gtopk_plugin.frameworks.horovod_tf.fused import FUSED_AGGREGATIONS
 
     if exchange != "gloo":
         raise ValueError(f"value_dtype=tf.int8 needs exchange='gloo' (the core's aggregation on the side "
@@ -175,7 +175,7 @@ class SparseCompression(tf.Module):
         if self.config.aggregation == "dense":
             raise ValueError(f"{method!r} is a dense reduction: that is Compression.none (Horovod's own "
                              "allreduce), not a sparse compression")
-        from .collectives import AGGREGATIONS  # at construction, on every rank, not at the first step
+        from gtopk_plugin.frameworks.horovod_tf.collectives import AGGREGATIONS  # at construction, on every rank, not at the first step
         if self.config.aggregation not in AGGREGATIONS and self.config.aggregation != "allreduce_rounds":
             raise ValueError(f"merge={self.config.aggregation!r} is not available in the TensorFlow layer "
                              f"(it has {', '.join(AGGREGATIONS)}, allreduce_rounds); use the method's "
@@ -271,7 +271,7 @@ class SparseCompression(tf.Module):
         every call, so inside ``tf.function`` at trace time, as Keras' own
         ``update_step`` reads it) when its momentum is not 0, else from the
         ``momentum=`` this compression was built with."""
-        from .momentum import keras_sgd_momentum
+        from gtopk_plugin.frameworks.horovod_tf.momentum import keras_sgd_momentum
 
         opt = self._momentum_from
         if opt is not None:
@@ -288,7 +288,7 @@ class SparseCompression(tf.Module):
     @property
     def last_step_traffic(self) -> dict:
         """This worker's traffic in the last step, as the PyTorch layers
-        report it (:class:`gtopk_plugin.traffic.StepTraffic` ``.as_dict()``):
+        report it (:class:`gtopk_plugin.pipeline.traffic.StepTraffic` ``.as_dict()``):
         ``bytes_sent``/``bytes_received`` (payload + headers), their
         ``payload_``/``header_`` parts, ``control_bytes`` (the consistency
         check), ``messages_sent``, ``numel``, ``k`` (entries selected per
@@ -325,6 +325,6 @@ class SparseCompression(tf.Module):
         across the Horovod workers of ``process_set``; returns the list of
         updates (None stays None).  Collective: every rank calls it with the
         same shapes.  Works eagerly and while tracing a ``tf.function``."""
-        from .step import reduce
+        from gtopk_plugin.frameworks.horovod_tf.step import reduce
 
         return reduce(self, grads, process_set, op, gradient_predivide_factor)

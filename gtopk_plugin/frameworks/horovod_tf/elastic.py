@@ -27,8 +27,8 @@ from typing import Iterable, List
 
 from horovod.tensorflow.elastic import TensorFlowKerasState
 
-from ._guard import hvd, tf
-from .compression import SparseCompression
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
+from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
 
 __all__ = ["SparseKerasState"]
 

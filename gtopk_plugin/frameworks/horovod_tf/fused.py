@@ -50,15 +50,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ... import collectives
-from ...collectives import Selection, Transport, wire
-from ...collectives.transport import SingleProcessTransport
-from ...compress.base import SelectionContext
-from ...kernels.reference import index_dtype
-from ...traffic import TRANSPORT_FIELDS
-from ._guard import tf
-from .codec_state import numpy_call
-from .selection import _carrier, _numpy, _torch
+from gtopk_plugin import collectives
+from gtopk_plugin.collectives import Selection, Transport, wire
+from gtopk_plugin.collectives.transport import SingleProcessTransport
+from gtopk_plugin.compress.compressor import SelectionContext
+from gtopk_plugin.kernels.reference import index_dtype
+from gtopk_plugin.pipeline.traffic import TRANSPORT_FIELDS
+from gtopk_plugin.frameworks.horovod_tf._guard import tf
+from gtopk_plugin.frameworks.horovod_tf.codec_state import numpy_call
+from gtopk_plugin.frameworks.horovod_tf.selection import _carrier, _numpy, _torch
 
 __all__ = ["ChannelTransport", "FUSED_AGGREGATIONS", "fused_ok", "select_aggregate"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-from ...compress.momentum import MomentumSpec
-from ._guard import tf
+from gtopk_plugin.compress.momentum import MomentumSpec
+from gtopk_plugin.frameworks.horovod_tf._guard import tf
 
 __all__ = ["momentum_key", "keras_sgd_momentum", "bind_momentum", "setup_correction"]
 

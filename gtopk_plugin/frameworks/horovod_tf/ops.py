@@ -5,7 +5,7 @@ Bytes are counted as the PyTorch side's ``Transport`` counts them
 (``collectives/transport.py``): the ring model for allgather and allreduce,
 sizes exchanged first as headers, point-to-point phases as sent, the
 consistency vector as control bytes -- into the fields of
-:class:`gtopk_plugin.traffic.StepTraffic` (``TRANSPORT_FIELDS``), so
+:class:`gtopk_plugin.pipeline.traffic.StepTraffic` (``TRANSPORT_FIELDS``), so
 ``last_step_traffic`` has the PyTorch layers' format.  Horovod's own
 metadata (the alltoall splits, its negotiation) is not included, as on the
 PyTorch-Horovod side.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...traffic import TRANSPORT_FIELDS
-from ._guard import hvd, tf
+from gtopk_plugin.pipeline.traffic import TRANSPORT_FIELDS
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 
 __all__ = ["Ops", "TRANSPORT_FIELDS"]
 

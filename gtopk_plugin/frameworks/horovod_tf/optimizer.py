@@ -7,12 +7,12 @@ function they call with :meth:`SparseCompression.reduce`.
 """
 from __future__ import annotations
 
-from ..compression_names import SPARSE_METHODS, CompressionNames
-from ._guard import HvdCompression as _HvdCompression
-from ._guard import HvdCompressor as _HvdCompressor
-from ._guard import hvd, hvd_keras
-from .compression import SparseCompression
-from .momentum import setup_correction
+from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, CompressionNames
+from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompression as _HvdCompression
+from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompressor as _HvdCompressor
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, hvd_keras
+from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
+from gtopk_plugin.frameworks.horovod_tf.momentum import setup_correction
 
 __all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer"]
 

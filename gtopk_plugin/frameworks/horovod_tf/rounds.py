@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...compress.base import SelectionContext
-from ._guard import tf
-from .codec_state import numpy_call
-from .selection import _carrier, _numpy, _torch
+from gtopk_plugin.compress.compressor import SelectionContext
+from gtopk_plugin.frameworks.horovod_tf._guard import tf
+from gtopk_plugin.frameworks.horovod_tf.codec_state import numpy_call
+from gtopk_plugin.frameworks.horovod_tf.selection import _carrier, _numpy, _torch
 
 __all__ = ["run_rounds"]
 

@@ -36,16 +36,16 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from ...collectives import wire
-from ...compress.base import SelectionContext
-from .codec_state import numpy_call
+from gtopk_plugin.collectives import wire
+from gtopk_plugin.compress.compressor import SelectionContext
+from gtopk_plugin.frameworks.horovod_tf.codec_state import numpy_call
 
 __all__ = ["select", "select_topk", "select_threshold", "encode", "decode_sum", "compressor"]
 
 
 def compressor(method: str, **hyper):
     """A registered compressor instance (``method`` as in ``Compression.<method>``)."""
-    from ... import registry
+    from gtopk_plugin import registry
 
     return registry.get(method)(**hyper)
 

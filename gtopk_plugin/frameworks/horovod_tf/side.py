@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..gloo_channel import GlooChannel, store_host
-from ._guard import hvd, tf
+from gtopk_plugin.frameworks.gloo_channel import GlooChannel, store_host
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 
 __all__ = ["TFSideChannel", "channel_for"]
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-from ...traffic import StepTraffic
-from ._guard import hvd, tf
+from gtopk_plugin.pipeline.traffic import StepTraffic
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 
 __all__ = ["split", "dense_sum", "dense_bytes"]
 

@@ -32,22 +32,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import consistency
-from ...config import DensityWarmup
-from ...kernels.reference import INT32_LIMIT
-from ...layout import global_segment_name, segment_ks
-from ...traffic import STATS_FIELDS
-from . import selection
-from . import small as small_part
-from . import warmup
-from ._guard import hvd, tf
-from .collectives import Contribution, aggregate
-from .fused import fused_ok, select_aggregate
-from .kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
-from .momentum import momentum_key
-from .ops import Ops
-from .rounds import run_rounds
-from .side import channel_for
+from gtopk_plugin.pipeline import input_check as consistency
+from gtopk_plugin.config import DensityWarmup
+from gtopk_plugin.kernels.reference import INT32_LIMIT
+from gtopk_plugin.pipeline.layout import global_segment_name, segment_ks
+from gtopk_plugin.pipeline.traffic import STATS_FIELDS
+from gtopk_plugin.frameworks.horovod_tf import selection
+from gtopk_plugin.frameworks.horovod_tf import small as small_part
+from gtopk_plugin.frameworks.horovod_tf import warmup
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
+from gtopk_plugin.frameworks.horovod_tf.collectives import Contribution, aggregate
+from gtopk_plugin.frameworks.horovod_tf.fused import fused_ok, select_aggregate
+from gtopk_plugin.frameworks.horovod_tf.kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
+from gtopk_plugin.frameworks.horovod_tf.momentum import momentum_key
+from gtopk_plugin.frameworks.horovod_tf.ops import Ops
+from gtopk_plugin.frameworks.horovod_tf.rounds import run_rounds
+from gtopk_plugin.frameworks.horovod_tf.side import channel_for
 
 __all__ = ["reduce"]
 

@@ -30,9 +30,9 @@ rebuilt from its traffic output, so whatever the step counts afterwards
 """
 from __future__ import annotations
 
-from .ops import TRANSPORT_FIELDS
-from ._guard import tf
-from .small import dense_sum
+from gtopk_plugin.frameworks.horovod_tf.ops import TRANSPORT_FIELDS
+from gtopk_plugin.frameworks.horovod_tf._guard import tf
+from gtopk_plugin.frameworks.horovod_tf.small import dense_sum
 
 __all__ = ["dense_step", "unless_warm"]
 

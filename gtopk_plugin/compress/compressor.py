@@ -1,0 +1,237 @@
+"""The compressor interface: selectors and codecs (issue #16).
+
+A compressor turns one worker's accumulator ``acc = grad + residual`` (one
+flat tensor per reducer call, cut into segments: one per tensor with
+granularity "layer", one for the bucket with "global") into what that
+worker contributes, and declares how contributions combine across workers.
+Compressors are pure torch and never communicate (DESIGN.md §2 rule 2).
+
+Two kinds:
+
+* a **selector** picks entries: ``select(acc, offsets, k, ctx) -> (idx,
+  vals)`` (global indices ascending, or ``None`` for "all of acc"); the
+  values travel as they are (or rounded to the wire dtype) and combine by a
+  dense allreduce, a sparse allgather or the gTop-k butterfly merge.
+* a **codec** encodes the whole accumulator: ``encode(acc, offsets, ctx) ->
+  [payload tensors]`` (their shapes and dtypes depend only on the layout,
+  so receivers know every size); ``decode(payload, offsets, numel, dtype) ->
+  dense tensor``.  How a layer consumes a codec::
+
+      payload = codec.encode(acc, offsets, ctx)          # this worker
+      mine = codec.decode(payload, offsets, N, dtype)     # what it contributes
+      blobs = allgather(pack(payload))                    # "allgather_payloads"
+      result = Σ_ranks (in rank order) decode(unpack(blob_r))
+      residual = acc − mine                               # error feedback
+
+  Every rank decodes the same bytes with the same code, so every rank gets
+  the same bits, and mass is conserved: Σ_r acc_r = result + Σ_r residual_r.
+
+  A codec whose messages *sum* across workers and that needs several
+  exchanges (low rank: PowerSGD) declares ``aggregation =
+  "allreduce_rounds"`` and implements ``rounds(acc, offsets, ctx,
+  world_size)`` instead: a generator that yields each flat tensor to be
+  summed over the workers and receives the sum back (``s = yield msg``),
+  then returns ``(result, contribution)``: the dense sum over workers and
+  what error feedback subtracts from ``acc`` (residual = acc −
+  contribution).  It still never communicates: ``collectives/rounds.py``
+  drives the generator with allreduces.
+
+  A codec may also offer a two-phase compressed allreduce
+  (``merge="reduce_scatter_payloads"``, onebit: Tang et al. 2021, 1-bit
+  Adam): every rank sends shard j of its payload to rank j, the owner
+  decodes and sums the P pieces, re-encodes the sum and keeps that second
+  compression's error as its *server residual* (codec state), and an
+  allgather of the re-encoded shards follows.  Mass is then conserved with
+  the server residuals counted: Σ_r acc_r = result + Σ_r residual_r +
+  Σ_owners server_residual.  The codec supplies ``shard_plan``,
+  ``shard_payload``, ``decode_shard``, ``encode_shard`` and the server
+  residual accessors (``collectives/payloads.py`` drives them).
+
+Error feedback is not part of a compressor: it is the same wrapper around
+either kind (``compress/error_feedback.py``): residual = acc − what this
+worker's contribution was, as it travelled (selected values as rounded to
+the wire, a codec's payload as decoded), and only where it reached the
+result.
+
+Declared metadata, read by the registry (``gtopk_plugin.registry``) and so
+by every layer: ``kind``, ``aggregation`` (default aggregation, a name in
+``gtopk_plugin.collectives``), ``merges`` (aggregations ``merge=`` may pick
+instead), ``hyperparams`` (:class:`HyperParam` declarations, validated;
+their values become attributes of the instance), ``uses_density``,
+``exact_count`` and ``shared_indices``.  Adding a compressor is one file in
+this folder with a class decorated by ``@register("name")`` (see
+docs/compressors.md).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Generator, List, Optional, Sequence, Tuple
+
+import torch
+
+from gtopk_plugin.registry import HyperParam
+
+Tensor = torch.Tensor
+
+__all__ = ["Compressor", "Selector", "Codec", "HyperParam", "SelectionContext", "seeded_generator"]
+
+
+@dataclass
+class SelectionContext:
+    """What a compressor may know besides the data: the step and segment
+    names (for counter-based randomness), the user's seed, this worker's rank
+    and the kernels back end in force."""
+
+    step: int
+    segment_names: Sequence[str]
+    seed: int
+    rank: int = 0
+    kernels: Optional[str] = None
+    # the call's tensor shapes in segment order (granularity "layer"; a
+    # low-rank codec views each segment as a matrix)
+    shapes: Optional[Sequence[Tuple[int, ...]]] = None
+
+
+def seeded_generator(seed: int, step: int, name: str, rank: Optional[int] = None) -> torch.Generator:
+    """A generator keyed by (seed, step, segment name[, rank]).
+
+    Counter-based rather than a running stream: the draws of a tensor do not
+    depend on which other tensors share the call (DDP buckets change after
+    the first step) nor on history, so the step counter is the whole RNG
+    state and resuming from a checkpoint is bit-exact.  ``rank=None`` gives
+    the same draws on every rank (random-k's shared indices).
+    """
+    key = f"{seed}:{step}:{name}" if rank is None else f"{seed}:{step}:{name}:rank{rank}"
+    h = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
+
+
+class Compressor:
+    """Base of selectors and codecs (see the module docstring).
+
+    Class attributes (the metadata every layer reads through the registry):
+
+    ``kind``: "selector" or "codec".
+    ``aggregation``: how contributions combine by default: "dense" (allreduce
+    of the whole accumulator), "allreduce_values" (values at indices every
+    rank shares), "allgather" (sparse allgather), "gtopk" (butterfly merge),
+    "allgather_payloads" (codecs: allgather of payloads, decode and sum),
+    "allreduce_rounds" (codecs whose messages sum: PowerSGD),
+    "reduce_scatter_payloads" (the two-phase compressed allreduce).
+    ``merges``: the aggregations a user may choose with ``merge=``.
+    ``hyperparams``: :class:`HyperParam` declarations; the constructor
+    validates the values (``ValueError`` naming the valid range) and sets
+    them as attributes (``Compressor.hyper`` returns them as a dict).
+    ``uses_density``: whether ``density`` (k per segment) means anything.
+    """
+
+    name: str = "?"
+    kind: str = "selector"
+    aggregation: str = "allgather"
+    merges: Tuple[str, ...] = ()
+    hyperparams: Tuple[HyperParam, ...] = ()
+    uses_density: bool = True
+    # every method took r_factor before hyper-parameters were declared per
+    # method (gtopk_plugin.testing still passes it): accepted, and ignored
+    # unless declared
+    legacy_keywords: Tuple[str, ...] = ("r_factor",)
+
+    def __init__(self, **hyper):
+        declared = {p.name: p for p in self.hyperparams}
+        for key in hyper:
+            if key not in declared and key not in self.legacy_keywords:
+                have = ", ".join(declared) or "none"
+                raise ValueError(f"method {self.name!r} has no hyper-parameter {key!r} "
+                                 f"(its hyper-parameters: {have})")
+        for p in self.hyperparams:
+            setattr(self, p.name, p.validate(hyper.get(p.name, p.default)))
+
+    @property
+    def hyper(self) -> dict:
+        """This instance's hyper-parameter values."""
+        return {p.name: getattr(self, p.name) for p in self.hyperparams}
+
+    # State a compressor carries across steps (PowerSGD's warm-start
+    # factors); random draws are keyed by (seed, step, name), so most have none.
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd:
+            raise ValueError(f"method {self.name!r} keeps no state; got {sorted(sd)}")
+
+
+class Selector(Compressor):
+    """A compressor that picks entries.
+
+    ``exact_count``: returns exactly ``k_s`` entries per segment, so peers
+    know every message size in advance and no size header travels.
+    ``shared_indices``: every rank selects the same indices (random-k), so
+    only values travel, summed by a dense allreduce.
+    """
+
+    kind = "selector"
+    exact_count: bool = True
+    shared_indices: bool = False
+
+    def select(self, acc: Tensor, offsets: Tensor, k: Tensor,
+               ctx: SelectionContext) -> Tuple[Optional[Tensor], Tensor]:
+        """``(idx, vals)``: global indices (ascending within each segment,
+        segments in order; ``None``: every entry) and ``acc`` at them."""
+        raise NotImplementedError
+
+
+# A dense warm-up for codecs (issue #17): the first ``start_iter`` steps
+# are a plain dense allreduce of the accumulator (no compression, so the
+# residual becomes zero), as torch's ``powerSGD_hook`` does before
+# ``start_powerSGD_iter`` and 1-bit Adam (Tang et al. 2021, arXiv
+# 2102.02888, §4) before it freezes the variance: an error-feedback
+# quantizer started on a random network's gradients lags dense for the
+# rest of a short run (docs/convergence.md, codecs group).  Declared by
+# every codec; ``Codec.dense_at`` is the one rule the layers read.
+START_ITER = HyperParam("start_iter", 0, "dense allreduce before this step (warm-up; "
+                        "torch: start_powerSGD_iter)", int, low=0)
+
+
+class Codec(Compressor):
+    """A compressor that encodes the whole accumulator into payload tensors
+    that decode to a dense approximation (quantizers, sketches, low rank).
+
+    ``start_iter`` (:data:`START_ITER`, declared by every built-in codec):
+    steps ``0 .. start_iter − 1`` are a dense allreduce of the accumulator
+    instead (:meth:`dense_at`); the layers route them to the dense
+    aggregation, so they cost what a dense step costs and leave no
+    residual.
+
+    ``encode`` must be deterministic given (acc, ctx) and the payload's
+    shapes/dtypes must depend only on (offsets, acc.dtype); ``decode`` must
+    be deterministic (every rank decodes every payload and must get the same
+    bits).  The default aggregation allgathers the payloads and sums the
+    decodes in rank order.
+    """
+
+    kind = "codec"
+    aggregation = "allgather_payloads"
+    uses_density = False
+    exact_count = True
+    shared_indices = False
+
+    def dense_at(self, step: int) -> bool:
+        """Whether training step ``step`` is a dense warm-up step (before
+        ``start_iter``; a codec that does not declare it has none)."""
+        return int(step) < getattr(self, "start_iter", 0)
+
+    def encode(self, acc: Tensor, offsets: Tensor, ctx: SelectionContext) -> List[Tensor]:
+        raise NotImplementedError
+
+    def decode(self, payload: Sequence[Tensor], offsets: Tensor, numel: int,
+               dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def rounds(self, acc: Tensor, offsets: Tensor, ctx: SelectionContext,
+               world_size: int) -> Generator[Tensor, Tensor, Tuple[Tensor, Tensor]]:
+        """Codecs with ``aggregation = "allreduce_rounds"`` (see the module
+        docstring): yield messages to sum over workers, return ``(result,
+        contribution)``."""
+        raise NotImplementedError

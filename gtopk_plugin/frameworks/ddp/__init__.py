@@ -1,0 +1,2 @@
+"""The PyTorch DDP communication hook and its bookkeeping (buckets, names,
+unused parameters)."""

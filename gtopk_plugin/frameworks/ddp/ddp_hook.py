@@ -1,0 +1,402 @@
+"""PyTorch DDP communication hook: sparse gradient reduction for
+``DistributedDataParallel``.
+
+Modelled on ``torch/distributed/algorithms/ddp_comm_hooks``: one state object
+holds every setting and all memory, and a plain function ``hook(state,
+bucket) -> Future`` does the work::
+
+    import gtopk_plugin as gp
+
+    ddp = DistributedDataParallel(model)
+    state = gp.torch_ddp.SparseState(method="gtopk", density=0.01,
+                                     named_parameters=model.named_parameters())
+    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
+
+The state wraps ONE :class:`gtopk_plugin.GradientReducer`, so error-feedback
+residuals, the step counter (density warm-up, random-k seeds) and the RNG live
+in one place and are checkpointed together (``state_dict()`` or pickle).
+
+Note: this module deliberately does not use ``from __future__ import
+annotations``: DDP's ``register_comm_hook`` compares the hook's annotations
+with the real ``dist.GradBucket`` / ``Future[Tensor]`` objects, and string
+annotations would fail that check.
+"""
+import inspect
+import logging
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gtopk_plugin import registry
+from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
+from gtopk_plugin.reducer import GradientReducer, local_grad_norm
+from gtopk_plugin.pipeline.reduce_stats import ReduceStats
+from gtopk_plugin.two_level.topology import node_keywords
+from gtopk_plugin.pipeline.traffic import StepTraffic
+from gtopk_plugin.frameworks.ddp.ddp_buckets import BucketItem, agree_used, finish_bucket, reduce_buckets
+from gtopk_plugin.frameworks.ddp.ddp_naming import ParameterNaming
+from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
+from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
+
+__all__ = ["SparseState", "sparse_hook"]
+
+logger = logging.getLogger(__name__)
+
+# GradientReducer keywords a SparseState passes through.  ``transport`` is not
+# among them: the state builds its own TorchDistributedTransport on
+# ``process_group`` so that pickling can drop and rebind the group.
+_REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
+                        if n not in ("self", "transport") and p.kind is not p.VAR_KEYWORD)
+_STATE_VERSION = 1
+
+
+class SparseState(ParameterNaming):
+    r"""State of :func:`sparse_hook`: the reducer's settings and memory.
+
+    Hyper-parameters the user tunes (validated here; ``ValueError`` on bad
+    values):
+        method, density, and every other :class:`~gtopk_plugin.GradientReducer`
+        keyword except ``transport`` (``r_factor``, ``merge``, ``granularity``,
+        ``value_dtype``, ``op``, ``seed``, ``warmup``, ``nonfinite``,
+        ``error_feedback``, ``kernels``).
+        process_group: the group DDP reduces over (``None``: the default
+            group).  Must be the same group as DDP's ``process_group``.
+        named_parameters: optional iterable of ``(name, parameter)``, e.g.
+            ``model.named_parameters()``.  Residuals and checkpoints are then
+            keyed by these names.  Without it parameters are named
+            ``"param0"``, ``"param1"``, ... in the order the hook first sees
+            them; that order is the same on every rank and after a restart
+            because DDP's first iteration always runs on the initial bucket
+            layout (buckets are rebuilt only after it).  The parameters are
+            also watched for DDP's unused parameters (below) from the first
+            step on; without it, from the step the hook first sees them.
+        timeout: seconds one exchange may take before this rank raises
+            (default: ``GTOPK_TIMEOUT`` or 300 s).
+        momentum_correction: take the SGD ``optimizer``'s momentum (nesterov,
+            dampening) and weight decay over into the hook (DGC momentum
+            correction with factor masking; ``GradientReducer.correct_momentum``):
+            the optimizer's ``step()`` then runs with momentum and weight
+            decay 0 for those parameters.  Needs ``optimizer`` and
+            ``named_parameters``.  Or pass ``momentum=`` (and ``nesterov=``)
+            explicitly and build the optimizer without momentum yourself.
+        optimizer: the ``torch.optim`` optimizer that applies the updates
+            (for ``momentum_correction``).
+        grad_scaler: a ``torch.amp.GradScaler``: residuals and velocities
+            follow its loss scale (rescaled exactly when it changes), the
+            clipping threshold is scaled by it, and a non-finite gradient on
+            any rank makes every rank's update +inf for that step (so every
+            rank's scaler skips it and lowers its scale; state untouched;
+            ``nonfinite`` defaults to "propagate").
+        coalesce_buckets: reduce all DDP buckets of a step in ONE
+            ``reduce`` call when the step's last bucket is ready (default
+            True; issue #15).  The hook computes on the backward thread, so
+            reducing bucket by bucket overlaps nothing with the rest of
+            backward; it only multiplies the fixed costs: one cross-rank
+            consistency check and one exchange per butterfly round per
+            bucket instead of per step.  DDP waits for the buckets' futures
+            only after the last bucket's hook has run, so holding the
+            earlier ones back is legal.  False: each bucket is reduced as
+            DDP hands it over (granularity "global" then selects per bucket).
+        clip_norm: DGC local clipping: the global norm is taken over all
+            buckets of a step, so with ``clip_norm`` the buckets of a step
+            are always held back until the last one is ready.
+
+        hierarchical: two-level reduction (issue #18,
+            :class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`): dense
+            inside a node, the method between node leaders only.  The nodes:
+            ``local_size`` (rank r on node r // local_size, torchrun's
+            layout) or ``node_of_rank`` (one node id per rank), else
+            ``LOCAL_WORLD_SIZE``.  ``last_step_traffic`` then also holds
+            ``intra_bytes_*`` and ``inter_bytes_*``.
+        intra_fabric: (hierarchical only) how a node's ranks move the dense
+            node sum: ``"auto"`` (default: shared memory for CPU tensors
+            when the node's ranks share a host, else gloo),
+            ``"shared_memory"`` or ``"engine"``
+            (:mod:`gtopk_plugin.two_level.node_fabric`).
+
+    Internal state (checkpointed by :meth:`state_dict` and by pickling):
+        the reducer's residuals and step counter (the RNG state), and the
+        parameter names in the order the hook first saw them.
+
+    Unused parameters (DDP's ``find_unused_parameters=True`` or
+    ``static_graph=True``): DDP ignores the hook's result for a parameter
+    that no rank used in the step, so the hook leaves such parameters out of
+    the reduction -- their residuals and velocities stay as they were, and
+    nothing counts as sent that DDP does not apply.  The ranks agree on the
+    set with one small control collective per ``reduce`` call
+    (:mod:`.ddp_usage`; docs/ddp.md, "Unused parameters").
+
+    ``op="average"`` (the default) already divides by the world size, so
+    ``param.grad`` after ``backward()`` is the averaged sparse update, as with
+    DDP's default allreduce.
+
+    Every method gives exactly what one ``GradientReducer.reduce`` over all
+    parameters gives, whatever DDP's bucket layout: with
+    ``coalesce_buckets`` (the default) that is the call the hook makes; with
+    it off, granularity "layer" still does (random draws are keyed by step
+    and tensor name, not by a running stream), while granularity "global"
+    then selects per DDP bucket.
+
+    ``last_step_traffic`` sums the reducer's byte counts over the buckets of
+    the last completed step (``bytes_sent``, ``dense_bytes``, ...): a
+    :class:`gtopk_plugin.pipeline.traffic.StepTraffic` as a dict.
+    """
+
+    def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 timeout: Optional[float] = None, momentum_correction: bool = False,
+                 optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
+                 hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
+                 intra_fabric: Optional[str] = None, coalesce_buckets: bool = True, **reducer_kwargs):
+        if "transport" in reducer_kwargs:
+            raise ValueError("SparseState builds its own transport on `process_group`; pass "
+                             "process_group=<torch.distributed group> instead of transport=")
+        # the method's own hyper-parameters (registry) pass through too
+        own = [h["name"] for h in registry.describe(method)["hyperparams"]]
+        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS) - set(own))
+        if unknown:
+            raise ValueError(f"unknown SparseState keyword(s) {', '.join(map(repr, unknown))}; "
+                             f"accepted: method, density, process_group, named_parameters, timeout, "
+                             f"{', '.join(n for n in _REDUCER_KWARGS if n not in ('method', 'density'))}"
+                             + (f"; {method!r} also takes {', '.join(own)}" if own else ""))
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError("process_group must be None (the default group) or a "
+                             "torch.distributed ProcessGroup (e.g. from dist.new_group); got "
+                             f"{type(process_group).__name__}")
+        if grad_scaler is not None:
+            if not callable(getattr(grad_scaler, "get_scale", None)):
+                raise ValueError("grad_scaler must be a torch.amp.GradScaler (an object with get_scale())")
+            nf = reducer_kwargs.setdefault("nonfinite", "propagate")
+            if nf == "skip":
+                raise ValueError("nonfinite='skip' with a grad_scaler would hide overflows from the "
+                                 "scaler (it would never lower its scale); use 'propagate' (default "
+                                 "with a grad_scaler) or 'raise'")
+        if momentum_correction:
+            if optimizer is None or named_parameters is None:
+                raise ValueError("momentum_correction=True needs optimizer=<the torch.optim optimizer> "
+                                 "and named_parameters=model.named_parameters() (or pass momentum= "
+                                 "explicitly and build the optimizer without momentum)")
+            if reducer_kwargs.get("momentum") is not None:
+                raise ValueError("pass either momentum_correction=True (momentum read from the "
+                                 "optimizer) or momentum=<float>, not both")
+            named_parameters = list(named_parameters)
+        elif optimizer is not None:
+            raise ValueError("optimizer= is only used with momentum_correction=True")
+        if not isinstance(coalesce_buckets, bool):
+            raise ValueError(f"coalesce_buckets must be True or False, got {coalesce_buckets!r}")
+        self.coalesce_buckets = coalesce_buckets
+        self.grad_scaler = grad_scaler
+        # -- hyper-parameters (kept so that unpickling can rebuild the reducer) --
+        self._reducer_kwargs = dict(reducer_kwargs, method=method, density=density)
+        self.process_group = process_group
+        self.timeout = timeout
+        # GradientReducer / ReducerConfig / the transport validate every
+        # other value with a ValueError naming the keyword.
+        self._hier = node_keywords(hierarchical, local_size, node_of_rank, intra_fabric)
+        self.reducer = _make_reducer(self._reducer_kwargs, self._hier, process_group, timeout)
+        self._needs_optimizer = False
+        if momentum_correction:
+            self.reducer.correct_momentum(optimizer, named_parameters)
+        # each bucket's persistent result buffer and the names last written
+        # there (ddp_buckets._result_views)
+        self._results: dict = {}
+        self._written: dict = {}
+        # which parameters received a gradient this step, and the transport
+        # the ranks agree on it over (ddp_usage: DDP's unused parameters)
+        self._usage = UsageTracker()
+        self._usage_transport = TorchDistributedTransport(group=process_group, timeout=timeout)
+        # buckets of the current step held back (coalescing, clipping: see sparse_hook)
+        self._pending: List[tuple] = []
+        # GradScaler.get_scale() of the current step (read at its first bucket)
+        self._step_scale: Optional[float] = None
+        self._init_naming(named_parameters)  # ddp_naming.ParameterNaming
+        # -- per-step traffic (sum over the buckets of one training step) --
+        self._traffic_acc = StepTraffic()
+        self._intra = [0, 0]  # hierarchical: node-level bytes sent, received this step
+        self.last_step_traffic: Optional[dict] = None
+
+    # ------------------------------------------------------------------ API
+    @property
+    def last_stats(self) -> Optional[ReduceStats]:
+        """The reducer's statistics of the last bucket reduced."""
+        return self.reducer.last_stats
+
+    @property
+    def step(self) -> int:
+        """Training steps completed (advanced once per step, at the last bucket)."""
+        return self.reducer.step
+
+    def correct_momentum(self, optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """(Re)bind the optimizer for momentum correction, e.g. after
+        unpickling a state saved with ``momentum_correction=True``."""
+        self.reducer.correct_momentum(optimizer, named_parameters)
+        self._needs_optimizer = False
+
+    def state_dict(self) -> dict:
+        """Everything a bit-exact resume needs: the reducer's residuals, step
+        and RNG state, and the parameter names in first-appearance order."""
+        return {"version": _STATE_VERSION, "reducer": self.reducer.state_dict(),
+                "named": self._named, "params": [(n, list(s)) for n, s in self._order]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported SparseState state version "
+                             f"{sd.get('version') if isinstance(sd, dict) else sd!r}")
+        order = [(str(n), tuple(int(d) for d in s)) for n, s in sd["params"]]
+        # a hierarchical state keeps the residuals in its leader's inner reducer
+        residual_names = set(sd["reducer"].get("residuals") or (sd["reducer"].get("inner") or {}).get(
+            "residuals", {}))
+        known = {n for n, _ in order}
+        if self._given:
+            known = {name for _, name in self._given.values()}
+        missing = sorted(residual_names - known)
+        if missing:
+            raise ValueError(
+                f"the state holds residuals for {missing[:5]} which this SparseState does not "
+                "name (saved with different named_parameters, or with automatic names while "
+                "this state has named_parameters, or vice versa)")
+        if not self._given:
+            # Parameters already seen in this process must agree with the
+            # recorded first-appearance order, or their residuals would be
+            # attached to the wrong tensors.
+            for i, (name, p_name) in enumerate(zip(order, (v[1] for v in self._seen.values()))):
+                if name[0] != p_name:
+                    raise ValueError(f"parameter {i} is named {p_name!r} here but {name[0]!r} in "
+                                     "the state; load the state before the first backward")
+        self.reducer.load_state_dict(sd["reducer"])
+        self._order = order
+        self._named = bool(sd.get("named", self._named)) or bool(self._given)
+
+    # ------------------------------------------------------------- pickling
+    # Process groups cannot be pickled (and a saved group would be meaningless
+    # in another job), so they are dropped and the state rebinds to the
+    # default group, as DDP's PowerSGDState does.  Parameter ids do not
+    # survive a process either: the state keeps names in first-appearance
+    # order instead (see ``name_of``).
+    def __getstate__(self):
+        if self.process_group is not None:
+            logger.warning("NOTE: process group is not serializable and is excluded from the "
+                           "saved SparseState.")
+        return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
+                "timeout": self.timeout, "state": self.state_dict(), "hierarchy": self._hier,
+                "coalesce_buckets": self.coalesce_buckets,
+                "momentum_correction": self.reducer.binding is not None,
+                "last_step_traffic": self.last_step_traffic}
+
+    def __setstate__(self, d):
+        if d.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported pickled SparseState version {d.get('version')!r}")
+        self._reducer_kwargs = dict(d["reducer_kwargs"])
+        self.process_group = None  # the default group, resolved lazily
+        self.timeout = d["timeout"]
+        self._hier = d.get("hierarchy")
+        self.coalesce_buckets = d.get("coalesce_buckets", True)
+        self.reducer = _make_reducer(self._reducer_kwargs, self._hier, None, self.timeout)
+        self._given, self._seen, self._order = {}, {}, []
+        self._named = False
+        self._traffic_acc, self._intra = StepTraffic(), [0, 0]
+        self._pending, self._results, self._written = [], {}, {}
+        self._usage = UsageTracker()
+        self._usage_transport = TorchDistributedTransport(group=None, timeout=self.timeout)
+        self._step_scale = None
+        self.grad_scaler = None  # rebind with state.grad_scaler = scaler
+        self.last_step_traffic = d.get("last_step_traffic")
+        # the optimizer does not travel with the state: correction stays off
+        # (and the hook refuses to run) until correct_momentum() rebinds it
+        self._needs_optimizer = bool(d.get("momentum_correction", False))
+        self.load_state_dict(d["state"])
+
+    # ------------------------------------------------------------ internals
+    def _record_traffic(self, last: bool, reduced: bool = True) -> None:
+        st = self.reducer.last_stats
+        if reduced and st is not None:
+            self._traffic_acc.add(st)  # one bucket
+            if self._hier is not None:  # hierarchical: the node level's bytes apart
+                self._intra = [self._intra[0] + st.intra_bytes_sent, self._intra[1] + st.intra_bytes_received]
+        if last:
+            d = self._traffic_acc.as_dict()
+            if self._hier is not None:
+                d.update(intra_bytes_sent=self._intra[0], intra_bytes_received=self._intra[1],
+                         inter_bytes_sent=d["bytes_sent"], inter_bytes_received=d["bytes_received"])
+            self.last_step_traffic, self._traffic_acc, self._intra = d, StepTraffic(), [0, 0]
+
+    def __repr__(self):
+        kw = ", ".join(f"{k}={v!r}" for k, v in sorted(self._reducer_kwargs.items()))
+        return f"SparseState({kw}, step={self.step})"
+
+
+def _make_reducer(kwargs: dict, hier: Optional[dict], group, timeout):
+    """A flat GradientReducer on ``group``, or a HierarchicalReducer
+    splitting it into nodes (issue #18)."""
+    if hier is None:
+        return GradientReducer(transport=TorchDistributedTransport(group=group, timeout=timeout), **kwargs)
+    return HierarchicalReducer(group=group, timeout=timeout, **hier, **kwargs)
+
+
+def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: reduce the bucket's gradients with
+    ``state``'s :class:`~gtopk_plugin.GradientReducer` (sparse selection with
+    error feedback, then sparse allgather, gTop-k butterfly or dense
+    allreduce) and return the averaged update in the bucket buffer's layout.
+
+    Parameters that no rank used this step (DDP's ``find_unused_parameters``
+    / ``static_graph``: DDP leaves their ``.grad`` alone) are left out of the
+    reduction, residuals and velocities untouched (:mod:`.ddp_usage`).
+
+    Example::
+        >>> ddp_model.register_comm_hook(SparseState(method="gtopk", density=0.01), sparse_hook)
+    """
+    params = bucket.parameters()
+    # Residuals are keyed by parameter name, not bucket index: DDP rebuilds
+    # its buckets after the first iteration, so a bucket's index and content
+    # change while each parameter keeps its name.
+    names = [state.name_of(p) for p in params]
+    if state._needs_optimizer:
+        raise RuntimeError("this SparseState was saved with momentum_correction=True; the optimizer "
+                           "does not travel with it: call state.correct_momentum(optimizer, "
+                           "model.named_parameters()) before training")
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    item = BucketItem(names, bucket.gradients(), bucket.buffer(), bucket.index(), fut,
+                      state._usage.used(params))
+    last = bucket.is_last()
+    if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
+        try:
+            used = agree_used(state, [item])
+            finish_bucket(state, item, reduce_buckets(state, [item], last, None, used))
+        except BaseException:
+            state._usage.end_step()
+            raise
+        if last:
+            state._usage.end_step()
+        return fut
+    # Hold the bucket back (DDP waits for the futures only after the last
+    # bucket's hook has run) and reduce the step's buckets when the last is
+    # ready: all in one call (coalesce_buckets), or in order with the
+    # step's local norm for clipping.
+    state._pending.append(item)
+    if last:
+        pending, state._pending = state._pending, []
+        try:
+            used = agree_used(state, pending)  # one agreement for the step
+            norm = None
+            if state.reducer.config.clip_norm is not None:
+                # over what is reduced: DDP discards the parameters no rank used
+                norm = local_grad_norm([g for it in pending for n, g in zip(it.names, it.grads) if used[n]])
+            if state.coalesce_buckets:
+                updates = reduce_buckets(state, pending, True, norm, used)
+                for it in pending:
+                    finish_bucket(state, it, updates)
+            else:
+                for j, it in enumerate(pending):
+                    finish_bucket(state, it, reduce_buckets(state, [it], j == len(pending) - 1, norm, used))
+        except BaseException as exc:
+            # the held-back futures must not stay pending forever
+            for it in pending:
+                if not it.fut.done():
+                    it.fut.set_exception(exc)
+            raise
+        finally:
+            state._usage.end_step()
+    return fut

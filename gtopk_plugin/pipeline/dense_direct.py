@@ -1,0 +1,136 @@
+"""The dense method's step with one pass of local work (issue #15).
+
+S-SGD's allreduce needs the gradients in one flat buffer, and the update
+is that buffer's sum divided by P.  The general path writes the gradients
+into the scratch accumulator (with the finiteness check), sums there, and
+divides into an update buffer: two passes over N.  Here the gradients are
+written straight into the update buffer -- already divided by P where P is
+a power of two, and with their nonzeros counted -- which the engine then
+sums in place: one pass, plus a read that counts the sum's nonzeros for
+the stats where P > 1 (at P = 1 the copy is the update).
+
+Bit for bit the general path's result.  A sum of values prescaled by 2^-s
+equals the sum divided by 2^s afterwards when every value lies in a range
+where no partial sum is denormal or overflows (``kernels.prescale_copy``
+checks it per entry in the same pass; docs/kernels.md states the
+argument); the consistency check's flag makes every rank agree.  Where any
+rank's values fail it, or a rank copied unscaled (it cannot take this path
+this call, or it is backing off, below), every rank redoes the copy
+unscaled and divides after the sum.  float16 and a P that is not a power
+of two are never prescaled (float16's exact range is too narrow to hold
+gradients).
+
+Taken when the step needs nothing else of the accumulator: the ``dense``
+method with values sent in the gradients' dtype, no momentum, clipping,
+optimizer binding or loss-scale change, a zero residual (always so after
+a dense step; a residual loaded from a sparse method takes the general
+path once), no ``out=`` tensors (the DDP and Horovod layers pass them, so
+they keep the two-pass path), on CPU (the CUDA back end keeps its own
+compensation and division kernels).  Like the general path, a redo reads
+the gradients again after the check: they must not change during the call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gtopk_plugin import kernels
+from gtopk_plugin.compress.dense import DenseSelector
+
+Tensor = torch.Tensor
+
+
+def _shift(P: int, op: str, dtype) -> int:
+    """log2 of the divisor folded into the copy: P for op="average" when a
+    power of two, else none (op="sum", float16, or a division after the
+    sum)."""
+    if op == "average" and P > 1 and P & (P - 1) == 0 and dtype != torch.float16:
+        return P.bit_length() - 1
+    return 0
+
+
+class DensePath:
+    """One reducer's choice of the one-pass dense step, call by call.
+
+    Back-off: data that is never exactly prescalable would pay a third
+    pass (the redo) every call.  After a call whose prescaled copy had to
+    be redone, the reducer tries prescaling again only on calls whose step
+    is a multiple of 2, then 4, ... (up to 2^:attr:`MAX_LEVEL`), copying
+    unscaled up front on the others; a prescaled call that goes through
+    resets it.  The schedule follows the step counter, the same on every
+    rank, so ranks whose levels differ (one could not take the path for a
+    call) still try together at the higher level's multiples and agree."""
+
+    MAX_LEVEL = 6
+
+    def __init__(self, red):
+        self.red = red
+        self.level = 0  # try prescaling on steps that are multiples of 2^level
+
+    def start(self, out, names, sizes, tensors, dtype, P: int) -> Optional["DirectStep"]:
+        """The one-pass step's copy when this call (on the reducer's fused
+        path: nothing but the residual goes into the accumulator) takes it,
+        else ``None``."""
+        red, device = self.red, tensors[0].device
+        cfg = red.config
+        if not (out is None and type(red.compressor) is DenseSelector and red.aggregation == "dense"
+                and (cfg.value_dtype is None or cfg.value_dtype == dtype) and device.type == "cpu"):
+            return None
+        flatres = red.memory.layout(names, sizes, dtype, device)
+        if red.memory.enabled and not flatres.zero:
+            return None  # a residual to add: the accumulator's path
+        shift = _shift(P, cfg.op, dtype)
+        if red.step % (1 << self.level):
+            shift = 0  # backing off: unscaled up front (and flagged)
+        return DirectStep(red, flatres, names, sizes, tensors, dtype, P, shift)
+
+    def agreed(self, step: "DirectStep", redo: bool, names, tensors) -> None:
+        """After the consistency check: redo the copy unscaled where any rank
+        did not prescale exactly, and move the back-off."""
+        if not step.shift:
+            return
+        if redo:
+            self.level = min(self.level + 1, self.MAX_LEVEL)
+            step.copy(names, tensors, 0)
+        else:
+            self.level = 0
+
+
+class DirectStep:
+    """One call's buffers: ``update`` (a ring buffer of the reducer's
+    UpdateBuffers, which the engine sums in place and the caller receives)
+    and the flags of the copy."""
+
+    def __init__(self, red, flatres, names, sizes, tensors, dtype, P: int, shift: int):
+        device = tensors[0].device
+        self.red, self.P, self.flatres = red, P, flatres
+        self.update, _ = red._updates.take((tuple(names), dtype, device), sum(sizes), dtype, device, None)
+        self.parts = list(torch.split(self.update, list(sizes)))
+        self.copy(names, tensors, shift)
+
+    @property
+    def flag(self) -> bool:
+        """The consistency check's flag: this rank's copy is not an exact
+        prescaled one (every rank that prescaled must then redo it)."""
+        return not (self.shift and self.exact)
+
+    def copy(self, names, tensors, shift: int) -> None:
+        """grad * 2^-shift into the update buffer, with the flags."""
+        self.shift, self.nonfinite, self.exact, self.nnz = shift, [], True, 0
+        for n, t, part in zip(names, tensors, self.parts):
+            finite, exact, nnz = kernels.prescale_copy(part, t.detach(), shift, kernels=self.red.config.kernels)
+            if not finite:
+                self.nonfinite.append(n)
+            self.exact &= exact
+            self.nnz += nnz
+
+    def finish(self, agg, divisor: int):
+        """``(update, nnz)``: the summed buffer, divided (unless the copy
+        was prescaled) and counted in one pass."""
+        if agg.vals is not self.update:  # an engine that did not sum in place
+            self.update.copy_(agg.vals.view(-1))
+        elif self.P == 1:
+            return self.update, self.nnz  # the copy was the update, counted as it was written
+        d = 1 if self.shift else divisor
+        return self.update, kernels.div_count_(self.update, d, kernels=self.red.config.kernels)
