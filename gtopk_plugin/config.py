@@ -1,5 +1,5 @@
 """Configuration: frozen dataclasses, keyword validation, and the ONE place that
-reads ``GTOPK_*`` environment variables (DESIGN.md §2 rule 5).
+reads ``GTOPK_*`` environment variables (docs/design.md §1).
 
 Everything else in the package receives its settings as arguments; nothing
 deep inside a reducer or a collective looks at ``os.environ``.

@@ -1,5 +1,5 @@
 """The compressor registry: the one source of truth for method names, their
-hyper-parameters and how their payloads aggregate (issue #16).
+hyper-parameters and how their payloads aggregate.
 
 A compressor class (:class:`gtopk_plugin.compress.Compressor`) is registered
 under a name with :func:`register` -- the built-in ones in

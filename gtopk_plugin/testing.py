@@ -6,7 +6,7 @@ convergence study to simulate many workers quickly and exactly.
 
 Only the selection kernels (the reference back end) and ``k_for`` are
 shared: they are the spec, tested separately against a brute-force oracle.
-The int8 wire (issue #17) is modelled here from its specification (numpy,
+The int8 wire is modelled here from its specification (numpy,
 float64; see :func:`_int8_model`), not by calling collectives/wire.py.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Oracle:
             sel_wire.append(to_wire(v, f"rank{r}", i.long()))
 
         # A wire narrower than the gradients: sums in float32 (at least),
-        # every re-rounding owned by one rank (DESIGN.md §3, precision);
+        # every re-rounding owned by one rank (docs/design.md §3, precision);
         # charges[r]: dense error vectors added to r's residual, in order.
         acc_dt = None if wire == dtype else torch.promote_types(dtype, torch.float32)
         charges: List[List[Tensor]] = [[] for _ in range(P)]
@@ -246,7 +246,7 @@ class Oracle:
 
 def _round_clamped(v: Tensor, dtype: torch.dtype) -> Tensor:
     """``v`` in ``dtype``, values beyond its finite range clamped to it (what
-    the wire carries, DESIGN.md §3)."""
+    the wire carries, docs/design.md §2)."""
     if v.dtype != dtype and torch.finfo(dtype).max < torch.finfo(v.dtype).max:
         big = torch.finfo(dtype).max
         v = v.clamp(-big, big)
@@ -275,7 +275,7 @@ def _uniform_model(key: str, idx: np.ndarray) -> Tensor:
 
 
 def _int8_model(v: Tensor, u: Optional[Tensor]) -> Tensor:
-    """One int8-wire message, decoded, in ``v``'s dtype (DESIGN.md §3 and
+    """One int8-wire message, decoded, in ``v``'s dtype (docs/design.md §2 and
     collectives/wire.py's docstring are the spec): e is the smallest
     integer with max|v| <= 127·2^e, within [-128, 127] and no finer than
     ``v``'s dtype's smallest subnormal; q = v/2^e rounded to nearest (ties

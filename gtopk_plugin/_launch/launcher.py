@@ -22,7 +22,7 @@ What it does:
   namespaces).  ``"none"``: nothing.  Anything else names an engine class
   (``"module:Class"``) with ``init(ctx)``, ``barrier()``, ``transport()`` and
   ``shutdown()`` -- how ``benchmarks/launch.py`` adds Horovod without this
-  package importing a framework (DESIGN.md §2).
+  package importing a framework (docs/design.md §1).
 * **Supervision.** A rank that raises or dies ends the job at once by
   default (``fail_fast``): its peers would otherwise wait in a collective
   until the transport's own timeout.  Every rank is killed, and the error

@@ -33,7 +33,7 @@ class Selection:
     # a codec's contribution (``vals`` is then its own payload decoded)
     payload: Optional["Encoded"] = None
     # where a dense sum in the sum dtype may be written instead of a fresh
-    # N-sized tensor (the reducer's update ring, issue #15: a fresh 100 MB
+    # N-sized tensor (the reducer's update ring: a fresh 100 MB
     # tensor costs ten reads in page faults); ``None``: allocate
     out: Optional[Tensor] = None
 
@@ -59,7 +59,7 @@ class Aggregated:
     rounds: int
     # Rounding (or clamping) error that a lower-precision wire introduced
     # after this rank's own rounding -- a merged sum re-rounded for the next
-    # round -- and that this rank owns (DESIGN.md §3, precision): global
+    # round -- and that this rank owns (docs/design.md §3, precision): global
     # int64 indices and values in the sum dtype, added to this rank's
     # residual so mass conservation holds to the sum dtype's rounding.
     residual_add: Optional[Tuple[Tensor, Tensor]] = None

@@ -1,10 +1,10 @@
 """Sparse allgather (the Top-k S-SGD aggregation, "TopKAllReduce"): every
 worker receives every other worker's (index, value) set, O(kP) traffic, and
-sums them in rank order so every rank gets the same bits (DESIGN.md §3).
+sums them in rank order so every rank gets the same bits (docs/design.md §2).
 With the int8 wire each message carries its sender's own exponent byte
 (``k·(b_idx + 1) + 1`` bytes) and is decoded exactly before the sum.
 
-The sum stays sparse (issue #15): the union of the P sets, at most P·k
+The sum stays sparse: the union of the P sets, at most P·k
 entries, built by merging the sets in rank order -- each merge adds
 ``(0 + running sum) + next`` on shared indices, exactly the additions a
 zero vector with one ``index_add_`` per rank makes -- so no N-sized vector

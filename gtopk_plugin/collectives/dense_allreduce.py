@@ -7,7 +7,7 @@ add in the wire dtype -- overflowing to ±inf, and rounding every partial sum
 into nobody's residual -- so the sum is taken as a reduce-scatter with
 accumulation in float32 (or the gradients' wider dtype) at the shard's
 owner, in rank order, followed by an allgather of the owner's shard rounded
-(and clamped) to the wire dtype (DESIGN.md §3, precision).  The owner's
+(and clamped) to the wire dtype (docs/design.md §3, precision).  The owner's
 rounding error is returned in ``Aggregated.residual_add``: every entry of a
 dense sum reaches the result, so mass is conserved to the accumulation
 dtype's rounding, and every rank gets the owner's bits.  The bytes are those
@@ -15,7 +15,7 @@ of a ring allreduce of the wire dtype: (P−1)/P of the vector each way per
 phase (exactly so when P divides its length; otherwise a rank's count is its
 real traffic, within one element per phase of that).
 
-int8 wire (issue #17): every piece is a message with its own exponent byte
+int8 wire: every piece is a message with its own exponent byte
 (+1 byte per message: 2·(P−1) per rank and step); a sender's piece is its
 own quantized vector re-encoded with the piece's exponent, which is
 lossless (values on the grid q·2^e with |q| <= 127 lie on the grid of any

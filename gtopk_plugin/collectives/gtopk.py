@@ -1,5 +1,5 @@
 """gTopKAllReduce: the butterfly merge of Shi et al. 2019 (arXiv 1901.04359,
-Algorithm 1), generalised to any P (DESIGN.md §3).
+Algorithm 1), generalised to any P (docs/design.md §2).
 
 Let P' = 2^⌊log2 P⌋.  Ranks r ≥ P' first send their set to r − P', which
 merges it; then for j = 0 .. log2 P' − 1 rank r swaps its current set with
@@ -14,7 +14,7 @@ a later reappearance of i carries other workers' values only).  A folded-in
 rank learns its survivors from its partner as a bitmask over its own set
 (⌈k/8⌉ bytes, appended to the final message).
 
-Reduced-precision wire (fp16/bf16 values for wider gradients, DESIGN.md §3):
+Reduced-precision wire (fp16/bf16 values for wider gradients, docs/design.md §2):
 merges add in float32 (at least) the exact wire values both partners
 exchanged, so sums agree bit for bit and cannot overflow; a merged set is
 rounded (and clamped: never ±inf) to the wire dtype before each send and
@@ -23,7 +23,7 @@ of the group that holds the set -- at the indices that go on to reach the
 result, through ``Aggregated.residual_add``; so mass is conserved to
 float32 rounding with no extra bytes on the wire.
 
-int8 wire (issue #17): the same scheme with :func:`wire.quantize` as the
+int8 wire: the same scheme with :func:`wire.quantize` as the
 rounding -- each message (a rank's own set, a group's merged set before
 each round, the result) is quantized with its own power-of-two scale (one
 exponent byte per message), merges add the exactly decoded values in
@@ -60,7 +60,7 @@ class ButterflyResult:
 
 class _Charges:
     """Wire roundings this rank owns, kept only while they can still reach
-    the result (DESIGN.md §3, precision).
+    the result (docs/design.md §3, precision).
 
     With a wire narrower than the sum dtype, a group's merged set is held in
     the accumulation dtype and rounded to the wire before each send and once

@@ -1,12 +1,12 @@
-"""Allgather of codec payloads (issue #16): every worker's encoded payload
+"""Allgather of codec payloads: every worker's encoded payload
 (1-bit signs and scales, say) travels to every other worker in one ring of
 P−1 neighbour exchanges, and each rank decodes all P payloads and sums them
 in rank order -- the same bytes decoded by the same code, so every rank gets
-the same bits (DESIGN.md §3).  For payloads that do not sum in encoded form
+the same bits (docs/design.md §2).  For payloads that do not sum in encoded form
 (quantizers with per-worker scales); traffic per worker (P−1)·payload bytes
 each way, no size headers (payload sizes depend only on the layout).
 
-``reduce_scatter_payloads`` (issue #17), the two-phase variant: a
+``reduce_scatter_payloads``, the two-phase variant: a
 reduce-scatter of payload shards, a re-compression of each shard sum by its
 owner (with a server-side error-feedback residual), and an allgather of the
 compressed sums -- the compressed allreduce of 1-bit Adam (Tang et al. 2021,

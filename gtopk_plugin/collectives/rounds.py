@@ -1,4 +1,4 @@
-"""Allreduce rounds of a codec whose messages sum (issue #17): PowerSGD's
+"""Allreduce rounds of a codec whose messages sum: PowerSGD's
 two allreduces per step (Vogels et al. 2019, arXiv 1905.13727) and any
 other linear sketch.
 

@@ -6,7 +6,7 @@ Horovod-PyTorch butterfly (:mod:`.gtopk`) and the Horovod-TensorFlow one
 exchanges in the same order and charge roundings to the same ranks.
 
 Shi et al. 2019 (arXiv 1901.04359, Algorithm 1) describe the butterfly for
-P a power of two; DESIGN.md §3 extends it to any P.  Let P' = 2^⌊log2 P⌋:
+P a power of two; docs/design.md §2 extends it to any P.  Let P' = 2^⌊log2 P⌋:
 
 1. *fold-in* (only when P > P'): rank r ≥ P' sends its set to r − P',
    which merges it;
@@ -15,7 +15,7 @@ P a power of two; DESIGN.md §3 extends it to any P.  Let P' = 2^⌊log2 P⌋:
 3. *fold-out* (only when P > P'): rank r < P − P' sends the result (and a
    bitmask of which of r + P''s entries survived) to r + P'.
 
-Ownership of wire roundings (DESIGN.md §3, precision): before round j the
+Ownership of wire roundings (docs/design.md §3, precision): before round j the
 group of r is the 2^j ranks < P' that agree with r above bit j (plus their
 folded partners); its lowest rank -- r with its low j bits clear -- owns
 the rounding of the group's set before the send.  The final rounding of the

@@ -1,6 +1,6 @@
 """The Transport protocol: the only way collectives talk to other workers.
 
-Collectives are framework-neutral (DESIGN.md §2): they receive a Transport
+Collectives are framework-neutral (docs/design.md §1): they receive a Transport
 and call its few primitives.  Each framework layer (torch.distributed,
 Horovod, BytePS) implements the ``_raw_*`` primitives; this base class adds
 the exact byte / message / round accounting that benchmarks and tests read.
@@ -11,7 +11,7 @@ Accounting rules:
   be known in advance by the receiver (variable-count selectors);
 - ``control`` bytes are the per-call consistency check (layout hash and
   non-finite flag) and error-path metadata; they are reported apart so that
-  payload figures match the formulas of DESIGN.md §3 exactly;
+  payload figures match the formulas of docs/design.md §2 exactly;
 - a dense allreduce is counted with the ring model, 2·(P−1)/P·nbytes sent
   and received per worker (the engine's internals are not observable).
 

@@ -1,9 +1,9 @@
-"""Wire format (DESIGN.md §3): one byte blob per message holding the int32
+"""Wire format (docs/design.md §2): one byte blob per message holding the int32
 (int64 past 2^31−1 elements) indices followed by the values in the gradient's
 dtype, the fp16/bf16 wire dtype, or int8 with a per-message scale.  8 bytes
 per fp32 entry; never an upcast.
 
-int8 wire (issue #17, ``value_dtype=torch.int8``): a message of n values is
+int8 wire (``value_dtype=torch.int8``): a message of n values is
 n int8 codes ``q`` followed by ONE int8 exponent byte ``e``: the values are
 ``q·2^e``.  So a sparse message is ``n·(4 + 1) + 1`` bytes.  In memory the
 int8 "wire tensor" has the same layout (``n + 1`` int8 elements, the last
@@ -182,7 +182,7 @@ def to_wire(vals: Tensor, dtype: torch.dtype) -> Tensor:
     """Round ``vals`` to the wire dtype without ever producing ±inf: values
     beyond the dtype's finite range are clamped to it first (the sender's
     residual keeps the remainder, since the residual is what was not sent).
-    DESIGN.md §3: a value the wire cannot hold never reaches it as ±inf.
+    docs/design.md §2: a value the wire cannot hold never reaches it as ±inf.
     int8: :func:`quantize` to nearest (one message, one exponent)."""
     if vals.dtype == dtype:
         return vals
@@ -196,7 +196,7 @@ def to_wire(vals: Tensor, dtype: torch.dtype) -> Tensor:
 
 def accumulation_dtype(wire_dtype: torch.dtype, sum_dtype: torch.dtype) -> Optional[torch.dtype]:
     """The dtype in which sums of wire values are taken when the wire is
-    narrower than the gradients (DESIGN.md §3, precision): the sum dtype, at
+    narrower than the gradients (docs/design.md §3, precision): the sum dtype, at
     least float32.  ``None`` when the wire carries the sum dtype itself (then
     sums are taken in it and nothing is re-rounded)."""
     if wire_dtype == sum_dtype:

@@ -1,10 +1,10 @@
-"""The compressor interface: selectors and codecs (issue #16).
+"""The compressor interface: selectors and codecs.
 
 A compressor turns one worker's accumulator ``acc = grad + residual`` (one
 flat tensor per reducer call, cut into segments: one per tensor with
 granularity "layer", one for the bucket with "global") into what that
 worker contributes, and declares how contributions combine across workers.
-Compressors are pure torch and never communicate (DESIGN.md §2 rule 2).
+Compressors are pure torch and never communicate (docs/design.md §1).
 
 Two kinds:
 
@@ -182,7 +182,7 @@ class Selector(Compressor):
         raise NotImplementedError
 
 
-# A dense warm-up for codecs (issue #17): the first ``start_iter`` steps
+# A dense warm-up for codecs: the first ``start_iter`` steps
 # are a plain dense allreduce of the accumulator (no compression, so the
 # residual becomes zero), as torch's ``powerSGD_hook`` does before
 # ``start_powerSGD_iter`` and 1-bit Adam (Tang et al. 2021, arXiv

@@ -1,9 +1,9 @@
 """Error feedback (residual memory), the decorator around any compressor --
-selector or codec -- as in BytePS's compressor core.  DESIGN.md §3: ``acc = grad + residual``; after the
+selector or codec -- as in BytePS's compressor core.  docs/design.md §2: ``acc = grad + residual``; after the
 exchange ``residual = acc`` with the entries whose value reached the global
 result set to zero (or to their wire-rounding error).
 
-Memory layout (issue #15: no N-sized allocation per step).  The residuals of
+Memory layout (no N-sized allocation per step).  The residuals of
 the tensors of one reducer call (a *layout*: the sorted names, dtype and
 device) live in one persistent flat buffer, and ``residuals[name]`` are views
 into it.  A second persistent buffer of the same size is the step's scratch
@@ -137,8 +137,8 @@ class ErrorFeedback:
     def commit_step(self, f: FlatResidual, acc: Tensor, idx: Optional[Tensor], sent: Tensor,
                     exact: bool, residual_add=None, kernels: Optional[str] = None,
                     reached: Optional[Tensor] = None) -> None:
-        """The wrapper's one rule, for selectors and codecs alike (DESIGN.md
-        §3): residual = ``acc`` less what this worker's contribution was as
+        """The wrapper's one rule, for selectors and codecs alike (docs/design.md
+        §2): residual = ``acc`` less what this worker's contribution was as
         it travelled and reached the result.  ``idx``/``sent``: the sent
         entries and their wire values, of which those where ``reached``
         (bool, like ``idx``; ``None``: all) reached it (``idx is None``: ``sent`` is a dense

@@ -15,7 +15,7 @@ compressor instead, per worker:
 
 and the optimizer applies the reduced update **without** momentum of its own.
 Summed over workers this is plain momentum SGD on the dense gradient, up to
-the delay of what is still in v (DESIGN.md §3, momentum correction):
+the delay of what is still in v (docs/design.md §2, momentum correction):
     Σ_ranks Σ_steps increment_t = Σ_steps result_t + Σ_ranks v.
 
 Dampening follows ``torch.optim.SGD``: u ← m·u + (1 − dampening)·g.

@@ -3,7 +3,7 @@ seed shared by all ranks for that step and segment name (Stich et al.'s
 random sparsification with shared seed), so every rank picks the same
 indices and only values travel, summed by a dense allreduce.
 
-The draw costs O(k log k), not O(n) (issue #15: a ``torch.randperm(n)``
+The draw costs O(k log k), not O(n) (a ``torch.randperm(n)``
 per tensor was most of a random-k step on a 1.1M-parameter model).  For
 ``k <= n/2`` it takes the first ``k`` *distinct* values of a stream of
 i.i.d. uniform integers in ``[0, n)`` from the keyed generator

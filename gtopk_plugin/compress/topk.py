@@ -10,7 +10,7 @@ class TopKSelector(Selector):
     """Exact top-k per segment, sparse allgather (Top-k S-SGD).
 
     Exactly ``k_s`` largest-magnitude entries per segment, ties to the
-    smaller index (DESIGN.md §3)."""
+    smaller index (docs/design.md §2)."""
 
     aggregation = "allgather"
     merges = ("allgather", "gtopk")

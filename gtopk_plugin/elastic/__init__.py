@@ -4,7 +4,7 @@ and a layer's forward pass at step t+1 waits for its step-t update only until
 the step's barrier is broken (norm-bounded or variance-bounded), never more
 than ``max_staleness`` steps behind.
 
-Framework-neutral (DESIGN.md §2): this package imports no framework; the
+Framework-neutral (docs/design.md §1): this package imports no framework; the
 framework layers provide :class:`AsyncReduction` back ends
 (``gtopk_plugin.elastic.torch_backend``, ``.horovod.elastic``,
 ``.byteps``).  See docs/elastic.md.

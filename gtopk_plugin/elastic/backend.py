@@ -6,7 +6,7 @@ polls the handles during the next forward pass and waits for a handle only
 when its policy says so.  Everything framework-specific — torch.distributed
 work handles, Horovod's ``allreduce_async_``/``poll``/``synchronize``,
 BytePS's ``push_pull_async`` — sits behind :class:`AsyncReduction`, in the
-framework layers (DESIGN.md §2: this package never imports a framework).
+framework layers (docs/design.md §1: this package never imports a framework).
 Those layers register their native dense reduction for their Transport class
 with :func:`register_transport`; any other Transport gets a dense allreduce
 run through the Transport on a worker thread (:mod:`.resolution` picks one;
@@ -148,7 +148,7 @@ def refill(held: Optional[List[Tensor]], tensors: Sequence[Tensor]) -> List[Tens
     """Copies of ``tensors``: into ``held`` (persistent buffers of an earlier
     step, free to reuse) when they still match in number, shapes, dtypes and
     devices, else fresh clones (no layer-sized allocation per step in steady
-    state, issue #15)."""
+    state)."""
     if held is not None and len(held) == len(tensors) and all(
             b.shape == t.shape and b.dtype == t.dtype and b.device == t.device for b, t in zip(held, tensors)):
         for b, t in zip(held, tensors):

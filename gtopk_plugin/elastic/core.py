@@ -123,7 +123,7 @@ class ElasticCore:
     def _copy_local(self, u: int, tensors) -> List[Tensor]:
         """The unit's local gradients at launch, copied (the next backward
         may overwrite them) into a spare copy of this unit's where one fits
-        (issue #15: no layer-sized allocation per step in steady state).  A
+        (no layer-sized allocation per step in steady state).  A
         unit holds at most ``max_staleness + 1`` copies at once (the hard
         bound applies older updates before its next forward, and applying
         one frees its copy), so its first launch makes that many."""

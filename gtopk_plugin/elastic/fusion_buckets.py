@@ -5,7 +5,7 @@ The scheduler reduces one layer at a time (the paper's granularity,
 Nadiradze et al. 2020 §6).  On a link where every message pays a fixed
 latency, that costs layers × rounds × latency per step whatever the bytes:
 19 layers of a small ResNet at P = 4 spend 19 · 2(P−1) · 5 ms = 570 ms of a
-step waiting on 5 ms rounds (docs/benchmarks.md, issue #19).  Horovod's
+step waiting on 5 ms rounds (docs/results.md).  Horovod's
 fusion buffer and DDP's gradient buckets answer the same problem; this
 wrapper does it for any :class:`~.backend.AsyncReduction`: layers are
 collected in launch order until their gradients reach the cap (or the step's

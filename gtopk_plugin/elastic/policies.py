@@ -38,8 +38,7 @@ DISTANCE_CHUNK = 1 << 14
 
 
 def squared_distance(local: Sequence[Tensor], reduced: Sequence[Tensor], div: float = 1.0) -> float:
-    """Σ‖a − b/div‖² over the pairs, in float64, chunk by chunk (issue #15:
-    a float64 copy of a whole layer per operand and step was five fresh
+    """Σ‖a − b/div‖² over the pairs, in float64, chunk by chunk (a float64 copy of a whole layer per operand and step was five fresh
     allocations of twice its size, page faults included; the chunks stay in
     cache).  The chunks' sums are added with ``math.fsum``."""
     parts = []

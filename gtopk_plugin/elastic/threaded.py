@@ -4,7 +4,7 @@ Used for any :class:`~gtopk_plugin.GradientReducer` (dense, Top-k, gTop-k,
 rTop-k, ...) and for Transports without a native asynchronous allreduce.
 One thread, first in first out: the scheduler launches layers in the same
 order on every rank, so every rank runs the same sequence of collectives on
-the Transport — what a Transport requires (DESIGN.md §2) — while the main
+the Transport — what a Transport requires (docs/design.md §1) — while the main
 thread goes on with backward and the next forward pass.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class _ThreadedBase(AsyncReduction):
         """Copies of the gradients (the training loop may zero or overwrite
         ``p.grad`` while the thread still reads them), in persistent buffers
         per (layer, in-flight slot): no layer-sized allocation per step in
-        steady state (issue #15).  A slot's buffers are reused once the
+        steady state.  A slot's buffers are reused once the
         reduction that read them has finished (the reducer never hands its
         input back as a result); else, or when the layer's shapes changed,
         fresh copies."""
@@ -151,7 +151,7 @@ class ThreadedReduction(_ThreadedBase):
     random draws and the cross-rank layout check see one step per training
     step, as in the DDP hook).  Error feedback, selection and aggregation are
     the reducer's own: composing the scheduler with gTop-k, rTop-k or Top-k
-    keeps their semantics and mass conservation (DESIGN.md §3)."""
+    keeps their semantics and mass conservation (docs/design.md §2)."""
 
     kind = "reducer"
 

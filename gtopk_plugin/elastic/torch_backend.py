@@ -104,7 +104,7 @@ class TorchDenseReduction(AsyncReduction):
         """The layer's gradients copied into one flat buffer (``p.grad`` may
         change while the reduction is in flight), persistent per (layer,
         in-flight slot): no layer-sized allocation per step in steady state
-        (issue #15).  A slot's buffer is reused only when nothing outside
+       .  A slot's buffer is reused only when nothing outside
         this back end refers to its storage any more -- neither the
         collective in flight nor the reduced gradients handed out by
         ``wait``, which the scheduler holds until it has applied them -- else

@@ -4,7 +4,7 @@ PyTorch (:mod:`gtopk_plugin.horovod`) and TensorFlow
 renaming anything.
 
 Horovod's own ``Compression`` has ``none`` and ``fp16``; ours adds every
-compressor of the registry (:mod:`gtopk_plugin.registry`, issue #16): the
+compressor of the registry (:mod:`gtopk_plugin.registry`): the
 built-in sparse methods (``topk``, ``gtopk``, ``rtopk``, ``randomk``,
 ``threshold``), the codecs (``onebit``), the core's ``dense`` reducer, and
 any compressor a user registers from their own code -- generated on

@@ -1,4 +1,4 @@
-"""The gloo side channel both Horovod layers use (issue #15): a plain
+"""The gloo side channel both Horovod layers use: a plain
 ``ProcessGroupGloo`` of a process set's ranks on its own ``TCPStore``,
 made inside the ``horovodrun`` job.
 

@@ -1,4 +1,4 @@
-"""CUDA host code of the reducer's fused and in-place kernels (issue #15):
+"""CUDA host code of the reducer's fused and in-place kernels:
 ``compensate``, ``compensate_select_topk``, ``subtract_at_``,
 ``scatter_reset_`` and ``div_count_`` on ``csrc/cuda/compensate.cu``.
 
@@ -15,7 +15,7 @@ that this module imports nothing of it (no import cycle) and the tests'
 emulation, which patches ``cuda``'s launching, serves these kernels too.
 
 ``compensate_select_topk`` is fused as far as the radix select allows
-(DESIGN.md §4; docs/kernels.md):
+(docs/design.md §9; docs/kernels.md):
 
 1. ``gtopk_comp_sample_*``: the sampled start's threshold sample, its keys
    computed from grad + residual on the fly (4096 entries per large segment);

@@ -1,12 +1,12 @@
 """Pure-torch reference kernels: the oracle every fast back end is tested
-against and the last fallback on any device (DESIGN.md §2 rule 3, §4).
+against and the last fallback on any device (docs/design.md §1, §4).
 
 All functions work on *segmented* flat buffers: ``x`` is 1-D, ``offsets`` is an
 int64 tensor of S+1 segment boundaries (``offsets[0] == 0``,
 ``offsets[-1] == x.numel()``) and ``k`` an int64 tensor of S per-segment
 counts.  Index tensors are global positions into ``x``, sorted ascending.
 
-Ordering rule (DESIGN.md §3): larger ``|value|`` first, then smaller index.
+Ordering rule (docs/design.md §2): larger ``|value|`` first, then smaller index.
 NaN magnitudes rank as ``+inf`` (the reducer rejects or skips non-finite
 gradients before selection; this only makes the kernels total functions).
 """
@@ -199,7 +199,7 @@ def topk_mask_sparse(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor) -> T
 
 def scatter_update(numel: int, idx: Tensor, vals: Tensor, divisor: int, dtype: torch.dtype) -> Tensor:
     """Dense buffer of ``numel`` zeros with ``vals / divisor`` at ``idx``
-    (a true division, as DESIGN.md §3 states the average: value / P)."""
+    (a true division, as docs/design.md §2 states the average: value / P)."""
     out = torch.zeros(numel, dtype=dtype, device=vals.device)
     if idx.numel():
         v = vals.to(dtype)

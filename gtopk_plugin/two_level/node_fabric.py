@@ -1,5 +1,5 @@
 """How the ranks of one node move the two-level reduction's dense data
-(issue #18; used by :class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`).
+(used by :class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`).
 
 Two fabrics:
 
@@ -116,7 +116,7 @@ class NodeFabric:
 
     def buffer(self, names: Sequence[str], sizes: Sequence[int], dtype, device) -> Tensor:
         """Where this rank writes its flat gradient for the node sum: its
-        shared slot, or a persistent buffer per layout (issue #15: no
+        shared slot, or a persistent buffer per layout (no
         N-sized allocation per step; free again once reduce() returns)."""
         numel, device = sum(sizes), torch.device(device)
         self.current = "engine"

@@ -1,4 +1,4 @@
-"""A shared-memory fabric for the ranks of one node (issue #18).
+"""A shared-memory fabric for the ranks of one node.
 
 The two-level reduction (:mod:`gtopk_plugin.two_level.hierarchical_reducer`) sums the
 workers' gradients densely inside a node.  On a real cluster that sum runs

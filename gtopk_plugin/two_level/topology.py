@@ -1,5 +1,5 @@
 """Node topology of a job for the two-level (hierarchical) reduction of
-issue #18: which node every rank is on, agreed by every rank, and the
+which node every rank is on, agreed by every rank, and the
 transports of the two levels.
 
 A topology is ``node_of_rank``: one node id per rank of the group (ranks

@@ -133,7 +133,7 @@ def finish_bucket(state, item: BucketItem, updates: dict) -> None:
     # the gradients as is.  A flat reducer wrote the updates into this
     # bucket's result buffer (out=, see _result_views); the hierarchical one
     # hands out its update buffer, copied into the bucket's gradients (which
-    # are consumed): no bucket-sized allocation either way (issue #15).
+    # are consumed): no bucket-sized allocation either way.
     if isinstance(state.reducer, GradientReducer):
         item.fut.set_result(state._results[tuple(item.names)])
         return

@@ -90,7 +90,7 @@ class SparseState(ParameterNaming):
             ``nonfinite`` defaults to "propagate").
         coalesce_buckets: reduce all DDP buckets of a step in ONE
             ``reduce`` call when the step's last bucket is ready (default
-            True; issue #15).  The hook computes on the backward thread, so
+            True).  The hook computes on the backward thread, so
             reducing bucket by bucket overlaps nothing with the rest of
             backward; it only multiplies the fixed costs: one cross-rank
             consistency check and one exchange per butterfly round per
@@ -102,8 +102,7 @@ class SparseState(ParameterNaming):
             buckets of a step, so with ``clip_norm`` the buckets of a step
             are always held back until the last one is ready.
 
-        hierarchical: two-level reduction (issue #18,
-            :class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`): dense
+        hierarchical: two-level reduction (:class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`): dense
             inside a node, the method between node leaders only.  The nodes:
             ``local_size`` (rank r on node r // local_size, torchrun's
             layout) or ``node_of_rank`` (one node id per rank), else
@@ -329,7 +328,7 @@ class SparseState(ParameterNaming):
 
 def _make_reducer(kwargs: dict, hier: Optional[dict], group, timeout):
     """A flat GradientReducer on ``group``, or a HierarchicalReducer
-    splitting it into nodes (issue #18)."""
+    splitting it into nodes."""
     if hier is None:
         return GradientReducer(transport=TorchDistributedTransport(group=group, timeout=timeout), **kwargs)
     return HierarchicalReducer(group=group, timeout=timeout, **hier, **kwargs)

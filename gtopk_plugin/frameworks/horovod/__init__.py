@@ -20,7 +20,7 @@ Imports go one way (``elastic`` → ``optimizer`` → ``sparse``/``dense`` →
 ``compression``/``transport``); no module imports this package's namespace.
 
 This package (with :mod:`..elastic_horovod`) is the only place that imports
-Horovod for PyTorch (DESIGN.md §2); ``import gtopk_plugin`` never needs it.
+Horovod for PyTorch (docs/design.md §1); ``import gtopk_plugin`` never needs it.
 """
 try:
     import horovod.torch  # noqa: F401  (the submodules import it again, now known to work)

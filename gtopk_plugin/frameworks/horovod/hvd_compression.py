@@ -1,7 +1,7 @@
 """The ``compression=`` choices of the PyTorch Horovod optimizer.
 
 Horovod's own ``Compression`` has ``none`` and ``fp16`` (dense allreduce);
-ours adds the sparse methods of the core (DESIGN.md §3) as
+ours adds the sparse methods of the core (docs/design.md §2) as
 :class:`SparseCompression` objects, made by ``Compression.topk/gtopk/rtopk/
 randomk/threshold(density, ...)`` and validated at construction.  The
 names and factory methods are shared with the TensorFlow layer
@@ -80,9 +80,8 @@ class SparseCompression:
         exchange: ``"gloo"`` (default): the sparse exchange runs on a gloo
             side channel made inside the job, leaving one Horovod op per
             step (join detection); ``"horovod"``: every exchange step is a
-            Horovod collective (alltoall per butterfly round), as before
-            issue #15.  Same results and byte counts; docs/horovod.md has
-            the timings of both.  (With NCCL-built Horovod always "horovod".)
+            Horovod collective (alltoall per butterfly round).  Same
+            results and byte counts; docs/horovod.md compares their timings.  (With NCCL-built Horovod always "horovod".)
             Like every setting it must be the same on every rank; unlike the
             others a mismatch here is not detected (Horovod stalls).
 

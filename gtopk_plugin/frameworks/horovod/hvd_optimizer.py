@@ -328,7 +328,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             (rescaled exactly when it changes) and the clipping threshold
             is scaled with it; use ``nonfinite="propagate"`` so that every
             rank's scaler sees an overflow on any rank.
-        hierarchical: (sparse compression; issue #18) two-level reduction,
+        hierarchical: (sparse compression) two-level reduction,
             :class:`gtopk_plugin.HierarchicalReducer`: a dense sum inside each
             node, the compression between node leaders only, the result
             broadcast in the node.  The nodes: ``local_size`` (rank r on node

@@ -15,7 +15,7 @@ Why it is shaped this way:
 * DGC local clipping (Lin et al. 2018) needs this worker's gradient norm
   over the whole step, so with ``clip_norm`` the buckets are held until
   ``synchronize()``;
-* the exchange itself runs on a gloo side channel (issue #15: a Horovod op
+* the exchange itself runs on a gloo side channel (a Horovod op
   costs a cycle of its background loop, a gloo send/recv a fraction of a
   millisecond), so one Horovod op per step is left: a 1-element allreduce
   started by the step's first gradient hook (it overlaps backward), in
@@ -157,7 +157,7 @@ class _SparsePath:
         if self._hierarchy is None:
             self._reducer = GradientReducer(transport=self._transport, op=red_op,
                                             **self._spec.reducer_kwargs())
-        else:  # issue #18: dense inside a node, the method between node leaders
+        else:  # dense inside a node, the method between node leaders
             self._reducer = HierarchicalReducer(engine=HorovodNodeEngine(self._transport), op=red_op,
                                                 **self._hierarchy, **self._spec.reducer_kwargs())
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
@@ -295,7 +295,7 @@ class _SparsePath:
         scaled = self._grad_scaler is not None or pre != 1.0
         # the updates go straight into the (dense, contiguous) p.grad tensors,
         # which the reducer reads before it writes them: no copy of an
-        # update buffer in synchronize() (issue #15)
+        # update buffer in synchronize()
         kw = {}
         if self._hierarchy is None and all(not g.is_sparse and g.is_contiguous() for g in grads.values()):
             kw["out"] = grads

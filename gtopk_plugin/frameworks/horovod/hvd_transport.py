@@ -2,13 +2,13 @@
 on Horovod's collectives (PyTorch), so the framework-neutral collectives
 (sparse allgather, the gTop-k butterfly of Shi et al. 2019, dense
 allreduce) run over ``horovodrun`` unchanged, with the same byte counts as
-on torch.distributed (DESIGN.md §3).
+on torch.distributed (docs/design.md §2).
 
 Horovod has no point-to-point send/recv, so every pairwise step of the
 butterfly is one collective ``alltoall`` that every rank of the process set
 walks (:meth:`HorovodTransport.phase`) -- or, with ``side_channel=True``
 (what the sparse optimizer uses), one gloo send/recv on a
-:class:`~.side_channel.SideChannel` made inside the job (issue #15).  The
+:class:`~.side_channel.SideChannel` made inside the job.  The
 byte counts are the same either way.
 """
 from __future__ import annotations
@@ -288,8 +288,7 @@ def _read_int64(buf: Tensor, pos: int) -> int:
 
 
 class HorovodNodeEngine:
-    """The two levels of a hierarchical reduction (issue #18,
-    :class:`gtopk_plugin.HierarchicalReducer`) inside a ``horovodrun`` job:
+    """The two levels of a hierarchical reduction (:class:`gtopk_plugin.HierarchicalReducer`) inside a ``horovodrun`` job:
     the node groups and the group of node leaders are plain gloo groups on
     the store of ``transport``'s side channel (made by their members only,
     under a name derived from the channel and the node), so no Horovod

@@ -1,6 +1,6 @@
 """A point-to-point side channel for the Horovod transport: a gloo process
 group of the process set's ranks, created inside the ``horovodrun`` job
-(issue #15).
+.
 
 Why: Horovod has no send/recv, so each butterfly round of gTop-k (Shi et al.
 2019) is a collective ``alltoall`` that goes through Horovod's background
