@@ -47,7 +47,7 @@ class Oracle:
             raise ValueError("world_size must be >= 1")
         self.P = world_size
         self.cfg = ReducerConfig(**reducer_kwargs)
-        self.selector = registry.get(self.cfg.method)(r_factor=self.cfg.r_factor)
+        self.selector = registry.get(self.cfg.method)(**self.cfg.method_hyper)
         self.aggregation = self.cfg.aggregation
         self.residuals: List[Dict[str, Tensor]] = [dict() for _ in range(world_size)]
         # DGC momentum correction per simulated worker: the library's own

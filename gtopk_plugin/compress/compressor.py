@@ -132,15 +132,11 @@ class Compressor:
     merges: Tuple[str, ...] = ()
     hyperparams: Tuple[HyperParam, ...] = ()
     uses_density: bool = True
-    # every method took r_factor before hyper-parameters were declared per
-    # method (gtopk_plugin.testing still passes it): accepted, and ignored
-    # unless declared
-    legacy_keywords: Tuple[str, ...] = ("r_factor",)
 
     def __init__(self, **hyper):
         declared = {p.name: p for p in self.hyperparams}
         for key in hyper:
-            if key not in declared and key not in self.legacy_keywords:
+            if key not in declared:
                 have = ", ".join(declared) or "none"
                 raise ValueError(f"method {self.name!r} has no hyper-parameter {key!r} "
                                  f"(its hyper-parameters: {have})")
