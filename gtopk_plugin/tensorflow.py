@@ -12,9 +12,9 @@ them this import raises an ``ImportError`` naming the install command
 (``GTOPK_HOROVOD_TF=1 bash scripts/install_horovod.sh``).  ``import
 gtopk_plugin`` never imports TensorFlow.
 """
-from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression  # noqa: F401
-from gtopk_plugin.frameworks.horovod_tf.elastic import SparseKerasState  # noqa: F401
-from gtopk_plugin.frameworks.horovod_tf.optimizer import (  # noqa: F401
+from gtopk_plugin.frameworks.horovod_tf.tf_compression import SparseCompression  # noqa: F401
+from gtopk_plugin.frameworks.horovod_tf.tf_elastic import SparseKerasState  # noqa: F401
+from gtopk_plugin.frameworks.horovod_tf.tf_optimizer import (  # noqa: F401
     Compression,
     DistributedGradientTape,
     DistributedOptimizer,

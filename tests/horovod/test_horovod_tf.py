@@ -53,7 +53,7 @@ except Exception as e:  # noqa: BLE001
     HAVE_HVD_TF, WHY = False, f"{type(e).__name__}: {e}"
 
 from gtopk_plugin import DensityWarmup  # noqa: E402
-from gtopk_plugin.frameworks.horovod_tf import kernels as K  # noqa: E402
+from gtopk_plugin.frameworks.horovod_tf import tf_kernels as K  # noqa: E402
 from gtopk_plugin.frameworks.horovod_tf import selection as S  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
@@ -181,7 +181,7 @@ def test_wire_format_round_trip():
 
 @pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.5)])
 def test_momentum_step_matches_momentum_correction_bit_for_bit(nesterov, dampening):
-    """The TF twin of DGC's momentum correction (horovod_tf.kernels.momentum_step)
+    """The TF twin of DGC's momentum correction (horovod_tf.tf_kernels.momentum_step)
     against the library's MomentumCorrection over steps with masking, fp32."""
     from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
 
@@ -625,9 +625,9 @@ def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
     """Bytes of the last step per rank: what one rank sends another receives
     (sums over ranks agree), and the busiest rank's payload equals the byte
     model that tests/distributed/test_cluster.py checks against the PyTorch transport's
-    counters (benchmarks.cluster.model.traffic): (P-1)·k·b for the Top-k
+    counters (gtopk_plugin.pipeline.traffic): (P-1)·k·b for the Top-k
     allgather, log2(P')·k·b (+ k·b + ⌈k/8⌉ with folded ranks) for gTop-k."""
-    from benchmarks.cluster import model as abm
+    from gtopk_plugin.pipeline.traffic import allgather_bytes, gtopk_bytes
 
     from gtopk_plugin.reducer import k_for
 
@@ -646,11 +646,12 @@ def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
         if name in ("topk", "rtopk", "gtopk", "gtopk_fp16wire", "gtopk_average", "gtopk_graph", "topk_graph",
                     "gtopk_warmup", "gtopk_warmup_graph"):
             method = "topk" if name.startswith(("topk", "rtopk")) else "gtopk"
-            want = abm.traffic(method, P, N, K, entry_bytes=entry)["bytes"]
+            wire = "fp16" if entry == 6 else "fp32"
+            want = allgather_bytes(P, K, wire) if method == "topk" else max(gtopk_bytes(P, r, K, wire)[0] for r in range(P))
             assert busiest == want, (name, busiest, want)
             assert all(x["header_bytes_sent"] == 0 for x in t), name
         elif name == "topk_global":
-            assert busiest == abm.traffic("topk", P, N, k_for(0.05, N))["bytes"], name
+            assert busiest == allgather_bytes(P, k_for(0.05, N)), name
         elif name == "randomk":  # values only, ring allreduce
             assert busiest == 2 * (P - 1) * K * 4 // P, (name, busiest)
         elif name.startswith("threshold"):  # counts vary: sizes travel first

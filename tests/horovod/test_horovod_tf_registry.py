@@ -132,7 +132,7 @@ def test_merge_the_layer_lacks_is_refused_at_construction():
     runs in the PyTorch layers only: the TensorFlow layer refuses it when the
     compression is built (the same on every rank, before any step), naming
     what it has; the default merges of the codecs are accepted."""
-    from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
+    from gtopk_plugin.frameworks.horovod_tf.tf_compression import SparseCompression
 
     with pytest.raises(ValueError, match="not available in the TensorFlow layer.*allgather_payloads"):
         SparseCompression("onebit", merge="reduce_scatter_payloads")

@@ -67,9 +67,9 @@ import importlib
 __all__ = ["Compression", "SparseCompression", "DistributedGradientTape", "DistributedOptimizer",
            "SparseKerasState", "magnitude", "merge_select", "select_topk", "select_threshold"]
 
-_WHERE = {"Compression": "optimizer", "DistributedGradientTape": "optimizer",
-          "DistributedOptimizer": "optimizer", "SparseCompression": "compression",
-          "SparseKerasState": "elastic", "magnitude": "kernels", "merge_select": "kernels",
+_WHERE = {"Compression": "tf_optimizer", "DistributedGradientTape": "tf_optimizer",
+          "DistributedOptimizer": "tf_optimizer", "SparseCompression": "tf_compression",
+          "SparseKerasState": "tf_elastic", "magnitude": "tf_kernels", "merge_select": "tf_kernels",
           "select_topk": "selection", "select_threshold": "selection"}
 
 

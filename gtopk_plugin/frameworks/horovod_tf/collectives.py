@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 from gtopk_plugin.collectives.schedule import butterfly_schedule, message_rounds
 from gtopk_plugin.frameworks.horovod_tf import selection
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
-from gtopk_plugin.frameworks.horovod_tf.kernels import member_of, merge_select, pack, pack_bits, round_to_wire, unpack, unpack_bits
+from gtopk_plugin.frameworks.horovod_tf.tf_kernels import member_of, merge_select, pack, pack_bits, round_to_wire, unpack, unpack_bits
 from gtopk_plugin.frameworks.horovod_tf.ops import Ops
 
 __all__ = ["Contribution", "Result", "AGGREGATIONS", "aggregate"]

@@ -43,10 +43,10 @@ from gtopk_plugin.frameworks.horovod_tf import warmup
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 from gtopk_plugin.frameworks.horovod_tf.collectives import Contribution, aggregate
 from gtopk_plugin.frameworks.horovod_tf.fused import fused_ok, select_aggregate
-from gtopk_plugin.frameworks.horovod_tf.kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
-from gtopk_plugin.frameworks.horovod_tf.momentum import momentum_key
+from gtopk_plugin.frameworks.horovod_tf.tf_kernels import accumulation_dtype, clip_factor, momentum_step, to_wire
+from gtopk_plugin.frameworks.horovod_tf.tf_momentum import momentum_key
 from gtopk_plugin.frameworks.horovod_tf.ops import Ops
-from gtopk_plugin.frameworks.horovod_tf.rounds import run_rounds
+from gtopk_plugin.frameworks.horovod_tf.tf_rounds import run_rounds
 from gtopk_plugin.frameworks.horovod_tf.side import channel_for
 
 __all__ = ["reduce"]

@@ -271,7 +271,7 @@ class SparseCompression(tf.Module):
         every call, so inside ``tf.function`` at trace time, as Keras' own
         ``update_step`` reads it) when its momentum is not 0, else from the
         ``momentum=`` this compression was built with."""
-        from gtopk_plugin.frameworks.horovod_tf.momentum import keras_sgd_momentum
+        from gtopk_plugin.frameworks.horovod_tf.tf_momentum import keras_sgd_momentum
 
         opt = self._momentum_from
         if opt is not None:

@@ -11,8 +11,8 @@ from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, Compressio
 from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompression as _HvdCompression
 from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompressor as _HvdCompressor
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, hvd_keras
-from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
-from gtopk_plugin.frameworks.horovod_tf.momentum import setup_correction
+from gtopk_plugin.frameworks.horovod_tf.tf_compression import SparseCompression
+from gtopk_plugin.frameworks.horovod_tf.tf_momentum import setup_correction
 
 __all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer"]
 

@@ -28,7 +28,7 @@ from typing import Iterable, List
 from horovod.tensorflow.elastic import TensorFlowKerasState
 
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
-from gtopk_plugin.frameworks.horovod_tf.compression import SparseCompression
+from gtopk_plugin.frameworks.horovod_tf.tf_compression import SparseCompression
 
 __all__ = ["SparseKerasState"]
 
