@@ -21,7 +21,7 @@ STAMP       := $(VENV)/.installed
 HOROVOD     ?= 1
 TF          ?= 1
 
-.PHONY: setup horovod demo test bench bench-horovod clean
+.PHONY: setup horovod demo test bench bench-horovod results clean
 
 setup: $(STAMP)
 
@@ -47,11 +47,17 @@ endif
 test: setup horovod
 	$(PY) -m pytest
 
+# gtopk-bench (gtopk_plugin/bench): the measurements a user runs; results
+# in gtopk-bench-results/.  The lab's studies: lab/README.md.
 bench: setup
-	$(PY) -m benchmarks.bytes_per_step
+	$(VENV)/bin/gtopk-bench bytes-per-step
 
 bench-horovod: horovod
-	$(PY) -m benchmarks.horovod_overhead
+	$(VENV)/bin/gtopk-bench horovod-overhead
+
+# docs/results.md from the JSON in docs/results/
+results: setup
+	$(PY) -m lab render-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -91,7 +91,7 @@ EXTRAS = {
     "demo": ["scikit-learn>=1.2", "tqdm>=4.60", "numpy>=1.24"],
     "bench": ["scikit-learn>=1.2", "tqdm>=4.60", "matplotlib>=3.6", "numpy>=1.24"],
     # Horovod 0.28.1 needs a patched build against current torch: see
-    # scripts/install_horovod.sh (issue #3); the extra records the version.
+    # scripts/install_horovod.sh; the extra records the version.
     "horovod": ["horovod==0.28.1"],
     # Horovod 0.28.1 builds against TF 2.12-2.15 only (TF >= 2.16 headers
     # include highwayhash, which TF's wheels lack); install_horovod.sh with
@@ -107,14 +107,6 @@ EXTRAS = {
 EXTRAS["all"] = sorted({r for k in ("dev", "demo", "bench") for r in EXTRAS[k]})
 
 EXT_MODULES, CMDCLASS = _cpu_extension()
-# benchmarks/ -> gtopk_plugin.benchmarks, when the tree has it (a copy of
-# the library alone, as the wheel test builds, does not)
-_BENCH_DIR = os.path.join(HERE, "benchmarks")
-_BENCHMARK_PACKAGES = (["gtopk_plugin.benchmarks"] + [f"gtopk_plugin.benchmarks.{p}"
-                                                      for p in find_packages(where=_BENCH_DIR)]
-                       if os.path.isdir(_BENCH_DIR) else [])
-_BENCHMARK_DIRS = {"gtopk_plugin.benchmarks": "benchmarks"} if _BENCHMARK_PACKAGES else {}
-
 setup(
     name="gtopk-plugin",
     version="0.1.0",
@@ -122,14 +114,10 @@ setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     # csrc/ (the kernel sources, compiled at install or on first use) ships
-    # inside the package as gtopk_plugin/csrc/.  benchmarks/ ships as the
-    # subpackage gtopk_plugin.benchmarks (``gtopk-bench``), never as a
-    # top-level ``benchmarks`` package in site-packages (a name that any
-    # other project may use); its imports are relative, so a checkout runs
-    # it as ``python -m benchmarks.NAME`` too.  Its results/ are not shipped.
-    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"])
-    + ["gtopk_plugin.csrc"] + _BENCHMARK_PACKAGES,
-    package_dir={"gtopk_plugin.csrc": "csrc", **_BENCHMARK_DIRS},
+    # inside the package as gtopk_plugin/csrc/.  Nothing else: the lab
+    # (lab/: studies, probes, their results) stays in the repository.
+    packages=find_packages(include=["gtopk_plugin", "gtopk_plugin.*"]) + ["gtopk_plugin.csrc"],
+    package_dir={"gtopk_plugin.csrc": "csrc"},
     package_data={"gtopk_plugin.csrc": ["cpu/*.cpp", "cpu/*.h", "cuda/*.cu", "cuda/*.cuh",
                                         "cuda/*.h", "cuda/*.cpp"]},
     ext_modules=EXT_MODULES,
@@ -141,5 +129,5 @@ setup(
     install_requires=["torch>=2.1", "numpy>=1.24"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["gtopk-demo=gtopk_plugin.demo:main",
-                                      "gtopk-bench=gtopk_plugin.benchmarks.cli:main"]},
+                                      "gtopk-bench=gtopk_plugin.bench.bench_cli:main"]},
 )

@@ -18,7 +18,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # support modules are imported by name (and by the spawned workers, which
-# inherit sys.path); the repository root for `benchmarks`
+# inherit sys.path); the repository root
 for path in (os.path.join(HERE, "support"), ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)

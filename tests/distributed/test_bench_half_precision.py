@@ -1,15 +1,14 @@
-"""``gtopk-bench half-precision`` (benchmarks/half_precision.py): the demo
+"""``gtopk-bench half-precision`` (gtopk_plugin/bench/half_precision.py): the demo
 model with fp32, fp16 and bf16 gradients on real gloo workers, a few steps,
 and the invariants of its JSON (finite state, no error, mass conserved to
 1e-5 against the workers' float64 sums, replicas that agree); and the
 verdict's logic on synthetic records (it must be able to fail).  The full
-2,000-step run's figures are in docs/benchmarks.md."""
+2,000-step run's figures are in lab/reports/lab.md."""
 import json
 
 import pytest
 
-from benchmarks import half_precision as hp
-
+from gtopk_plugin.bench import half_precision as hp
 STEPS = 20
 
 

@@ -2,11 +2,66 @@
 check's max over ranks on real gloo groups of every size 1..P (subgroups
 of one job: one process start instead of one per size), with its rounds
 counted."""
+import time
+
 import torch
 import torch.distributed as dist
 
-from benchmarks.elastic import DelayedTransport
 from gtopk_plugin import TorchDistributedTransport
+from gtopk_plugin.collectives.transport import Transport
+
+
+class DelayedTransport(Transport):
+    """Forwards to ``inner`` and sleeps one link latency per round it waits
+    for a peer (pairwise send/receive, receive; 2(P-1) per allreduce, a
+    ring's rounds), counting them in ``waits``: an emulated link's latency,
+    as the lab's elastic benchmark injects it."""
+
+    def __init__(self, inner: Transport, latency_s: float, jitter_s: float = 0.0, seed: int = 0):
+        super().__init__()
+        self.inner, self.latency_s = inner, float(latency_s)
+        self.max_by_dissemination = getattr(inner, "max_by_dissemination", False)
+        self.timeout = getattr(inner, "timeout", 300.0)
+        self.waits = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def _lag(self, rounds: int = 1) -> None:
+        time.sleep(self.latency_s * rounds)
+        self.waits += rounds
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        self.inner._raw_sendrecv(dst, send, src, recv)
+        self._lag()
+
+    def _raw_send(self, peer, send):
+        self.inner._raw_send(peer, send)
+
+    def _raw_recv(self, peer, recv):
+        self.inner._raw_recv(peer, recv)
+        self._lag()
+
+    def _raw_allreduce_sum_(self, t):
+        self.inner._raw_allreduce_sum_(t)
+        self._lag(2 * (self.size - 1))
+
+    def _raw_allreduce_max_(self, t):
+        self.inner._raw_allreduce_max_(t)
+        self._lag(2 * (self.size - 1))
+
+    def _raw_allgather_object(self, obj):
+        out = self.inner._raw_allgather_object(obj)
+        self._lag(2 * (self.size - 1))
+        return out
+
+    def comm_device(self, device):
+        return self.inner.comm_device(device)
 
 
 def vector_of(rank: int, P: int) -> list:

@@ -1,11 +1,9 @@
-"""benchmarks/record.py: the one JSON writer of the benchmarks (compact,
+"""gtopk_plugin/bench/bench_record.py: the one JSON writer of the benchmarks (compact,
 floats to 6 significant digits, integers exact, the record's fields)."""
 import json
 import math
 
-from benchmarks import record
-
-
+from gtopk_plugin.bench import bench_record as record
 def test_write_json_is_one_line_with_the_record(tmp_path):
     path = tmp_path / "r.json"
     record.write_json(str(path), "demo-bench", {"steps": 3}, {"curve": [0.1234567891, 2.0, 12345678.9]},

@@ -703,11 +703,10 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(fresh_loader, 
 
 
 # ---------------------------------------------------------------------------
-# benchmarks/selection.py runs (a tiny grid) and its ResNet-50 layout is right
+# gtopk-bench selection (gtopk_plugin/bench/selection_bench.py) runs (a tiny grid) and its ResNet-50 layout is right
 
 def test_selection_benchmark_smoke(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import selection
+    from gtopk_plugin.bench import selection_bench as selection
 
     shapes = selection.resnet50_shapes()
     assert len(shapes) == 161 and sum(selection._numel(s) for _, s in shapes) == 25_557_032

@@ -1,4 +1,4 @@
-"""``gtopk-bench step`` (benchmarks/step.py) at a tiny size: every method's
+"""``gtopk-bench step`` (gtopk_plugin/bench/step_bench.py) at a tiny size: every method's
 row is written, and the "merge alone" entry feeds ``merge_select`` inputs a
 butterfly round could hold (checked with numpy, independently of the
 benchmark's construction).  No timing is asserted."""
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from benchmarks import step
+from gtopk_plugin.bench import step_bench as step
 from gtopk_plugin import kernels
 
 

@@ -1,0 +1,52 @@
+"""``python -m lab NAME [options]``: one entry point for every study and
+probe of the lab (run from the repository root); dashes and underscores in
+NAME are interchangeable.  ``python -m lab`` lists them."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+#: name -> (module, entry point, one-line description)
+STUDIES = {
+    "cluster": ("lab.cluster.cli", "main",
+                "emulated 1 GbE cluster: comm grid, model replay, α-β model, nodes, DDP hooks"),
+    "convergence": ("lab.convergence.cli", "main", "convergence study of every method on offline tasks"),
+    "convergence_hier": ("lab.convergence.hier_report", "main",
+                         "two-level against flat reduction: convergence on offline tasks"),
+    "train": ("lab.train.cli", "main", "time to accuracy: real training jobs on the emulated cluster"),
+    "train_report": ("lab.train.combine", "main", "one time-to-accuracy table over several train JSONs"),
+    "elastic": ("lab.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
+    "soak": ("lab.soak", "main", "10k-step runs per method at P=3: RSS and residual norms bounded"),
+    "wire_precision": ("lab.wire_precision", "main", "mass conservation with fp32/fp16/bf16 wires at P=3,4,7"),
+    "horovod_tf": ("lab.horovod_tf", "main", "Horovod-TensorFlow: bytes and step time per compression"),
+    "horovod_idle": ("lab.horovod_idle", "main",
+                     "Horovod's idle coordination traffic per cycle time, shaped link"),
+    "fp16_allreduce": ("lab.fp16_allreduce", "main",
+                       "one dense allreduce, fp32 vs fp16, Horovod's gloo vs torch's"),
+    "render_results": ("lab.render_results", "main", "docs/results.md from the JSON in docs/results/"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m lab NAME [options]   (NAME --help for its options)", ""]
+    lines += [f"  {n.replace('_', '-'):<17} {d}" for n, (_, _, d) in STUDIES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name = argv[0].replace("-", "_")
+    if name not in STUDIES:
+        print(f"python -m lab: unknown study {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, attr, _ = STUDIES[name]
+    rc = getattr(importlib.import_module(module), attr)(argv[1:])
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from lab.cluster.cli import main
+
+sys.exit(main())
