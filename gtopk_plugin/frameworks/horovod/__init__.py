@@ -32,7 +32,8 @@ except ImportError as _e:  # pragma: no cover - exercised only without Horovod
         "cached after the first build)") from _e
 
 from gtopk_plugin.frameworks.horovod.hvd_compression import Compression, SparseCompression  # noqa: E402
-from gtopk_plugin.frameworks.horovod.hvd_elastic import HorovodDenseReduction, SparseOptimizerStateHandler  # noqa: E402  (registers both)
+from gtopk_plugin.frameworks.horovod.hvd_resize_state import SparseOptimizerStateHandler  # noqa: E402  (registers it)
+from gtopk_plugin.frameworks.horovod.hvd_scheduler_backend import HorovodDenseReduction  # noqa: E402  (registers it)
 from gtopk_plugin.frameworks.horovod.hvd_optimizer import DistributedOptimizer  # noqa: E402
 from gtopk_plugin.frameworks.horovod.hvd_transport import HorovodTransport  # noqa: E402
 
