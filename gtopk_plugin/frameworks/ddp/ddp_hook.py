@@ -52,94 +52,37 @@ _STATE_VERSION = 1
 
 
 class SparseState(ParameterNaming):
-    r"""State of :func:`sparse_hook`: the reducer's settings and memory.
+    r"""State of :func:`sparse_hook`: the reducer's settings and memory
+    (usage and details: docs/ddp.md).
 
-    Hyper-parameters the user tunes (validated here; ``ValueError`` on bad
-    values):
-        method, density, and every other :class:`~gtopk_plugin.GradientReducer`
-        keyword except ``transport`` (``r_factor``, ``merge``, ``granularity``,
-        ``value_dtype``, ``op``, ``seed``, ``warmup``, ``nonfinite``,
-        ``error_feedback``, ``kernels``).
-        process_group: the group DDP reduces over (``None``: the default
-            group).  Must be the same group as DDP's ``process_group``.
-        named_parameters: optional iterable of ``(name, parameter)``, e.g.
-            ``model.named_parameters()``.  Residuals and checkpoints are then
-            keyed by these names.  Without it parameters are named
-            ``"param0"``, ``"param1"``, ... in the order the hook first sees
-            them; that order is the same on every rank and after a restart
-            because DDP's first iteration always runs on the initial bucket
-            layout (buckets are rebuilt only after it).  The parameters are
-            also watched for DDP's unused parameters (below) from the first
-            step on; without it, from the step the hook first sees them.
-        timeout: seconds one exchange may take before this rank raises
-            (default: ``GTOPK_TIMEOUT`` or 300 s).
-        momentum_correction: take the SGD ``optimizer``'s momentum (nesterov,
-            dampening) and weight decay over into the hook (DGC momentum
-            correction with factor masking; ``GradientReducer.correct_momentum``):
-            the optimizer's ``step()`` then runs with momentum and weight
-            decay 0 for those parameters.  Needs ``optimizer`` and
-            ``named_parameters``.  Or pass ``momentum=`` (and ``nesterov=``)
-            explicitly and build the optimizer without momentum yourself.
-        optimizer: the ``torch.optim`` optimizer that applies the updates
-            (for ``momentum_correction``).
-        grad_scaler: a ``torch.amp.GradScaler``: residuals and velocities
-            follow its loss scale (rescaled exactly when it changes), the
-            clipping threshold is scaled by it, and a non-finite gradient on
-            any rank makes every rank's update +inf for that step (so every
-            rank's scaler skips it and lowers its scale; state untouched;
-            ``nonfinite`` defaults to "propagate").
-        coalesce_buckets: reduce all DDP buckets of a step in ONE
-            ``reduce`` call when the step's last bucket is ready (default
-            True).  The hook computes on the backward thread, so
-            reducing bucket by bucket overlaps nothing with the rest of
-            backward; it only multiplies the fixed costs: one cross-rank
-            consistency check and one exchange per butterfly round per
-            bucket instead of per step.  DDP waits for the buckets' futures
-            only after the last bucket's hook has run, so holding the
-            earlier ones back is legal.  False: each bucket is reduced as
-            DDP hands it over (granularity "global" then selects per bucket).
-        clip_norm: DGC local clipping: the global norm is taken over all
-            buckets of a step, so with ``clip_norm`` the buckets of a step
-            are always held back until the last one is ready.
+    Args:
+        method, density, ...: every :class:`~gtopk_plugin.GradientReducer`
+            keyword except ``transport``; validated here (``ValueError``).
+        process_group: the group DDP reduces over (``None``: the default).
+        named_parameters: ``model.named_parameters()``: residuals and
+            checkpoints are keyed by these names (else ``"param0"``, ... in
+            the order of DDP's first step, the same on every rank).
+        timeout: seconds one exchange may take (default ``GTOPK_TIMEOUT``
+            or 300).
+        momentum_correction, optimizer: DGC momentum correction with the
+            SGD ``optimizer``'s own momentum and weight decay, which its
+            ``step()`` then no longer applies (docs/recipes.md).
+        grad_scaler: a ``torch.amp.GradScaler``: state follows its loss
+            scale; a non-finite gradient anywhere makes every rank skip.
+        coalesce_buckets: reduce all DDP buckets of a step in one call when
+            the last is ready (default True: the hook runs on the backward
+            thread, so per-bucket reduction overlaps nothing and multiplies
+            fixed costs).
+        hierarchical, local_size, node_of_rank, intra_fabric: two-level
+            reduction (docs/hierarchical.md).
 
-        hierarchical: two-level reduction (:class:`gtopk_plugin.two_level.hierarchical_reducer.HierarchicalReducer`): dense
-            inside a node, the method between node leaders only.  The nodes:
-            ``local_size`` (rank r on node r // local_size, torchrun's
-            layout) or ``node_of_rank`` (one node id per rank), else
-            ``LOCAL_WORLD_SIZE``.  ``last_step_traffic`` then also holds
-            ``intra_bytes_*`` and ``inter_bytes_*``.
-        intra_fabric: (hierarchical only) how a node's ranks move the dense
-            node sum: ``"auto"`` (default: shared memory for CPU tensors
-            when the node's ranks share a host, else gloo),
-            ``"shared_memory"`` or ``"engine"``
-            (:mod:`gtopk_plugin.two_level.node_fabric`).
-
-    Internal state (checkpointed by :meth:`state_dict` and by pickling):
-        the reducer's residuals and step counter (the RNG state), and the
-        parameter names in the order the hook first saw them.
-
-    Unused parameters (DDP's ``find_unused_parameters=True`` or
-    ``static_graph=True``): DDP ignores the hook's result for a parameter
-    that no rank used in the step, so the hook leaves such parameters out of
-    the reduction -- their residuals and velocities stay as they were, and
-    nothing counts as sent that DDP does not apply.  The ranks agree on the
-    set with one small control collective per ``reduce`` call
-    (:mod:`.ddp_usage`; docs/ddp.md, "Unused parameters").
-
-    ``op="average"`` (the default) already divides by the world size, so
-    ``param.grad`` after ``backward()`` is the averaged sparse update, as with
-    DDP's default allreduce.
-
-    Every method gives exactly what one ``GradientReducer.reduce`` over all
-    parameters gives, whatever DDP's bucket layout: with
-    ``coalesce_buckets`` (the default) that is the call the hook makes; with
-    it off, granularity "layer" still does (random draws are keyed by step
-    and tensor name, not by a running stream), while granularity "global"
-    then selects per DDP bucket.
-
-    ``last_step_traffic`` sums the reducer's byte counts over the buckets of
-    the last completed step (``bytes_sent``, ``dense_bytes``, ...): a
-    :class:`gtopk_plugin.pipeline.traffic.StepTraffic` as a dict.
+    The result equals one ``GradientReducer.reduce`` over all parameters,
+    whatever DDP's bucket layout (except granularity "global" with
+    ``coalesce_buckets=False``, which selects per bucket).  Parameters no rank used in a step
+    (``find_unused_parameters`` / ``static_graph``) are left out: their
+    state is untouched and nothing counts as sent.  ``last_step_traffic``
+    holds the last step's byte counts.  :meth:`state_dict` (and pickling)
+    checkpoint the residuals, step counter and parameter names.
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
