@@ -1,5 +1,6 @@
-"""DDP training step on loopback gloo: PyTorch's default allreduce against
-our ``sparse_hook`` (gTop-k 1% and 0.1%), side by side in one run.
+"""DDP training step on loopback gloo: PyTorch's default allreduce and its
+own compression hooks (``fp16_compress_hook``, ``powerSGD_hook`` rank 4)
+against our ``sparse_hook`` (gTop-k 1% and 0.1%), side by side in one run.
 
     gtopk-bench ddp-step --workers 2 --rounds 12
 
@@ -8,12 +9,8 @@ DistributedDataParallel copy of a ~10M-parameter MLP per variant and step
 them interleaved, round by round (the order rotates every round, so drift in
 machine load hits every variant alike).  Reported: the median step time
 (forward + backward with the hook + SGD step) of each variant over ranks and
-rounds, and its ratio to allreduce.  The variant ``gtopk 1% (cat)`` is the
-hook as it was before the bucket-buffer change (the updates
-concatenated into a fresh bucket-sized tensor, then copied into the bucket):
-the before/after of that change in the same run.  On loopback the link is
-free, so this measures the hook's local cost, not what it saves on a slow
-network (the repository's lab cluster emulator does that).  Writes
+rounds, and its ratio to allreduce.  On loopback the link is free, so this
+measures each hook's local cost, not what it saves on a slow network (the repository's lab cluster emulator does that).  Writes
 ``gtopk-bench-results/ddp_step.json``.  A benchmark, not a test.
 """
 from __future__ import annotations
@@ -26,10 +23,12 @@ import time
 from gtopk_plugin.bench.bench_record import RESULTS, write_json
 
 WIDTHS = [1024, 2048, 2048, 2048, 10]  # 10.5M parameters
-VARIANTS = {  # name -> SparseState kwargs (None: DDP's allreduce); "cat": the pre-#15 hook
+POWERSGD_START = 2  # the smallest start_powerSGD_iter DDP allows with error feedback
+VARIANTS = {  # name -> SparseState kwargs, or a PyTorch hook's name (None: DDP's allreduce)
     "allreduce": None,
+    "fp16_compress_hook": "fp16",
+    "powerSGD_hook rank 4": "powersgd",
     "gtopk 1%": {"method": "gtopk", "density": 0.01},
-    "gtopk 1% (cat)": {"method": "gtopk", "density": 0.01, "cat": True},
     "gtopk 0.1%": {"method": "gtopk", "density": 0.001},
 }
 
@@ -44,26 +43,11 @@ def _mlp(widths, seed=0):
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _cat_hook(state, bucket):
-    """The hook before the bucket-buffer change: ``torch.cat`` of the reducer's
-    updates into a fresh bucket-sized tensor, copied into the bucket."""
-    import torch
-
-    names = [state.name_of(p) for p in bucket.parameters()]
-    fut = torch.futures.Future()
-    scale = None if state.grad_scaler is None else float(state.grad_scaler.get_scale())
-    updates = state.reducer.reduce(dict(zip(names, bucket.gradients())), advance_step=bucket.is_last(),
-                                   loss_scale=scale)
-    state._record_traffic(bucket.is_last())
-    buffer = bucket.buffer()
-    buffer.copy_(torch.cat([updates[n].reshape(-1) for n in names]).view_as(buffer))
-    fut.set_result(buffer)
-    return fut
-
-
 def worker(ctx, args):
     import torch
     import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gtopk_plugin as gp
@@ -72,13 +56,19 @@ def worker(ctx, args):
     runs, phases = {}, {}
     for name, kw in VARIANTS.items():
         model = _mlp(WIDTHS)
-        ddp = DDP(model, bucket_cap_mb=25)  # no 1 MiB first bucket
-        if kw is not None:
-            kw = dict(kw)
-            cat = kw.pop("cat", False)
+        # no 1 MiB first bucket; PowerSGD with the whole model in one bucket, as
+        # the lab's cluster ddp runs it (25 MiB buckets left its ranks' gloo
+        # collectives out of step in this interleaved run)
+        ddp = DDP(model, bucket_cap_mb=1024 if kw == "powersgd" else 25)
+        if kw == "fp16":
+            ddp.register_comm_hook(None, dh.fp16_compress_hook)
+        elif kw == "powersgd":
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                     start_powerSGD_iter=POWERSGD_START, random_seed=0)
+            ddp.register_comm_hook(state, ps.powerSGD_hook)
+        elif kw is not None:
             state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), **kw)
-            ddp.register_comm_hook(state, _timed(_cat_hook if cat else gp.torch_ddp.sparse_hook,
-                                                 phases.setdefault(name, [])))
+            ddp.register_comm_hook(state, _timed(gp.torch_ddp.sparse_hook, phases.setdefault(name, [])))
         runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), [])
     n_params = sum(p.numel() for p in _mlp(WIDTHS).parameters())
     g = torch.Generator().manual_seed(ctx.rank)
@@ -146,10 +136,10 @@ def main(argv=None):
             results[n]["hook_ms"] = _per_step(recs)
     print(f"DDP step, P={args.workers} loopback gloo, {reps[0]['params'] / 1e6:.1f}M-parameter MLP, "
           f"batch {args.batch}, one thread per worker (median over ranks and {args.rounds} rounds)")
-    print(f"{'variant':<16} {'ms':>8} {'x allreduce':>12}   in the hook, per step (ms)")
+    print(f"{'variant':<21} {'ms':>8} {'x allreduce':>12}   in the hook, per step (ms)")
     for n, r in results.items():
         ph = " ".join(f"{k} {v:.1f}" for k, v in r.get("hook_ms", {}).items())
-        print(f"{n:<16} {r['median_ms']:8.1f} {r['vs_allreduce']:12.2f}   {ph}")
+        print(f"{n:<21} {r['median_ms']:8.1f} {r['vs_allreduce']:12.2f}   {ph}")
     write_json(args.out, "ddp_step",
                settings={"workers": args.workers, "rounds": args.rounds, "warmup": args.warmup,
                          "batch": args.batch, "widths": WIDTHS, "params": reps[0]["params"],
