@@ -1,9 +1,8 @@
 """Elastic consistency scheduler on the emulated cluster: step time and
 accuracy after a fixed budget of steps, barrier vs norm-bounded (β = 0.3,
-0.5, 0.8) vs variance-bounded, with the dense and the gTop-k reducer
-(issue #7, "Benchmark").
+0.5, 0.8) vs variance-bounded, with the dense and the gTop-k reducer.
 
-    python -m lab.elastic                       # the issue's settings (P = 2)
+    python -m lab.elastic                       # the published settings (P = 2)
     python -m lab.elastic --quick               # P = 2, tiny model, a few steps (smoke test)
     python -m lab.elastic --workers 2 4 --seeds 3 --steps 300 --rate 100mbit
 
@@ -27,7 +26,7 @@ ranks of the wall time of one loop iteration (``zero_grad``, forward,
 backward, ``step()``); the table shows the median over steps (and the mean,
 which includes the occasional hard-bound stall).
 
-Latency.  The issue asks for 5 ms ± 0.2 ms per link (``tc netem delay 5ms
+Latency.  The settings ask for 5 ms ± 0.2 ms per link (``tc netem delay 5ms
 0.2ms``).  When the kernel has netem, the namespaces get exactly that
 (``--latency-mode netem``).  When it does not (``CONFIG_NET_SCH_NETEM``
 unset, as on the machine these results come from), the latency is injected

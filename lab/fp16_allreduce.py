@@ -5,7 +5,7 @@ time and the CPU of each rank's whole process, medians over repetitions.
     python -m lab.fp16_allreduce                 # P = 4, 8.3 M elements (vgg's gradient)
     python -m lab.fp16_allreduce -P 2 --numel 1000000 --reps 3
 
-Why: in ``python -m lab train`` at the paper-matched link (session 22),
+Why: in ``python -m lab train`` at the paper-matched link,
 Horovod's ``Compression.fp16`` step took 748 ms against 504 ms for DDP's
 ``fp16_compress_hook`` with the same bytes on the wire, and its workers
 used 430 ms more CPU per step, almost all of it outside the training

@@ -1,6 +1,6 @@
 """``python -m lab soak``: long runs of every method on real gloo process groups.
 
-Evidence that nothing grows with the number of steps (issue #20): for each
+Evidence that nothing grows with the number of steps: for each
 method (dense, topk, gtopk, rtopk, randomk, threshold) a small MLP trains for
 10,000 steps on a *stationary* problem (a fixed random teacher network plus
 noise; every step draws a fresh batch, so the gradient distribution does not
@@ -25,7 +25,7 @@ Checks (per rank, per method; the run fails with a clear message otherwise):
   this ratio catches.
 
 Step times are recorded (median per window) to show drift, never asserted
-(DESIGN.md §5: benchmarks do not gate on timing).  Output: compact JSON
+(docs/design.md §8: benchmarks do not gate on timing).  Output: compact JSON
 (per method and rank: the checkpoints and the verdicts; one curve per method,
 the max over ranks, downsampled to ``--curve-points``) through
 :func:`gtopk_plugin.bench.bench_record.write_json`, and a PNG beside it.

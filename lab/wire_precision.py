@@ -1,5 +1,5 @@
 """Reduced-precision wire: mass conservation, bytes per step and the effect
-on training (issues #14, #17; DESIGN.md §3).
+on training (docs/design.md §2).
 
     python -m lab.wire_precision [--steps 200] [--world 3 4 7] [--train-world 4]
 

@@ -8,7 +8,7 @@
         --methods gtopk,topk --repeat 3     # flat vs hierarchical on emulated nodes (hier.py, nodes.py)
     python -m lab.cluster replay --workers 2 4 8 --models resnet50,vgg16 --selection paper
     python -m lab.cluster model --comm C.json --replay R.json
-    python -m lab.cluster reproduce          # all three, the issue's settings
+    python -m lab.cluster reproduce          # all three, the published settings
     python -m lab.cluster ddp [--quick]      # DDP: PyTorch's hooks vs ours (lab/cluster/ddp.py)
     python -m lab.cluster cleanup [--all]    # leftovers of killed runs (also: --cleanup)
 """
@@ -452,7 +452,7 @@ def _parser_comm(ap):
     ap.add_argument("--link-mb", type=float, default=50.0, help="MB per raw TCP link test (0: skip)")
     ap.add_argument("--json", default=None, help="default: results/cluster_comm.json (with --nodes: "
                     "results/cluster_nodes.json)")
-    g = ap.add_argument_group("nodes (issue #18; lab/cluster/nodes.py, hier.py)")
+    g = ap.add_argument_group("nodes (lab/cluster/nodes.py, hier.py)")
     g.add_argument("--nodes", type=_list(int), nargs="+", default=None,
                    help="emulate nodes: workers of a node share an unshaped bridge, each node one shaped uplink "
                    "(--rate); P = nodes x --local; rows flat vs hierarchical (--layouts)")
@@ -578,7 +578,7 @@ def _main(argv=None) -> int:
         print(md)
         print(f"wrote {args.json}, {args.summary}" + "".join(f", {p}" for p in pngs))
         return 0
-    # reproduce: the three measurements with the issue's settings
+    # reproduce: the three measurements with the published settings
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--workers", "-P", type=_list(int), nargs="+", default=[[2, 4, 8]])
     ap.add_argument("--engines", default="torch,horovod,horovod-ops")

@@ -1,4 +1,4 @@
-"""Codec rows of measurement 1 (issue #17): the quantizers and the low-rank
+"""Codec rows of measurement 1: the quantizers and the low-rank
 codec (``onebit``, ``qsgd``, ``powersgd``) timed on the same harness, in
 the same worker job, as the dense ring, the Top-k allgather and gTop-k.
 

@@ -1,5 +1,5 @@
 """DDP on the emulated cluster against PyTorch's own communication hooks
-(issue #15, "the comparison DDP users make"): ``python -m lab cluster ddp``.
+("the comparison DDP users make"): ``python -m lab cluster ddp``.
 
 P worker network namespaces on 1 Gbit/s ``tbf`` links (the harness's
 :mod:`netns` cluster; plain loopback, labelled ``unshaped``, where
@@ -68,7 +68,7 @@ BATCH = 16
 DDP_BUCKET_MB = 25.0        # DDP's default cap, given explicitly (no 1 MiB first bucket)
 POWERSGD_START = 2          # the smallest start_powerSGD_iter DDP allows with error feedback
 SEED = 0                    # model init; batch of (rank, i) seeded 1000 + 100 * rank + i
-GOAL = 0.4                  # issue #15: best sparse hook <= 0.4 x best PyTorch hook
+GOAL = 0.4                  # best sparse hook <= 0.4 x best PyTorch hook
 
 
 def mlp(widths):

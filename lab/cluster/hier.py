@@ -1,5 +1,5 @@
-"""Flat against hierarchical reduction on an emulated cluster of nodes
-(issue #18): ``python -m lab cluster comm --nodes 2 4 --local 2``.
+"""Flat against hierarchical reduction on an emulated cluster of nodes:
+``python -m lab cluster comm --nodes 2 4 --local 2``.
 
 Every configuration (``nodes`` × ``local`` workers on a
 :class:`~.nodes.NodeCluster`: unshaped inside a node, one shaped uplink per
@@ -310,7 +310,7 @@ def _merge(per_rank, nodes, local, node_of):
 
 
 def expected_inter_per_node(row) -> int:
-    """The issue's formula for gTop-k at power-of-two sizes: hierarchical
+    """The expected formula for gTop-k at power-of-two sizes: hierarchical
     log2(nodes)·k·8 per node; flat log2(P)·k·8 per *worker*, of which the
     rounds with a partner on another node, log2(P) − log2(local), cross the
     uplink, for each of the node's ``local`` workers."""

@@ -205,7 +205,7 @@ def points_from_comm(rows: Iterable[dict], cores: Optional[int]) -> Dict[tuple, 
     out: Dict[tuple, List[dict]] = {}
     for r in rows:
         if r["method"] not in ("dense", "topk", "gtopk"):
-            continue  # codecs (issue #17): no α-β traffic model here
+            continue  # codecs: no α-β traffic model here
         eb = 6 if r["dtype"] == "fp16" else 8
         sb = 2 if r["dtype"] == "fp16" else 4
         f = traffic(r["method"], r["P"], r["numel"], r.get("k"), eb, sb, load_factor(r["P"], cores))

@@ -1,4 +1,4 @@
-"""An emulated cluster of *nodes* (issue #18): ``nodes`` machines with
+"""An emulated cluster of *nodes*: ``nodes`` machines with
 ``local`` workers each; the workers of one node share a fast, unshaped
 link among themselves, and every node reaches the others through one
 shaped uplink that its workers share.

@@ -1,4 +1,4 @@
-"""The convergence study's codecs group (issue 17):
+"""The convergence study's codecs group:
 ``python -m lab.convergence --group codecs``.
 
 The quantizers and the low-rank codec beside gTop-k and dense, on the image

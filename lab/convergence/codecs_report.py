@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 from lab.convergence import report
 from lab.convergence.report import fmt, fmt_bytes, _table
 
-GOAL_PP = 2.0          # issue 17: onebit and powersgd(r=4) within 2 pp of dense
+GOAL_PP = 2.0          # onebit and powersgd(r=4) within 2 pp of dense
 TARGETS_PP = (2.0, 5.0)  # bytes-to-accuracy targets: dense's final mean minus these
 MODES = ("warm", "corr", "opt")
 MODE_NAMES = {"dense": "optimizer", "recipe": "recipe (corr. + masking + warm-up)",
@@ -313,7 +313,7 @@ def chunk_markdown(rows: List[dict], meta: dict) -> str:
              "codecs group; dense and per-tensor onebit on the same seeds: the codecs group's committed runs "
              "(convergence_codecs.json, seeds 0 and 1) and, for glyphs at 465 steps, seeds 2 and 3 run here.  "
              "Chunk 0: one scale per tensor (two-phase rows).  Gap: dense's seed mean minus the row's, "
-             f"goal ≤ {GOAL_PP:g} pp (issue 17).  Std: sample std over the seeds.", "",
+             f"goal ≤ {GOAL_PP:g} pp.  Std: sample std over the seeds.", "",
              "| task | steps | chunk | aggregation | seeds | onebit % (per seed) | mean ± std | per-tensor onebit % "
              "| dense % | gap to dense | vs per-tensor | bytes/step (per-tensor, dense) | within 2 pp |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Hierarchical rows of the convergence study (issue #18): flat vs two-level
+"""Hierarchical rows of the convergence study: flat vs two-level
 (:class:`gtopk_plugin.HierarchicalReducer`) top-k and gTop-k with the
 library's momentum recipe, at equal k per node.
 
@@ -30,7 +30,7 @@ differ: then agreement is to the float rounding of the node sum).
 Bytes per step: hierarchical, inter-node bytes a node leader sends
 (gTop-k: log2(nodes)·8k; top-k: (nodes−1)·8k), from :func:`sim.bytes_per_worker`
 over ``nodes`` workers; flat, what one worker sends, log2(P)·8k resp.
-(P−1)·8k (the issue's comparison).  The gloo check holds the formula to
+(P−1)·8k (the comparison asked for).  The gloo check holds the formula to
 the leaders' ``inter_bytes_sent`` counters.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The convergence study's momentum group, run with the library's own
-momentum correction (issue 14): ``python -m lab.convergence --group momentum``.
+momentum correction: ``python -m lab.convergence --group momentum``.
 
 What it measures (every run simulated exactly by ``gtopk_plugin.testing.Oracle``,
 which uses the library's ``MomentumCorrection``, ``clip_norm`` and
@@ -56,7 +56,7 @@ BUDGET = {
     "charlm": dict(steps=316, lr=0.3, adamw_lr=5e-3, warmup_epochs=0.5),          # 1.5 epochs of 211 steps
     "glyphs_resnet": dict(steps=279, lr=0.05, adamw_lr=3e-3, warmup_epochs=0.5),  # 3 epochs
 }
-# ``--long``: budgets where dense has plateaued (issue 14's goal asks for
+# ``--long``: budgets where dense has plateaued (the goal asks for
 # them; measured here: glyphs dense ends lower at 30 epochs than at 15, i.e.
 # it has stopped gaining), with DGC's own warm-up of four epochs (Lin et al.
 # 2018, §3.3: 25% → 0.1% density over the first four epochs) where the

@@ -12,7 +12,7 @@ global batch with the shared weights (the same call a real worker makes, see
 :mod:`.gloo`), the oracle reduces the P gradients exactly as P
 ``GradientReducer`` ranks would, and plain ``torch.optim.SGD`` applies the
 update.  Bytes communicated per worker come from the exact formulas of
-DESIGN.md §3 (checked against the reducer's own counters in the gloo run).
+docs/design.md §2 (checked against the reducer's own counters in the gloo run).
 
 Momentum, four ways (``RunSpec.momentum_mode``), plain or Nesterov
 (``RunSpec.nesterov``):
@@ -209,7 +209,7 @@ def steps_per_epoch(task: Task, batch_size: int) -> int:
 def bytes_per_worker(aggregation: str, P: int, numel: int, k_total: int,
                      counts: Optional[List[int]] = None) -> float:
     """Bytes one worker sends in one step, averaged over the workers, from
-    the exact formulas (DESIGN.md §3; ``Transport`` counts them the same way):
+    the exact formulas (docs/design.md §2; ``Transport`` counts them the same way):
     ring allreduce 2(P−1)/P·4N; value allreduce of random-k 2(P−1)/P·4k;
     sparse allgather (P−1)·8k, or with variable counts (threshold) the mean
     (P−1)/P·8·Σcounts plus an 8-byte size header per peer; gTop-k butterfly

@@ -1,4 +1,4 @@
-"""The emulated-cluster benchmark (lab/cluster, issue #6): namespace
+"""The emulated-cluster benchmark (lab/cluster): namespace
 set-up and tear-down, model shape lists, the α-β fit, and a short smoke run
 of the three measurements.  No test asserts on a timing."""
 import json
@@ -232,7 +232,7 @@ def test_smoke_run(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# codec rows (issue #17) and nodes (issue #18)
+# codec rows and nodes
 # ---------------------------------------------------------------------------
 def test_codec_rows_bytes(tmp_path, monkeypatch):
     """onebit, qsgd and powersgd rows beside dense in one job (P = 2, tiny
@@ -287,7 +287,7 @@ def test_nodes_smoke(tmp_path, monkeypatch):
     """``comm --nodes 2 --local 2`` (tiny N, one step): the flat rows and,
     once gtopk_plugin.two_level.hierarchical_reducer exists, the hierarchical ones; per node,
     the bytes its workers sent split into intra + inter and add up to the
-    reducers' accounting; gTop-k's inter-node bytes are the issue's
+    reducers' accounting; gTop-k's inter-node bytes are the expected
     formulas.  Shaped namespaces where possible, else loopback."""
     from lab.cluster import hier
 

@@ -1,5 +1,5 @@
-"""The convergence study's hierarchical rows (issue #18,
-lab/convergence/hier.py): the simulation -- the flat method over the
+"""The convergence study's hierarchical rows
+(lab/convergence/hier.py): the simulation -- the flat method over the
 node sums (``Oracle``, op="sum", divided by P) -- is the real
 ``HierarchicalReducer`` on gloo bit for bit (P = 4 as 2 x 2: a node sum of
 two workers is one commutative IEEE addition, so the summation order cannot

@@ -1,5 +1,5 @@
-"""Smoke test of the elastic-scheduler benchmark (``lab/elastic.py``,
-issue #7): ``--quick`` runs, writes its JSON, table and plot, and has a row
+"""Smoke test of the elastic-scheduler benchmark (``lab/elastic.py``):
+``--quick`` runs, writes its JSON, table and plot, and has a row
 for every policy and reducer.  Shaped network namespaces when they work,
 else plain loopback labelled 'unshaped' (as tests/distributed/test_cluster.py does).  No
 test asserts on a timing."""

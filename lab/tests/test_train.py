@@ -1,4 +1,4 @@
-"""``python -m lab train --quick`` (issue #19): real training jobs (DDP + the
+"""``python -m lab train --quick``: real training jobs (DDP + the
 comm hook, Horovod + the DistributedOptimizer, the elastic scheduler) on
 the emulated cluster -- or on loopback, labelled unshaped, where network
 namespaces cannot be made.  Asserts only that curves and files are written

@@ -1,4 +1,4 @@
-"""Reduced-precision wire (fp16/bf16 values, DESIGN.md §3 "Precision and
+"""Reduced-precision wire (fp16/bf16 values, docs/design.md §2 "Precision and
 determinism") on real gloo process groups, P = 3, 4, 7:
 
 - mass is conserved to float32 rounding (Σ_ranks Σ_steps grad =

@@ -1,4 +1,4 @@
-"""``python -m lab train`` (issue #19): time to accuracy, end to end, on the
+"""``python -m lab train``: time to accuracy, end to end, on the
 emulated cluster.
 
     python -m lab.train --quick                 # CI smoke run: P = 2, tiny model, 20 steps

@@ -66,7 +66,7 @@ def _warmup(p):
 
 
 def _ring_bytes(P, numel, elem):
-    """Bytes one worker sends in a ring allreduce (DESIGN.md §3)."""
+    """Bytes one worker sends in a ring allreduce (docs/design.md §2)."""
     return 2 * (P - 1) * numel * elem // P
 
 
