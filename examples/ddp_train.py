@@ -75,11 +75,14 @@ def main():
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
     ddp = DDP(model)
-    warmup = gp.DensityWarmup(args.warmup_steps) if args.warmup_steps > 0 else None
-    state = gp.torch_ddp.SparseState(method=args.method, density=args.density, warmup=warmup,
-                                     named_parameters=model.named_parameters())
-    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    warmup = gp.DensityWarmup(args.warmup_steps) if args.warmup_steps > 0 else None
+    # DGC momentum correction: the optimizer's momentum moves in front of the
+    # compressor (docs/recipes.md)
+    state = gp.torch_ddp.SparseState(method=args.method, density=args.density, warmup=warmup,
+                                     named_parameters=model.named_parameters(),
+                                     momentum_correction=True, optimizer=opt)
+    ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
 
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())

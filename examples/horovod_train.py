@@ -65,7 +65,11 @@ def main():
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    compression = Compression.from_name(args.compression, args.density)
+    # sparse compressions: DGC momentum correction (the optimizer's momentum
+    # moves in front of the compressor; docs/recipes.md)
+    sparse = args.compression not in ("none", "fp16")
+    compression = Compression.from_name(args.compression, args.density,
+                                        **({"momentum_correction": True} if sparse else {}))
     opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
