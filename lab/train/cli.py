@@ -113,7 +113,7 @@ def burst_for(rate: str, burst: str = "auto") -> str:
     """The tbf burst: as asked, or ('auto') 128 kB -- 1 ms of a 1 Gbit/s link
     -- scaled down with the rate below 1 Gbit/s, at least 16 kB.  With a
     fixed 128 kB credit about half of a 311 kB step went through a 60
-    Mbit/s link at line rate (lab/reports/lab.md), and that link was not
+    Mbit/s link at line rate (lab/reports/benchmarks.md), and that link was not
     the one the rate names."""
     if burst != "auto":
         return burst
@@ -152,7 +152,7 @@ def _paper_rate(args, s, wl, P, progress, elastic: bool = False):
 
     if args.paper_compute_ms:
         # e.g. the compute probe of an earlier run at this load (the calibration job
-        # runs the compute alone and can read low: lab/reports/lab.md)
+        # runs the compute alone and can read low: lab/reports/benchmarks.md)
         per = [args.paper_compute_ms / 1e3]
     else:
         pl = dict(workload=wl, model=s["model"], batch=s["batch"], lr=s["lr"], seed=0, reps=3 if args.quick else 8)

@@ -80,7 +80,7 @@ def paper_gpu() -> dict:
                       "(breakdown), dense throughput 104.2 samples/s/worker at P = 4"}
 
 
-#: the gloo ring's measured share of the tbf rate at P = 4 (lab/reports/lab.md, "Link efficiency")
+#: the gloo ring's measured share of the tbf rate at P = 4 (lab/reports/benchmarks.md, "Link efficiency")
 RING_EFFICIENCY = 0.81
 
 

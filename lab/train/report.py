@@ -1,7 +1,7 @@
 """``python -m lab train``: per-rank results -> rows, time to accuracy,
 the markdown table and the plot.
 
-Definitions (also in lab/reports/lab.md, "Time to accuracy"):
+Definitions (also in lab/reports/benchmarks.md, "Time to accuracy"):
 
 - a step's time is the slowest rank's (a synchronous step goes at the pace
   of the slowest worker); the wall-clock at step s is the sum of the first

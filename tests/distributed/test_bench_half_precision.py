@@ -3,7 +3,7 @@ model with fp32, fp16 and bf16 gradients on real gloo workers, a few steps,
 and the invariants of its JSON (finite state, no error, mass conserved to
 1e-5 against the workers' float64 sums, replicas that agree); and the
 verdict's logic on synthetic records (it must be able to fail).  The full
-2,000-step run's figures are in lab/reports/lab.md."""
+2,000-step run's figures are in docs/results.md."""
 import json
 
 import pytest
