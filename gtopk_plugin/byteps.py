@@ -18,7 +18,7 @@ default (norm, 0.5, 1).
 This module imports without BytePS (``import gtopk_plugin`` never needs it);
 building a scheduler without BytePS raises an ``ImportError`` naming the
 install command.  BytePS 0.2.5 needs a CUDA GPU at start-up, so the adapter
-has not run against a real BytePS here: see docs/elastic.md for exactly what
+has not run against a real BytePS here: see docs/byteps.md for exactly what
 was and was not run.
 """
 from __future__ import annotations

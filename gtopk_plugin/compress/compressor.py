@@ -184,7 +184,7 @@ class Selector(Compressor):
 # ``start_powerSGD_iter`` and 1-bit Adam (Tang et al. 2021, arXiv
 # 2102.02888, §4) before it freezes the variance: an error-feedback
 # quantizer started on a random network's gradients lags dense for the
-# rest of a short run (docs/convergence.md, codecs group).  Declared by
+# rest of a short run (lab/reports/convergence.md, codecs group).  Declared by
 # every codec; ``Codec.dense_at`` is the one rule the layers read.
 START_ITER = HyperParam("start_iter", 0, "dense allreduce before this step (warm-up; "
                         "torch: start_powerSGD_iter)", int, low=0)

@@ -19,7 +19,7 @@ reduced update must not apply momentum a second time.  The binding therefore
 
 Only SGD-style groups (a ``momentum`` key) can be corrected: Adam/AdamW keep
 their own moments of the reduced update (plain error feedback; see
-docs/momentum.md), and binding them is a clear ``ValueError``.
+docs/recipes.md), and binding them is a clear ``ValueError``.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class OptimizerBinding:
                         f"momentum correction needs an SGD-style optimizer (param group with a "
                         f"'momentum' setting); {type(optimizer).__name__} keeps its own moments "
                         "(Adam/AdamW: use error feedback alone, momentum_correction=False; "
-                        "see docs/momentum.md)")
+                        "see docs/recipes.md)")
                 if g.get("maximize", False):
                     raise ValueError("momentum correction does not support maximize=True")
                 self._group_of[n] = g

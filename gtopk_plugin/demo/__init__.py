@@ -18,7 +18,7 @@ sent, Algorithm 2 of the paper) is written into ``p.grad`` and applied by
 ``torch.optim.SGD``.
 
 The default run is the recipe the convergence study supports
-(docs/convergence.md, "The recipe"): for the sparse method, DGC momentum
+(docs/recipes.md): for the sparse method, DGC momentum
 correction with momentum factor masking (Lin et al. 2018), turned on with
 ``reducer.correct_momentum(opt, model.named_parameters())``, so that the
 SGD optimizer's momentum 0.9 moves in front of the compressor (the
@@ -26,7 +26,7 @@ optimizer then steps without momentum), and a cosine learning-rate decay to
 zero for both runs.  DGC's exponential density warm-up is one flag away
 (``--warmup-epochs 1``: ``DensityWarmup``, 25% down to the target over the
 first epoch); it is off by default because in this configuration it did not
-help (docs/convergence.md) and it raises the traffic above 15% of dense.
+help (lab/reports/convergence.md) and it raises the traffic above 15% of dense.
 ``--no-momentum-correction --lr-schedule const`` gives the old setup
 (momentum applied by the optimizer to the sparse update), which ends
 several points below dense.  Exit status is non-zero if any worker

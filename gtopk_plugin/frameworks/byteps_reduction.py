@@ -27,7 +27,7 @@ from gtopk_plugin.elastic.backend import AsyncReduction, FlatHandle, agree_by_su
 Tensor = torch.Tensor
 
 INSTALL_HINT = ("pip install byteps  (BytePS 0.2.5 builds against the installed torch and needs a CUDA GPU "
-                "and its scheduler/server processes at start-up; see docs/elastic.md)")
+                "and its scheduler/server processes at start-up; see docs/byteps.md)")
 
 
 def import_byteps():

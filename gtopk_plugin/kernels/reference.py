@@ -1,5 +1,5 @@
 """Pure-torch reference kernels: the oracle every fast back end is tested
-against and the last fallback on any device (docs/design.md §1, §4).
+against and the last fallback on any device (docs/design.md §1, §9).
 
 All functions work on *segmented* flat buffers: ``x`` is 1-D, ``offsets`` is an
 int64 tensor of S+1 segment boundaries (``offsets[0] == 0``,

@@ -39,7 +39,7 @@ step of every case:
 
   where ``fed`` is the gradient, or with DGC momentum the increment
   m·u + (1 − d)·g (Nesterov m·(u + g) + g) computed from the velocity the
-  rank held before the step (docs/momentum.md: the velocity form).
+  rank held before the step (docs/recipes.md: the velocity form).
   Tolerance, from the dtype the state and sums are kept in (float32 for
   fp16/bf16/fp32 gradients, float64 when a float64 tensor is in the same
   call): |error| ≤ RTOL · mag + tiny, with mag the sum of the magnitudes of

@@ -68,7 +68,7 @@ class SparseCompression:
             dampening and weight decay (read at every step; the optimizer's
             ``step()`` then runs with momentum and weight decay 0 for those
             groups, restored right after).  Adam/AdamW: ``ValueError`` (use
-            plain error feedback).  See docs/momentum.md.
+            plain error feedback).  See docs/recipes.md.
         momentum, nesterov, momentum_masking: explicit correction settings
             (as GradientReducer) for an optimizer built without momentum.
         clip_norm: DGC local clipping (threshold × P^-1/2, global norm over
@@ -81,7 +81,7 @@ class SparseCompression:
             side channel made inside the job, leaving one Horovod op per
             step (join detection); ``"horovod"``: every exchange step is a
             Horovod collective (alltoall per butterfly round).  Same
-            results and byte counts; docs/horovod.md compares their timings.  (With NCCL-built Horovod always "horovod".)
+            results and byte counts; docs/results.md compares their timings.  (With NCCL-built Horovod always "horovod".)
             Like every setting it must be the same on every rank; unlike the
             others a mismatch here is not detected (Horovod stalls).
 

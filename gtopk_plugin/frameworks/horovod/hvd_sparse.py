@@ -176,7 +176,7 @@ class _SparsePath:
                 f"{self._spec!r} with an optimizer that has momentum: the optimizer applies its "
                 "momentum to the sparse update, which usually trains worse than dense; pass "
                 "momentum_correction=True to the compression (DGC momentum correction, "
-                "docs/momentum.md)", UserWarning, stacklevel=4)
+                "docs/recipes.md)", UserWarning, stacklevel=4)
         self._buckets = make_buckets(self._requires_update, self._groups, self._spec.fusion_threshold)
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
         self._executor: Optional[_SerialWorker] = None
