@@ -1,11 +1,10 @@
 """Horovod-TensorFlow layer (gtopk_plugin.tensorflow).
 
 In this process: the layer's selection (the registry's compressors through
-tf.numpy_function, gtopk_plugin/frameworks/horovod_tf/selection.py) and the
-TensorFlow twins of the reference kernels (merge, wire format, momentum,
-clipping) against gtopk_plugin.kernels.reference, bit for bit, on data with
-ties, NaN and Inf -- the cross-framework check of the selection and merge
-semantics.
+tf.numpy_function, gtopk_plugin/frameworks/horovod_tf/tf_bridge.py) against
+gtopk_plugin.kernels.reference, bit for bit, on data with ties, NaN and Inf,
+and the TensorFlow twins of DGC momentum correction and clipping against
+the PyTorch side.
 
 Under a real ``horovodrun -np 3 --gloo`` job (all checks batched in
 tests/jobs/hvd_tf_jobs.py; P = 3 folds a rank into a butterfly round, so it
@@ -13,7 +12,7 @@ covers the power-of-two path too, which the example and elastic jobs below
 run at P = 2): identical gradients go to the
 TensorFlow layer and to the single-process oracle of the PyTorch side
 (gtopk_plugin.testing.Oracle); every sparse method must give the oracle's
-bits on every rank, conserve mass (DESIGN.md §3) and leave the oracle's
+bits on every rank, conserve mass (docs/design.md §2) and leave the oracle's
 residuals, eagerly and inside tf.function; DGC momentum correction (plain,
 Nesterov, no masking) and local clipping give the oracle's updates,
 residuals and velocities, and Keras SGD with momentum_correction=True the
@@ -54,7 +53,7 @@ except Exception as e:  # noqa: BLE001
 
 from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.frameworks.horovod_tf import tf_kernels as K  # noqa: E402
-from gtopk_plugin.frameworks.horovod_tf import selection as S  # noqa: E402
+from gtopk_plugin.frameworks.horovod_tf import tf_bridge as S  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
 from hvd_launch import JOBS, elastic_hosts, horovodrun as _horovodrun  # noqa: E402
@@ -145,40 +144,6 @@ def test_threshold_large_segment_matches_reference():
         assert np.array_equal(ti.numpy(), fi.numpy()), (n, k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_merge_select_matches_reference_bit_for_bit(dtype):
-    rng = np.random.default_rng(2)
-    for trial in range(12):
-        offs, ks = _layout(rng)
-        a = _data(rng, offs[-1], dtype, nonfinite=trial % 2 == 0)
-        b = _data(rng, offs[-1], dtype, nonfinite=False)
-        a[torch.isnan(a)] = 2
-        ai, av = ref.select_topk(a, torch.tensor(offs), torch.tensor(ks))
-        bi, bv = ref.select_topk(b, torch.tensor(offs), torch.tensor(ks))
-        want = ref.merge_select(ai, av, bi, bv, torch.tensor(offs), torch.tensor(ks))
-        got = K.merge_select(tf.constant(ai.numpy()), tf.constant(av.numpy()), tf.constant(bi.numpy()),
-                             tf.constant(bv.numpy()), tf.constant(offs, tf.int32), tf.constant(ks, tf.int32))
-        for w, g, what in zip(want, got, ("idx", "val", "keep_a", "keep_b")):
-            assert w.shape == tuple(g.shape) and _bits(w.numpy()) == _bits(g.numpy()), \
-                f"merge {dtype} trial {trial}: {what} differs"
-
-
-def test_wire_format_round_trip():
-    i = tf.constant([0, 7, 123456], tf.int32)
-    for dt in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
-        v = tf.cast(tf.constant([1.5, -2.25, 3e3]), dt)
-        blob = K.pack(i, v)
-        assert blob.dtype == tf.uint8 and int(tf.size(blob)) == 3 * (4 + dt.size)
-        gi, gv, tail = K.unpack(blob, dt)
-        assert np.array_equal(gi.numpy(), i.numpy()) and int(tf.size(tail)) == 0
-        assert np.array_equal(tf.cast(gv, tf.float32).numpy(), tf.cast(v, tf.float32).numpy())
-    for n in (1, 8, 13, 64):
-        m = tf.constant(np.random.default_rng(n).random(n) > 0.5)
-        bits = K.pack_bits(m)
-        assert int(tf.size(bits)) == (n + 7) // 8
-        assert np.array_equal(K.unpack_bits(bits, n).numpy(), m.numpy())
-
-
 @pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.5)])
 def test_momentum_step_matches_momentum_correction_bit_for_bit(nesterov, dampening):
     """The TF twin of DGC's momentum correction (horovod_tf.tf_kernels.momentum_step)
@@ -204,11 +169,9 @@ def test_momentum_step_matches_momentum_correction_bit_for_bit(nesterov, dampeni
             assert _bits(mc.velocities[n].numpy()) == _bits(f.numpy()), f"step {step}: velocity {n} differs"
 
 
-def test_clip_factor_and_wire_clamp_match_the_pytorch_side():
+def test_clip_factor_matches_the_pytorch_side():
     """DGC local clipping's factor (float64 norm over all tensors, cast to
-    fp32) scales as the reducer's; fp16/bf16 wire values are clamped to the
-    finite range as collectives/wire.to_wire does (never ±inf)."""
-    from gtopk_plugin.collectives import wire
+    fp32) scales as the reducer's."""
     from gtopk_plugin.reducer import local_grad_norm
 
     rng = np.random.default_rng(6)
@@ -223,11 +186,6 @@ def test_clip_factor_and_wire_clamp_match_the_pytorch_side():
                 f = tf.cast(K.clip_factor([tf.constant(x) for x in g], clip, P), tf.float32)
                 for w, x in zip(want, g):
                     assert _bits(w.numpy()) == _bits((tf.constant(x) * f).numpy()), (trial, clip, P)
-    x = torch.tensor([1e5, -1e6, 65504.0, 65519.0, 70000.0, 3.0, -2.5e-8, 3.3e38, -3.4e38])
-    for tdt, fdt in ((torch.float16, tf.float16), (torch.bfloat16, tf.bfloat16)):
-        want = wire.to_wire(x, tdt).float().numpy()
-        got = tf.cast(K.to_wire(tf.constant(x.numpy()), fdt), tf.float32).numpy()
-        assert np.isfinite(got).all() and _bits(want) == _bits(got), (tdt, want, got)
 
 
 def test_import_gtopk_plugin_does_not_import_tensorflow():
@@ -509,7 +467,7 @@ WIRE = {
     "randomk_bf16wire_graph": dict(method="randomk", density=0.1, seed=8, value_dtype=torch.bfloat16),
     "threshold_butterfly_fp16wire": dict(method="threshold", density=0.1, merge="gtopk",
                                          value_dtype=torch.float16),
-    # int8 wire (issue #17): the oracle models it from its specification
+    # int8 wire: the oracle models it from its specification
     "gtopk_int8": dict(method="gtopk", density=0.1, value_dtype=torch.int8),
     "gtopk_int8_stochastic_graph": dict(method="gtopk", density=0.1, seed=2, value_dtype=torch.int8,
                                         wire_rounding="stochastic"),
@@ -524,7 +482,7 @@ WIRE = {
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P):
-    """fp16/bf16 values on the wire (DESIGN.md §3, precision): inputs up to
+    """fp16/bf16 values on the wire (docs/design.md §2, precision): inputs up to
     1e6 and merged sums beyond fp16's range never make an update or a
     residual non-finite (clamped at the sender, sums in float32); every
     later rounding is charged to one rank, so Σ grads = Σ results + Σ

@@ -1,4 +1,4 @@
-"""The registry drives the TensorFlow layer (issue #16): compressors the
+"""The registry drives the TensorFlow layer: compressors the
 layer has no code of its own for run through ``gtopk_plugin.tensorflow``
 under real ``horovodrun -np 3 --gloo`` (tests/jobs/hvd_tf_registry_job.py),
 eagerly and inside ``tf.function``: the built-in ``onebit`` codec, and a
@@ -15,7 +15,7 @@ conservation; bytes as the PyTorch transport counts them ((P−1)·payload
 each way for the payload allgather, no headers).
 
 The codecs' dense warm-up (``start_iter=2``: onebit eagerly and traced,
-qsgd traced; frameworks/horovod_tf/warmup.py) against the torch
+qsgd traced; frameworks/horovod_tf/tf_step.py) against the torch
 ``GradientReducer`` with the same settings on the same gradients in the
 same job, bit for bit on every rank and step (both sum the warm-up steps
 with the same ``ProcessGroupGloo`` allreduce); warm-up steps are the plain

@@ -1,5 +1,5 @@
-"""PowerSGD (a rounds codec: two allreduces per step, Vogels et al. 2019;
-issue #17) on the TensorFlow layer under real ``horovodrun -np 3 --gloo``
+"""PowerSGD (a rounds codec: two allreduces per step, Vogels et al. 2019)
+on the TensorFlow layer under real ``horovodrun -np 3 --gloo``
 (tests/jobs/hvd_tf_rounds_job.py), eagerly and inside ``tf.function``,
 against the torch ``GradientReducer`` on the same gradients in the same job
 (a torch.distributed gloo group): ranks 1, 2, 4, warm start on and off,
@@ -13,12 +13,12 @@ averaging divides by P on both sides.  Also: every rank gets the same
 update; bytes as the PyTorch side counts them; without the side channel
 (``exchange='horovod'``) a clear ``ValueError`` on every rank.
 
-``dense_below=`` (issue #17; frameworks/horovod_tf/small.py) in the same
+``dense_below=`` (frameworks/horovod_tf/tf_step.py) in the same
 job against ``GradientReducer(dense_below=...)``: updates bit for bit (the
 small part is summed by the same gloo allreduce), residuals of the large
 tensors and none for the small ones, DGC velocities, and the bytes exactly
 (the TF layer sends one consistency check where the reducer's dense part
-sends a second, redundant one).  Checkpoint resume (issue #17): a fresh
+sends a second, redundant one).  Checkpoint resume: a fresh
 compression restored from ``tf.train.Checkpoint`` after two steps continues
 bit for bit as the uninterrupted run -- PowerSGD's warm-start Q is in the
 checkpoint (dropping it after the restore changes the updates), qsgd's

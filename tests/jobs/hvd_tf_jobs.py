@@ -81,7 +81,7 @@ MOMENTUM = {
     "clip_topk_global_graph": (lambda: Compression.topk(0.05, granularity="global", clip_norm=5.0), True),
 }
 
-# fp16/bf16 wire (DESIGN.md §3, precision): name -> (Compression factory,
+# fp16/bf16 wire (docs/design.md §2, precision): name -> (Compression factory,
 # traced, gradients); op hvd.Sum
 WIRE = {
     "gtopk_fp16_overflow": (lambda: Compression.gtopk(0.1, value_dtype=tf.float16), False, "overflow"),
@@ -92,7 +92,7 @@ WIRE = {
     "randomk_bf16wire_graph": (lambda: Compression.randomk(0.1, seed=8, value_dtype=tf.bfloat16), True, "fine"),
     "threshold_butterfly_fp16wire": (lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.float16),
                                      False, "fine"),
-    # int8 wire (issue #17): codes + one exponent byte per message, on the core's aggregation
+    # int8 wire: codes + one exponent byte per message, on the core's aggregation
     "gtopk_int8": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8), False, "overflow"),
     "gtopk_int8_stochastic_graph": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8, wire_rounding="stochastic",
                                                               seed=2), True, "fine"),

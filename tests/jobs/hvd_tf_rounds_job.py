@@ -1,5 +1,5 @@
 """Worker script of tests/horovod/test_horovod_tf_rounds.py, run under
-``horovodrun -np N --gloo``: PowerSGD (a rounds codec, issue #17) through
+``horovodrun -np N --gloo``: PowerSGD (a rounds codec) through
 ``gtopk_plugin.tensorflow``'s ``DistributedGradientTape`` (eagerly and inside
 ``tf.function``) and, on the same gradients in the same job, through the
 torch ``GradientReducer`` on a torch.distributed gloo group (the oracle);
@@ -65,7 +65,7 @@ DENSE_BELOW = {
                                                        op="sum")),
     "all_small_dense_below": (lambda: Compression.gtopk(0.1, dense_below=1000), False, hvd.Average,
                               dict(method="gtopk", density=0.1, op="average")),
-    # the int8 wire (issue #17) against the torch reducer's, stochastic rounding keyed alike
+    # the int8 wire against the torch reducer's, stochastic rounding keyed alike
     "gtopk_int8_stochastic_dense_below_graph": (
         lambda: Compression.gtopk(0.1, dense_below=20, value_dtype=tf.int8, wire_rounding="stochastic", seed=4),
         True, hvd.Sum, dict(method="gtopk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=4,

@@ -1,6 +1,6 @@
-"""The one guarded import of TensorFlow and Horovod-TensorFlow for the
-package (DESIGN.md §2 rule 1): a missing or mis-built framework is an
-``ImportError`` naming the install command, raised by every module here."""
+"""The one guarded import of TensorFlow and Horovod-TensorFlow for this
+package (docs/design.md §1): a missing or mis-built framework is an
+``ImportError`` naming the install command."""
 from __future__ import annotations
 
 _INSTALL_HINT = ("Install TensorFlow 2.12-2.15 and Horovod built with TensorFlow support into this "

@@ -1,25 +1,13 @@
-"""Elastic Horovod-TensorFlow (``hvd.elastic.run``) with sparse compressions:
-:class:`SparseKerasState`, Horovod's ``TensorFlowKerasState`` plus the
-residuals, momentum-correction velocities and step counters of
-gtopk_plugin's ``SparseCompression`` objects.
+"""Elastic Horovod-TensorFlow (``hvd.elastic.run``): :class:`SparseKerasState`,
+Horovod's ``TensorFlowKerasState`` plus the sparse compressions' state.
 
-Horovod's state commits and restores the model and optimizer variables and,
-on ``sync()`` (after a reset), broadcasts them from rank 0.  The residuals
-and velocities are neither (a Keras optimizer's ``variables()`` does not
-list them), and must not be broadcast: each residual is this worker's own
-unsent gradient mass (DESIGN.md §3), so copying rank 0's to everyone would
-apply it P times, and each velocity is this worker's own momentum of its
-own gradients (DGC momentum correction), the source of its next residuals.
-Semantics, as the PyTorch layer's ``SparseOptimizerStateHandler``:
-
-- ``commit()``/``save()`` keeps a copy of every residual, velocity and step
-  counter, and of a stateful compressor's own state (``compressor_state``);
-- ``restore()`` (after a failure) puts them back; a residual or velocity
-  created after the last commit goes back to zero (it had no committed mass);
-- ``sync()`` broadcasts the model and optimizer (Horovod's), then rank 0's
-  step counter, so random-k/rTop-k draws and warm-ups agree again; each
-  worker keeps its own residuals and velocities (a worker that joins starts
-  with none).
+Residuals and velocities are each worker's own (its unsent gradient mass,
+docs/design.md §2, and its own momentum), so they are never broadcast:
+``commit()`` copies every residual, velocity, step counter and compressor
+state; ``restore()`` puts them back (one created after the commit goes back
+to zero); ``sync()`` broadcasts the model and optimizer, then rank 0's step
+counter (random draws and warm-ups agree again).  As the PyTorch layer's
+``SparseOptimizerStateHandler``.
 """
 from __future__ import annotations
 
@@ -54,7 +42,7 @@ class SparseKerasState(TensorFlowKerasState):
             if not isinstance(c, SparseCompression):
                 raise ValueError(f"compressions must be gtopk_plugin sparse compressions "
                                  f"(Compression.topk/gtopk/...(density)); got {c!r}")
-            if c.wire_dtype == tf.int8:  # the int8 wire runs only on the gloo side channel (.fused)
+            if c.wire_dtype == tf.int8:  # int8 runs on the gloo side channel only
                 raise ValueError(f"{c!r}: SparseKerasState exchanges as Horovod ops (exchange='horovod'), "
                                  "which cannot carry value_dtype=tf.int8; pass value_dtype=tf.float16 or "
                                  "tf.bfloat16 for elastic jobs")
@@ -70,7 +58,7 @@ class SparseKerasState(TensorFlowKerasState):
 
     @staticmethod
     def _snapshot(c: SparseCompression) -> dict:
-        state = c.codec_state()  # a stateful compressor's own state (.codec_state)
+        state = c.codec_state()
         return {"step": tf.identity(c.step),
                 "residuals": {k: tf.identity(v) for k, v in c.residuals.items()},
                 "velocities": {k: tf.identity(v) for k, v in c.velocities.items()},

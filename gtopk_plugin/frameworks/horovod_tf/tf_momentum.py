@@ -2,9 +2,8 @@
 Horovod-TensorFlow front ends take a Keras SGD's momentum over
 (``momentum_correction=True``) or refuse to apply momentum twice.
 
-The correction itself (velocity, accumulation, factor masking) is the
-compression's (``kernels.momentum_step`` inside the reduce step, the twin of
-``compress/momentum.py``); this module only binds it to the optimizer.
+The correction itself is the compression's (:mod:`.tf_kernels`); this
+module only binds it to the optimizer.
 """
 from __future__ import annotations
 
@@ -13,13 +12,7 @@ import warnings
 from gtopk_plugin.compress.momentum import MomentumSpec
 from gtopk_plugin.frameworks.horovod_tf._guard import tf
 
-__all__ = ["momentum_key", "keras_sgd_momentum", "bind_momentum", "setup_correction"]
-
-
-def momentum_key(m) -> str:
-    """The momentum as the same text on every rank (fingerprint): its value,
-    or "variable" when it is a tensor read at run time."""
-    return repr(float(m)) if isinstance(m, (int, float)) else "variable"
+__all__ = ["keras_sgd_momentum", "bind_momentum", "setup_correction"]
 
 
 def _is_keras_sgd(optimizer) -> bool:
@@ -59,19 +52,11 @@ def bind_momentum(compression, optimizer) -> None:
     momentum and Nesterov flag over (read at every call) and the optimizer's
     ``update_step`` runs with momentum 0 from now on.
 
-    Why this way: Keras 2.15's ``SGD.update_step`` reads ``self.momentum``
-    and ``self.nesterov`` as Python values each time it runs (eagerly) or is
-    traced (``tf.function``, XLA); with momentum 0 it computes
-    ``m = -lr·g + 0·m; w += m``, which is ``w -= lr·g`` bit for bit.  So the
-    optimizer's ``update_step`` is wrapped to see momentum 0 and no Nesterov
-    while it runs and the user's values otherwise: ``optimizer.momentum``,
-    ``get_config()`` and saved configs keep the user's values, and a
-    momentum changed between steps (eagerly) reaches the correction.  Keras'
-    ``weight_decay`` is decoupled (``apply_gradients`` subtracts
-    ``lr·wd·w`` from the variable before ``update_step``; it never enters
-    the momentum), so it stays with the optimizer, unchanged.  An L2
-    regularizer's gradient is part of the loss's gradient and so enters the
-    correction before the velocity, as DGC adds weight decay.
+    Keras 2.15's ``SGD.update_step`` reads ``self.momentum`` and
+    ``self.nesterov`` each time it runs or is traced; with momentum 0 it is
+    ``w -= lr·g`` bit for bit.  So ``update_step`` is wrapped to see
+    momentum 0 while it runs: ``optimizer.momentum`` and its config keep the
+    user's values, and (decoupled) ``weight_decay`` stays with it.
     """
     if not _is_keras_sgd(optimizer):
         raise ValueError(

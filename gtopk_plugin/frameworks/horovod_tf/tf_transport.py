@@ -1,0 +1,221 @@
+"""The core's :class:`~gtopk_plugin.collectives.transport.Transport` for the
+TensorFlow layer, called inside ``tf.numpy_function`` (:func:`.tf_step.exchange`):
+:class:`ChannelTransport` (``exchange="gloo"``, the default) on a gloo side
+channel made inside the job (:class:`TFSideChannel`; a gloo send/recv costs
+a fraction of a Horovod op's cycle), or :class:`HorovodTFTransport`
+(``exchange="horovod"``, for elastic jobs) on ``horovod.tensorflow``'s ops,
+run eagerly, a pairwise step being one ``alltoall`` every rank joins.
+
+Bytes are counted as the core counts them, except size headers, counted as
+this layer always has: int32 sizes before an allgather of varying sizes,
+and none for a butterfly message (its size rides with it).
+"""
+from __future__ import annotations
+
+import pickle
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gtopk_plugin.collectives.transport import Transport
+from gtopk_plugin.frameworks.gloo_channel import GlooChannel, store_host
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
+
+__all__ = ["TFSideChannel", "channel_for", "ChannelTransport", "HorovodTFTransport", "transport_for"]
+
+
+class TFSideChannel(GlooChannel):
+    """The gloo side channel of ``process_set`` (collective to create); the
+    store's port travels by one Horovod-TF broadcast, eager even while tracing."""
+
+    def __init__(self, process_set, name: str):
+        def broadcast(words):
+            with tf.init_scope():  # eager, also while tracing: every rank traces the step once
+                return hvd.broadcast(tf.constant(np.asarray(words, np.int64)), root_rank=0,
+                                     name=f"{name}.side_channel", process_set=process_set).numpy().tolist()
+
+        super().__init__(process_set.rank(), process_set.size(), name,
+                         store_host(hvd.local_size(), hvd.size()), broadcast)
+        self.transport = ChannelTransport(self)
+
+    def tf_allreduce_max(self, t):
+        """Elementwise max of ``t`` over the ranks (a stateful TF op)."""
+        def run(a):
+            return self.allreduce_(torch.from_numpy(np.array(a)), dist.ReduceOp.MAX).numpy()
+
+        return tf.ensure_shape(tf.numpy_function(run, [t], t.dtype, stateful=True), t.shape)
+
+
+def channel_for(holder, process_set, prefix: str) -> TFSideChannel:
+    """The side channel of ``holder`` for ``process_set``, made at first use."""
+    chans = holder.__dict__.setdefault("_side_channels", {})
+    if id(process_set) not in chans:
+        chans[id(process_set)] = TFSideChannel(process_set, f"{prefix}.side{len(chans) + 1}")
+    return chans[id(process_set)]
+
+
+class _TFTransport(Transport):
+    """Byte counts of this layer; pairwise steps go through :meth:`phase`."""
+
+    def _count_phase(self, sent: Optional[torch.Tensor], got: Optional[torch.Tensor]) -> None:
+        c = self.counters
+        if sent is not None:
+            c.payload_bytes_sent += sent.numel()
+            c.messages_sent += 1
+        if got is not None:
+            c.payload_bytes_received += got.numel()
+
+    def _count_allgather(self, sizes: List[int], with_sizes: bool) -> None:
+        P, r, c = self.size, self.rank, self.counters
+        if with_sizes:  # int32 sizes first
+            c.header_bytes_sent += 4 * (P - 1)
+            c.header_bytes_received += 4 * (P - 1)
+        total = sum(sizes)  # the ring model, as Transport.allgather_blobs
+        c.payload_bytes_sent += total - sizes[(r + 1) % P]
+        c.payload_bytes_received += total - sizes[r]
+        c.messages_sent += P - 1
+
+    def _raw_send(self, peer, send):
+        raise NotImplementedError("pairwise steps go through phase()")
+
+    _raw_recv = _raw_send
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class ChannelTransport(_TFTransport):
+    """The core's transport on a :class:`TFSideChannel`."""
+
+    def __init__(self, channel: GlooChannel):
+        super().__init__()
+        self.ch = channel
+
+    @property
+    def rank(self) -> int:
+        return self.ch.rank
+
+    @property
+    def size(self) -> int:
+        return self.ch.size
+
+    def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
+        got = self.ch.exchange(send_to, blob, recv_from, None if headers else recv_nbytes, with_size=headers)
+        self._count_phase(blob if send_to is not None else None, got)
+        return got
+
+    def allgather_blobs(self, blob, nbytes=None):
+        parts = self.ch.allgather(blob.contiguous(), None if nbytes is None else list(nbytes))
+        parts[self.rank] = blob
+        self._count_allgather([p.numel() for p in parts], nbytes is None)
+        return parts
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        got = self.ch.exchange(dst, _bytes(send), src, recv.numel() * recv.element_size(), with_size=False)
+        _bytes(recv).copy_(got)
+
+    def _raw_allreduce_sum_(self, t):
+        self.ch.allreduce_(t, dist.ReduceOp.SUM)
+
+    def _raw_allreduce_max_(self, t):
+        self.ch.allreduce_(t, dist.ReduceOp.MAX)
+
+    def _raw_allgather_object(self, obj):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        return [pickle.loads(b.numpy().tobytes()) for b in self.ch.allgather(data)]
+
+
+def _to_tf(t: torch.Tensor):
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its int16 bits
+        return tf.bitcast(tf.constant(t.view(torch.int16).numpy()), tf.bfloat16)
+    return tf.constant(t.numpy())
+
+
+def _from_tf(x) -> torch.Tensor:
+    if x.dtype == tf.bfloat16:
+        return torch.from_numpy(tf.bitcast(x, tf.int16).numpy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(x.numpy()))
+
+
+class HorovodTFTransport(_TFTransport):
+    """On ``horovod.tensorflow`` ops, run eagerly; op ``n`` of a call
+    (counted from :meth:`begin`) is ``{prefix}.{kind}.{n}`` on every rank."""
+
+    def __init__(self, process_set, prefix: str):
+        super().__init__()
+        self.ps, self.prefix, self.n = process_set, prefix, 0
+
+    def begin(self) -> None:
+        self.n = 0
+
+    def _name(self, kind: str) -> str:
+        self.n += 1
+        return f"{self.prefix}.{kind}.{self.n}"
+
+    @property
+    def rank(self) -> int:
+        return self.ps.rank()
+
+    @property
+    def size(self) -> int:
+        return self.ps.size()
+
+    def _alltoall(self, send: torch.Tensor, dst: Optional[int], kind: str):
+        """``send`` to ``dst`` (None: nothing), every rank taking part:
+        ``(what arrived, sizes per source rank)``."""
+        splits = np.zeros(self.size, np.int32)
+        if dst is not None:
+            splits[dst] = send.numel()
+        out, got = hvd.alltoall(_to_tf(send), splits=tf.constant(splits), name=self._name(kind),
+                                process_set=self.ps)
+        return _from_tf(out), got.numpy()
+
+    def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
+        send = blob if send_to is not None else torch.empty(0, dtype=torch.uint8)
+        out, _ = self._alltoall(send, send_to, "phase")
+        got = out if recv_from is not None else None
+        self._count_phase(send if send_to is not None else None, got)
+        return got
+
+    def _gather(self, blob, nbytes=None):
+        sizes = list(nbytes) if nbytes is not None else hvd.allgather(
+            tf.constant([blob.numel()], tf.int32), name=self._name("sizes"), process_set=self.ps).numpy().tolist()
+        out = _from_tf(hvd.allgather(_to_tf(blob), name=self._name("allgather"), process_set=self.ps))
+        return list(torch.split(out, [int(s) for s in sizes])), [int(s) for s in sizes]
+
+    def allgather_blobs(self, blob, nbytes=None):
+        parts, sizes = self._gather(blob, nbytes)
+        parts[self.rank] = blob
+        self._count_allgather(sizes, nbytes is None)
+        return parts
+
+    def _raw_sendrecv(self, dst, send, src, recv):
+        out, got = self._alltoall(_bytes(send), dst, "sendrecv")
+        start = int(got[:src].sum())
+        _bytes(recv).copy_(out[start:start + int(got[src])])
+
+    def _allreduce_(self, t, op, kind):
+        t.copy_(_from_tf(hvd.allreduce(_to_tf(t), op=op, name=self._name(kind), process_set=self.ps)))
+
+    def _raw_allreduce_sum_(self, t):
+        self._allreduce_(t, hvd.Sum, "sum")
+
+    def _raw_allreduce_max_(self, t):
+        self._allreduce_(t, hvd.Max, "max")
+
+    def _raw_allgather_object(self, obj):
+        blobs, _ = self._gather(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
+        return [pickle.loads(b.numpy().tobytes()) for b in blobs]
+
+
+def transport_for(comp, process_set) -> Optional[Transport]:
+    """``comp``'s transport over ``process_set`` (None: one rank)."""
+    if process_set.size() == 1:
+        return None
+    if comp.exchange == "gloo":
+        return channel_for(comp, process_set, comp.prefix).transport
+    return HorovodTFTransport(process_set, comp.prefix)
