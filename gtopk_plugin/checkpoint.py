@@ -211,7 +211,7 @@ def upgrade_state(sd: dict, reducer, *, rank: int, world_size: int) -> dict:
     residuals = dict(sd.get("residuals") or {})
     velocities = dict(sd.get("velocities") or {})
     out = {"version": STATE_VERSION, "rank": rank, "world_size": world_size, "method": sd.get("method"),
-           "seed": sd.get("seed"), "settings": _flat_reducer(reducer)._state_settings(), "step": sd.get("step"),
+           "seed": sd.get("seed"), "settings": _flat_reducer(reducer).state.settings(), "step": sd.get("step"),
            "residuals": residuals, "velocities": velocities, "loss_scale": sd.get("loss_scale"),
            "compressor": dict(sd.get("compressor") or {}),
            "layout": {"residuals": layout_of(residuals), "velocities": layout_of(velocities)}}
@@ -366,23 +366,23 @@ def load_job(reducer, path: str, *, named_parameters=None) -> None:
         man = read_manifest(path)
         P_old = man["world_size"]
         if P_old == P:
-            plan = red._check_state(_read_rank(path, j, man), (j, P), named_parameters)
+            plan = red.state.check(_read_rank(path, j, man), (j, P), named_parameters)
         else:
             _check_job(man["ranks"], moving=True)
             sources = []
             for i in range(j, P_old, P):  # old ranks i ≡ j (mod P), increasing
                 sd = _read_rank(path, i, man)
-                red._check_state(sd, (i, P_old), named_parameters)  # each fits this reducer as saved
+                red.state.check(sd, (i, P_old), named_parameters)  # each fits this reducer as saved
                 sources.append(sd)
             base = sources[0] if sources else _read_rank(path, 0, man)
             merged = _merge(sources, j, P, base, step=man["step"], loss_scale=base["loss_scale"],
                             small_loss_scale=(base.get("small") or {}).get("loss_scale"),
                             compressor=dict(base["compressor"]))
-            plan = red._check_state(merged, (j, P), named_parameters)
+            plan = red.state.check(merged, (j, P), named_parameters)
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         err, cause = _describe(e), e
     _agree(t, err, f"load_job({path!r})", cause)
-    red._apply_state(plan)
+    red.state.apply(plan)
 
 
 # --------------------------------------------------------- elastic resizes
@@ -446,9 +446,9 @@ def exchange_live(reducer, home: Optional[Tuple[int, int]], allgather: Callable[
     try:
         merged = _merge([s for _, _, s in sources], j, P, sd, step=red.step, loss_scale=ref["loss_scale"],
                         small_loss_scale=ref["small"], compressor=dict(comp))
-        plan = red._check_state(merged, (j, P))
+        plan = red.state.check(merged, (j, P))
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         err, cause = _describe(e), e
     _raise_if_any(allgather(err), "elastic resize", cause)
-    red._apply_state(plan)
+    red.state.apply(plan)
     return True

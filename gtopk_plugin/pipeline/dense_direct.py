@@ -1,4 +1,4 @@
-"""The dense method's step with one pass of local work (issue #15).
+"""The dense method's step with one pass of local work.
 
 S-SGD's allreduce needs the gradients in one flat buffer, and the update
 is that buffer's sum divided by P.  The general path writes the gradients
@@ -20,8 +20,11 @@ unscaled and divides after the sum.  float16 and a P that is not a power
 of two are never prescaled (float16's exact range is too narrow to hold
 gradients).
 
-Taken when the step needs nothing else of the accumulator: the ``dense``
-method with values sent in the gradients' dtype, no momentum, clipping,
+Three stages of a reducer running the ``dense`` method with its dense
+aggregation: :class:`DensePath` (the copy, before the cross-rank check),
+:meth:`DensePath.agree` (the redo, after it) and :class:`DirectUpdate`.
+Taken when the step needs nothing else of the accumulator: values sent in
+the gradients' dtype, no momentum, clipping,
 optimizer binding or loss-scale change, a zero residual (always so after
 a dense step; a residual loaded from a sparse method takes the general
 path once), no ``out=`` tensors (the DDP and Horovod layers pass them, so
@@ -36,7 +39,8 @@ from typing import Optional
 import torch
 
 from gtopk_plugin import kernels
-from gtopk_plugin.compress.dense import DenseSelector
+from gtopk_plugin.pipeline.check_stages import CompensateEarly
+from gtopk_plugin.pipeline.exchange_stages import Update
 
 Tensor = torch.Tensor
 
@@ -50,8 +54,10 @@ def _shift(P: int, op: str, dtype) -> int:
     return 0
 
 
-class DensePath:
-    """One reducer's choice of the one-pass dense step, call by call.
+class DensePath(CompensateEarly):
+    """The early compensation of the dense method: the gradients straight
+    into an update buffer (``call.direct``) where the call allows, else
+    :class:`CompensateEarly`'s.
 
     Back-off: data that is never exactly prescalable would pay a third
     pass (the redo) every call.  After a call whose prescaled copy had to
@@ -64,37 +70,55 @@ class DensePath:
 
     MAX_LEVEL = 6
 
-    def __init__(self, red):
-        self.red = red
+    def __init__(self, config, state, updates, transport):
+        super().__init__(state, config.kernels)
+        self.config, self.updates, self.transport = config, updates, transport
         self.level = 0  # try prescaling on steps that are multiples of 2^level
 
-    def start(self, out, names, sizes, tensors, dtype, P: int) -> Optional["DirectStep"]:
-        """The one-pass step's copy when this call (on the reducer's fused
-        path: nothing but the residual goes into the accumulator) takes it,
-        else ``None``."""
-        red, device = self.red, tensors[0].device
-        cfg = red.config
-        if not (out is None and type(red.compressor) is DenseSelector and red.aggregation == "dense"
-                and (cfg.value_dtype is None or cfg.value_dtype == dtype) and device.type == "cpu"):
-            return None
-        flatres = red.memory.layout(names, sizes, dtype, device)
-        if red.memory.enabled and not flatres.zero:
-            return None  # a residual to add: the accumulator's path
-        shift = _shift(P, cfg.op, dtype)
-        if red.step % (1 << self.level):
-            shift = 0  # backing off: unscaled up front (and flagged)
-        return DirectStep(red, flatres, names, sizes, tensors, dtype, P, shift)
+    def compensate(self, c):
+        c.direct = self.start(c) if c.grad_dtype == c.dtype else None
+        if c.direct is None:
+            return super().compensate(c)
+        c.flatres, c.acc, c.nonfinite = c.direct.flatres, c.direct.update, c.direct.nonfinite
+        return c
 
-    def agreed(self, step: "DirectStep", redo: bool, names, tensors) -> None:
-        """After the consistency check: redo the copy unscaled where any rank
-        did not prescale exactly, and move the back-off."""
-        if not step.shift:
-            return
-        if redo:
+    def start(self, c) -> Optional["DirectStep"]:
+        """The one-pass step's copy when this call takes it, else ``None``."""
+        cfg, memory, device = self.config, self.state.memory, c.tensors[0].device
+        if not (c.out is None and (cfg.value_dtype is None or cfg.value_dtype == c.dtype)
+                and device.type == "cpu"):
+            return None
+        flatres = memory.layout(c.names, c.sizes, c.dtype, device)
+        if memory.enabled and not flatres.zero:
+            return None  # a residual to add: the accumulator's path
+        P = self.transport.size
+        shift = _shift(P, cfg.op, c.dtype)
+        if c.step % (1 << self.level):
+            shift = 0  # backing off: unscaled up front (and flagged)
+        update, _ = self.updates.take((tuple(c.names), c.dtype, device), sum(c.sizes), c.dtype, device, None)
+        return DirectStep(update, flatres, c.names, c.sizes, c.tensors, P, shift, cfg.kernels)
+
+    def agree(self, c):
+        """A stage after the cross-rank check: redo the copy unscaled where
+        any rank did not prescale exactly, and move the back-off."""
+        step = c.direct
+        if step is None or not step.shift:
+            return c
+        if c.redo:
             self.level = min(self.level + 1, self.MAX_LEVEL)
-            step.copy(names, tensors, 0)
+            step.copy(c.names, c.tensors, 0)
         else:
             self.level = 0
+        return c
+
+    agree.phase = "check"
+
+
+class DirectUpdate(Update):
+    """:class:`Update` that finishes the one-pass step where the call took it."""
+
+    def form(self, c, divisor: int):
+        return c.direct.finish(c.agg, divisor) if c.direct is not None else super().form(c, divisor)
 
 
 class DirectStep:
@@ -102,10 +126,8 @@ class DirectStep:
     UpdateBuffers, which the engine sums in place and the caller receives)
     and the flags of the copy."""
 
-    def __init__(self, red, flatres, names, sizes, tensors, dtype, P: int, shift: int):
-        device = tensors[0].device
-        self.red, self.P, self.flatres = red, P, flatres
-        self.update, _ = red._updates.take((tuple(names), dtype, device), sum(sizes), dtype, device, None)
+    def __init__(self, update, flatres, names, sizes, tensors, P: int, shift: int, kernels_backend):
+        self.P, self.flatres, self.update, self.kernels = P, flatres, update, kernels_backend
         self.parts = list(torch.split(self.update, list(sizes)))
         self.copy(names, tensors, shift)
 
@@ -119,7 +141,7 @@ class DirectStep:
         """grad * 2^-shift into the update buffer, with the flags."""
         self.shift, self.nonfinite, self.exact, self.nnz = shift, [], True, 0
         for n, t, part in zip(names, tensors, self.parts):
-            finite, exact, nnz = kernels.prescale_copy(part, t.detach(), shift, kernels=self.red.config.kernels)
+            finite, exact, nnz = kernels.prescale_copy(part, t.detach(), shift, kernels=self.kernels)
             if not finite:
                 self.nonfinite.append(n)
             self.exact &= exact
@@ -133,4 +155,4 @@ class DirectStep:
         elif self.P == 1:
             return self.update, self.nnz  # the copy was the update, counted as it was written
         d = 1 if self.shift else divisor
-        return self.update, kernels.div_count_(self.update, d, kernels=self.red.config.kernels)
+        return self.update, kernels.div_count_(self.update, d, kernels=self.kernels)

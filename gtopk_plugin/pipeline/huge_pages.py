@@ -1,4 +1,4 @@
-"""Persistent CPU buffers backed by transparent huge pages (issue #15).
+"""Persistent CPU buffers backed by transparent huge pages.
 
 The reducer's long-lived N-sized buffers -- the residual and the scratch
 accumulator of error feedback, the update buffer, the momentum buffers --

@@ -1,5 +1,5 @@
 """Layout of one reducer call: the input checks, the flat dtype, the
-segments and their k (DESIGN.md §3 "Selection"), the finiteness test and
+segments and their k (docs/design.md §2, selection), the finiteness test and
 the clipping norm.  Framework-neutral and stateless apart from a small
 cache; the TensorFlow layer uses the same functions.
 

@@ -5,7 +5,7 @@ Names matter because they are the only identity a gradient has on every
 rank and after a restart: error-feedback residuals and momentum velocities
 are keyed by them, and Horovod pairs collective ops by name.  Buckets
 matter because each one is one ``GradientReducer.reduce`` call (one
-consistency check, one butterfly schedule, DESIGN.md §3); granularity
+consistency check, one butterfly schedule, docs/design.md §2); granularity
 "global" selects per bucket.
 
 * :func:`named_pairs` validates ``model.named_parameters()``-style input

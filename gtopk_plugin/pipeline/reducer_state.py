@@ -1,7 +1,8 @@
-"""The GradientReducer's checkpoint and loss-scale bookkeeping (a mixin, out
-of reducer.py to keep that module one screenful of pipeline): the state a
-bit-exact resume needs, and residuals/velocities kept in the units of the
-incoming (AMP loss-scaled) gradients.
+"""What a :class:`gtopk_plugin.GradientReducer` carries from one call to the
+next (:class:`ReducerState`, an object the reducer holds): the step, the
+AMP loss scale its residuals and velocities are expressed in, the optimizer
+binding, and the checkpoint of all of it -- the state a bit-exact resume
+needs.
 
 A state dict (version 2) says where it comes from: the rank and world size
 that produced it, the method and the settings that give its tensors their
@@ -196,7 +197,7 @@ def param_sizes(named_parameters) -> Dict[str, int]:
     return out
 
 
-def _transport_origin(transport) -> Optional[Tuple[int, int]]:
+def transport_origin(transport) -> Optional[Tuple[int, int]]:
     """(rank, world size) of ``transport``, or None while it cannot tell
     (torch.distributed not initialised yet, Horovod not running)."""
     try:
@@ -209,12 +210,23 @@ def _transport_origin(transport) -> Optional[Tuple[int, int]]:
 
 
 class ReducerState:
-    """Mixin of :class:`gtopk_plugin.GradientReducer` (uses its ``config``,
-    ``step``, ``memory``, ``momentum``, ``compressor``, ``loss_scale``,
-    ``binding``, ``transport``, ``_updates`` and ``_small``, the dense side
-    of ``dense_below``)."""
+    """One reducer's state between calls.  ``step``, ``loss_scale`` and
+    ``binding`` are its own; ``memory`` (residuals), ``momentum``
+    (velocities), ``compressor`` (its state) and ``small`` (the
+    ``dense_below`` side, or None) are the reducer's collaborators whose
+    state it checkpoints.  ``config``, ``aggregation`` and ``transport`` say
+    which states fit (method, settings, rank and world size)."""
 
-    def _follow_loss_scale(self, loss_scale: Optional[float]) -> None:
+    def __init__(self, config, aggregation: str, transport, compressor, memory, momentum, small=None):
+        self.config, self.aggregation, self.transport = config, aggregation, transport
+        self.compressor, self.memory, self.momentum, self.small = compressor, memory, momentum, small
+        self.step = 0
+        # the loss scale the residuals and velocities are expressed in (AMP)
+        self.loss_scale: Optional[float] = None
+        self.binding = None  # OptimizerBinding: momentum and weight decay from an optimizer
+        self.loaded_origin: Optional[Tuple[int, int]] = None
+
+    def follow_loss_scale(self, loss_scale: Optional[float]) -> None:
         """Keep residuals and velocities in the units of the incoming
         gradients: when the AMP loss scale changed since the last call,
         multiply them by new/old (a power of two for GradScaler: exact)."""
@@ -230,7 +242,8 @@ class ReducerState:
         self.loss_scale = s
 
     # ------------------------------------------------------------ checkpoints
-    def _state_settings(self) -> Dict[str, Any]:
+    def settings(self) -> Dict[str, Any]:
+        """The settings a state records (MATCHED_SETTINGS must agree on load)."""
         cfg = self.config
         return {"aggregation": self.aggregation, "hyper": dict(self.compressor.hyper),
                 "error_feedback": bool(cfg.error_feedback), "dense_below": int(cfg.dense_below),
@@ -239,61 +252,39 @@ class ReducerState:
                 "wire_rounding": cfg.wire_rounding, "momentum": cfg.momentum, "nesterov": cfg.nesterov,
                 "dampening": cfg.dampening, "momentum_masking": cfg.momentum_masking}
 
-    def _origin(self) -> Optional[Tuple[int, int]]:
-        """Where this reducer's state belongs: its transport's (rank, world
-        size); before the transport can tell, that of the last loaded state."""
-        where = _transport_origin(self.transport)
-        return where if where is not None else getattr(self, "_loaded_origin", None)
+    def origin(self) -> Optional[Tuple[int, int]]:
+        """Where this state belongs: the transport's (rank, world size);
+        before the transport can tell, that of the last loaded state."""
+        where = transport_origin(self.transport)
+        return where if where is not None else self.loaded_origin
 
     def state_dict(self) -> dict:
-        """This rank's state: residuals, velocities, step, loss scale and
-        compressor state -- everything a bit-exact resume needs (random
-        draws are keyed by (seed, step, name), so seed and step are the RNG
-        state); with ``dense_below``, the dense part's velocities under
-        "small".  It records the rank and world size it belongs to, the
-        method and settings, and the layout of its tensors: load it on the
-        same rank of a job of the same size (``gtopk_plugin.checkpoint``
-        saves and loads whole jobs, and moves them to another size)."""
-        where = self._origin()
+        """See :meth:`gtopk_plugin.GradientReducer.state_dict`."""
+        where = self.origin()
         residuals, velocities = self.memory.state_dict(), self.momentum.state_dict()
         sd = {"version": STATE_VERSION,
               "rank": None if where is None else where[0],
               "world_size": None if where is None else where[1],
-              "method": self.config.method, "seed": self.config.seed, "settings": self._state_settings(),
+              "method": self.config.method, "seed": self.config.seed, "settings": self.settings(),
               "step": self.step, "residuals": residuals, "velocities": velocities,
               "loss_scale": self.loss_scale, "compressor": self.compressor.state_dict(),
               "layout": {"residuals": layout_of(residuals), "velocities": layout_of(velocities)}}
-        if self._small is not None:
-            sd["small"] = self._small.state_dict()
+        if self.small is not None:
+            sd["small"] = self.small.state_dict()
             sd["layout"]["small"] = layout_of(sd["small"]["velocities"])
         return sd
 
-    def load_state_dict(self, sd: dict, *, named_parameters=None) -> None:
-        """Load a state saved by :meth:`state_dict` on this rank of a job of
-        this world size.  Everything is validated before anything changes
-        (a refused state leaves the reducer as it was): version, keys and
-        types, a non-negative int step, finite residuals, velocities and
-        compressor tensors of the recorded layout, the method, seed and the
-        settings that give them their meaning, and the rank and world size.
-        ``named_parameters`` (``model.named_parameters()`` or a dict name ->
-        tensor or shape): residuals and velocities must then be for these
-        names and sizes (a state from another model is refused).
+    def load(self, sd: dict, named_parameters=None) -> None:
+        """Validate ``sd`` for this rank of this world size, then apply it."""
+        self.apply(self.check(sd, transport_origin(self.transport), named_parameters))
 
-        Raises :class:`CheckpointError` (a ``ValueError``).  Another world
-        size: :func:`gtopk_plugin.checkpoint.load_job` redistributes a job's
-        checkpoint (or :func:`gtopk_plugin.checkpoint.redistribute` the
-        states in memory)."""
-        plan = self._check_state(sd, _transport_origin(self.transport), named_parameters)
-        self._apply_state(plan)
-
-    def _load_own_state(self, sd: dict) -> None:
+    def load_own(self, sd: dict) -> None:
         """Load a state this process saved itself, in the world it was in
         then (elastic restore: the job may have failed, so the transport's
         rank is not asked); it keeps its recorded rank and world size."""
-        self._apply_state(self._check_state(sd, None, None, own=True))
+        self.apply(self.check(sd, None, None, own=True))
 
-    def _check_state(self, sd, where: Optional[Tuple[int, int]], named_parameters=None,
-                     own: bool = False) -> _Plan:
+    def check(self, sd, where: Optional[Tuple[int, int]], named_parameters=None, own: bool = False) -> _Plan:
         """Validate ``sd`` for this reducer at ``where`` = (rank, world
         size) (None: not known yet); returns what to apply."""
         validate_state(sd)
@@ -303,48 +294,20 @@ class ReducerState:
         if sd["seed"] != cfg.seed:
             raise _fail(f"it was saved with seed={sd['seed']}, this reducer has seed={cfg.seed} (random "
                         "draws are keyed by (seed, step): build the reducer with the saved seed)")
-        ours = self._state_settings()
+        ours = self.settings()
         for key in MATCHED_SETTINGS:
             if sd["settings"][key] != ours[key]:
                 raise _fail(f"it was saved with {key}={sd['settings'][key]!r}, this reducer has "
                             f"{key}={ours[key]!r}")
         if sd["residuals"] and not cfg.error_feedback:
             raise _fail("it holds residuals but this reducer has error_feedback=False")
-        if ("small" in sd) != (self._small is not None):
+        if ("small" in sd) != (self.small is not None):
             raise _fail("its dense_below part ('small') does not match this reducer's dense_below")
         origin = None if sd["rank"] is None else (int(sd["rank"]), int(sd["world_size"]))
         if origin is not None and not own:
-            if where is None:
-                if per_rank_content(sd):
-                    raise _fail(
-                        f"it belongs to rank {origin[0]} of a {origin[1]}-rank job, and this reducer's "
-                        "transport cannot tell its rank yet (torch.distributed not initialised?): "
-                        "initialise the process group first")
-            elif origin[1] != where[1]:
-                raise _fail(
-                    f"it was saved by rank {origin[0]} of a {origin[1]}-rank job, this job has {where[1]} "
-                    "ranks: residuals are each rank's share of the unsent gradient mass; use "
-                    "gtopk_plugin.checkpoint.load_job (or checkpoint.redistribute) to move a whole job's "
-                    "checkpoint to another world size")
-            elif origin[0] != where[0]:
-                raise _fail(
-                    f"it was saved by rank {origin[0]}, this is rank {where[0]} (of {where[1]}): each "
-                    "rank loads its own state (gtopk_plugin.checkpoint.save_job/load_job write and read "
-                    "one per rank)")
+            _check_origin(sd, origin, where)
         if named_parameters is not None:
-            sizes = param_sizes(named_parameters)
-            parts = [("residual", sd["residuals"]), ("velocity", sd["velocities"])]
-            if "small" in sd:
-                parts.append(("velocity", sd["small"]["velocities"]))
-            for what, d in parts:
-                foreign = sorted(n for n in d if n not in sizes)
-                if foreign:
-                    raise _fail(f"it holds a {what} for {foreign[:5]}, which named_parameters does not "
-                                "name (a state of another model?)")
-                for n, t in d.items():
-                    if t.numel() != sizes[n]:
-                        raise _fail(f"its {what} of {n!r} has {t.numel()} entries, the parameter has "
-                                    f"{sizes[n]}")
+            _check_names(sd, param_sizes(named_parameters))
         comp = dict(sd["compressor"])
         try:  # the compressor validates its own state: on a fresh instance first
             type(self.compressor)(**cfg.method_hyper).load_state_dict(comp)
@@ -359,38 +322,57 @@ class ReducerState:
                      _check_loss_scale(sd["loss_scale"], "loss_scale"), comp, small,
                      origin if origin is not None else where)
 
-    def _apply_state(self, plan: _Plan) -> None:
+    def apply(self, plan: _Plan) -> None:
         """Apply a validated state (the loaders copy the tensors)."""
         self.step = plan.step
         self.memory.load_state_dict(plan.residuals)
         self.momentum.load_state_dict(plan.velocities)
         self.loss_scale = plan.loss_scale
         self.compressor.load_state_dict(plan.compressor)
-        if self._small is not None:
-            self._small.load_state_dict(plan.small)
-        self._loaded_origin = plan.origin
-
-    def correct_momentum(self, optimizer, named_parameters) -> "ReducerState":
-        """Turn on DGC momentum correction with ``optimizer``'s own settings:
-        its SGD momentum (nesterov, dampening) and weight decay move in
-        front of the compressor, read from its param groups at every call,
-        and ``optimizer.step()`` runs with momentum and weight decay 0 for
-        those groups (restored right after the step).  ``named_parameters``
-        gives the names this reducer sees.  Returns ``self``.
-
-        Raises ``ValueError`` for optimizers without SGD momentum (Adam,
-        AdamW: use plain error feedback)."""
-        from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
-
-        if self.binding is not None:
-            self.binding.remove()
-        self.binding = OptimizerBinding(optimizer, named_parameters)
-        return self
+        if self.small is not None:
+            self.small.load_state_dict(plan.small)
+        self.loaded_origin = plan.origin
 
     def reset(self) -> None:
-        """Forget residuals and velocities (e.g. after the set of parameters changed)."""
+        """Forget residuals and velocities."""
         self.memory.reset()
         self.momentum.reset()
-        self._updates.clear()
-        if self._small is not None:
-            self._small.reset()
+        if self.small is not None:
+            self.small.reset()
+
+
+def _check_origin(sd, origin: Tuple[int, int], where: Optional[Tuple[int, int]]) -> None:
+    """A state saved by rank ``origin[0]`` of ``origin[1]`` loads only there."""
+    if where is None:
+        if per_rank_content(sd):
+            raise _fail(
+                f"it belongs to rank {origin[0]} of a {origin[1]}-rank job, and this reducer's "
+                "transport cannot tell its rank yet (torch.distributed not initialised?): "
+                "initialise the process group first")
+    elif origin[1] != where[1]:
+        raise _fail(
+            f"it was saved by rank {origin[0]} of a {origin[1]}-rank job, this job has {where[1]} "
+            "ranks: residuals are each rank's share of the unsent gradient mass; use "
+            "gtopk_plugin.checkpoint.load_job (or checkpoint.redistribute) to move a whole job's "
+            "checkpoint to another world size")
+    elif origin[0] != where[0]:
+        raise _fail(
+            f"it was saved by rank {origin[0]}, this is rank {where[0]} (of {where[1]}): each "
+            "rank loads its own state (gtopk_plugin.checkpoint.save_job/load_job write and read "
+            "one per rank)")
+
+
+def _check_names(sd, sizes: Dict[str, int]) -> None:
+    """Residuals and velocities only for the named parameters, of their sizes."""
+    parts = [("residual", sd["residuals"]), ("velocity", sd["velocities"])]
+    if "small" in sd:
+        parts.append(("velocity", sd["small"]["velocities"]))
+    for what, d in parts:
+        foreign = sorted(n for n in d if n not in sizes)
+        if foreign:
+            raise _fail(f"it holds a {what} for {foreign[:5]}, which named_parameters does not "
+                        "name (a state of another model?)")
+        for n, t in d.items():
+            if t.numel() != sizes[n]:
+                raise _fail(f"its {what} of {n!r} has {t.numel()} entries, the parameter has "
+                            f"{sizes[n]}")

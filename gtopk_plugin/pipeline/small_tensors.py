@@ -1,4 +1,4 @@
-"""Small tensors go dense (issue #17): ``GradientReducer(dense_below=N)``.
+"""Small tensors go dense: ``GradientReducer(dense_below=N)``.
 
 Tensors with fewer than ``N`` entries (biases, norm scales: little traffic,
 much per-tensor overhead, and a large relative error when compressed) are
@@ -33,6 +33,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from gtopk_plugin.pipeline.layout import all_finite, local_grad_norm, validate_grads
+from gtopk_plugin.pipeline.reduce_call import Call
 from gtopk_plugin.pipeline.update_buffers import check_out
 
 Tensor = torch.Tensor
@@ -58,62 +59,57 @@ def split(grads, threshold: int) -> Optional[Tuple[Dict[str, Tensor], Dict[str, 
 
 
 class SmallTensors:
-    """The dense side of a reducer with ``dense_below``: a ``method="dense"``
-    reducer on the same transport and settings, kept in step with it."""
+    """The stage of a reducer with ``dense_below``, around the method's
+    stages: ``method`` (a stage, ``Call -> Call``) reduces the other
+    tensors, ``dense`` (a ``method="dense"`` GradientReducer on the same
+    transport and settings, built by the reducer) the small ones, kept at
+    the reducer's step and optimizer binding (``state``)."""
 
-    def __init__(self, red):
-        from gtopk_plugin.reducer import GradientReducer  # the reducer imports this module
+    def __init__(self, method, dense, state, threshold: int):
+        self.method, self.dense, self.state, self.threshold = method, dense, state, threshold
 
-        cfg = red.config
-        self.threshold = cfg.dense_below
-        self.dense = GradientReducer(
-            method="dense", op=cfg.op, transport=red.transport, seed=cfg.seed,
-            nonfinite=cfg.nonfinite, error_feedback=cfg.error_feedback, kernels=cfg.kernels,
-            momentum=cfg.momentum, nesterov=cfg.nesterov, dampening=cfg.dampening,
-            momentum_masking=cfg.momentum_masking, clip_norm=cfg.clip_norm)
-
-    def reduce(self, red, small, rest, *, advance_step, grad_norm, loss_scale, out=None,
-               out_reuse=False) -> Dict[str, Tensor]:
-        """One ``red.reduce()`` call split in two (see the module docstring)."""
-        dense = self.dense
-        dense.step, dense.binding = red.step, red.binding
-        if red.config.clip_norm is not None and grad_norm is None:
+    def __call__(self, c):
+        """One call split in two (see the module docstring)."""
+        parts = split(c.grads, self.threshold)
+        if parts is None:
+            return self.method(c)
+        small, rest = parts
+        dense, cfg = self.dense, self.state.config
+        dense.step, dense.binding = self.state.step, self.state.binding
+        grad_norm = c.grad_norm
+        if cfg.clip_norm is not None and grad_norm is None:
             # the clipping norm is over the whole call, both parts
             try:
                 grad_norm = local_grad_norm(list(small.values()) + list(rest.values()))
             except RuntimeError:
                 grad_norm = None  # invalid input: the check below raises
         bad, names, tensors = validate_grads(small)
-        bad = bad or check_out(out, names, tensors)
+        bad = bad or check_out(c.out, names, tensors)
+        kw = dict(advance_step=False, grad_norm=grad_norm, loss_scale=c.loss_scale, out=c.out)
         if not rest:  # nothing to compress: the dense reducer alone (its check)
-            res = dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out)
-            return self._finish(red, res, dense.last_stats, None, advance_step)
+            c.updates = dense.reduce(small, **kw)
+            return self._finish(c, dense.last_stats, None)
         # the method's call carries the small tensors' check
+        main = Call(rest, grad_norm, c.loss_scale, c.out, c.out_reuse)
         layout = [("dense_below", self.threshold)] + [
             (n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)]
-        nonfinite = [n for n, t in zip(names, tensors) if not all_finite(t)] if bad is None else []
-        red._also = (layout, nonfinite, bad)
-        try:
-            res = red._reduce(rest, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale, out=out,
-                              out_reuse=out_reuse)
-        finally:
-            red._also = None
-        main = red.last_stats
-        if main.skipped:  # every rank skips the whole step (nonfinite="skip"/"propagate")
-            fill = float("inf") if red.config.nonfinite == "propagate" else 0.0
-            res.update({n: out[n].fill_(fill) if out is not None else torch.full_like(t, fill)
-                        for n, t in small.items()})
-            main.numel += sum(t.numel() for t in small.values())
-            return self._finish(red, res, None, main, advance_step)
-        res.update(dense.reduce(small, advance_step=False, grad_norm=grad_norm, loss_scale=loss_scale,
-                                out=out))
-        return self._finish(red, res, dense.last_stats, main, advance_step)
+        main.extra = (layout, [n for n, t in zip(names, tensors) if not all_finite(t)] if bad is None else [], bad)
+        main = self.method(main)
+        c.updates = main.updates
+        if main.stats.skipped:  # every rank skips the whole step (nonfinite="skip"/"propagate")
+            fill = float("inf") if cfg.nonfinite == "propagate" else 0.0
+            c.updates.update({n: c.out[n].fill_(fill) if c.out is not None else torch.full_like(t, fill)
+                              for n, t in small.items()})
+            main.stats.numel += sum(t.numel() for t in small.values())
+            return self._finish(c, None, main.stats)
+        c.updates.update(dense.reduce(small, **kw))
+        return self._finish(c, dense.last_stats, main.stats)
 
-    @staticmethod
-    def _finish(red, out, small_stats, main_stats, advance_step):
+    def _finish(self, c, small_stats, main_stats):
+        """The call's stats: the sum of both parts', ``parts`` naming each."""
         if main_stats is None:
-            st = dataclasses.replace(small_stats, method=red.config.method, aggregation=red.aggregation,
-                                     k=small_stats.numel)
+            st = dataclasses.replace(small_stats, method=self.state.config.method,
+                                     aggregation=self.state.aggregation, k=small_stats.numel)
         elif small_stats is None:
             st = main_stats
         else:
@@ -123,10 +119,8 @@ class SmallTensors:
             st.seconds = {k: main_stats.seconds.get(k, 0.0) + small_stats.seconds.get(k, 0.0)
                           for k in set(main_stats.seconds) | set(small_stats.seconds)}
         st.parts = {"dense": small_stats, "method": main_stats}
-        red.last_stats = st
-        if advance_step:
-            red.step += 1
-        return out
+        c.stats = st
+        return c
 
     # -- checkpoints: the dense part's velocities (DGC momentum) ----------
     def state_dict(self) -> dict:

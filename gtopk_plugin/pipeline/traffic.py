@@ -5,8 +5,8 @@ Every framework layer reports its last step's bytes the same way (the
 state): a :class:`StepTraffic` summed over the buckets of the step, handed
 out as a plain dict by :meth:`StepTraffic.as_dict`.
 
-Where the numbers come from (DESIGN.md §3, "Every collective counts the
-bytes it sends and receives"):
+Where the numbers come from (every collective counts the bytes it sends
+and receives; docs/design.md §4):
 
 * the transport fields (``payload_``/``header_`` bytes, ``control_bytes``,
   ``messages_sent``) are the counters of
@@ -14,7 +14,7 @@ bytes it sends and receives"):
   fields of each bucket's :class:`~gtopk_plugin.pipeline.reduce_stats.ReduceStats`;
 * ``bytes_sent`` / ``bytes_received`` are always payload + headers (the data
   path); the consistency check stays apart in ``control_bytes`` so payload
-  figures match the formulas of DESIGN.md §3 exactly;
+  figures match the formulas of docs/design.md §4 exactly;
 * the selection fields (``numel``, ``k``, ``sent_entries``, ``rounds``,
   ``dense_bytes``, ``skipped``) come from the buckets' ``ReduceStats``;
 * a dense allreduce whose engine is not observable (Horovod's, DDP's) is
@@ -32,7 +32,7 @@ __all__ = ["StepTraffic", "TRANSPORT_FIELDS", "STATS_FIELDS", "WIRE_FORMATS", "s
            "gtopk_bytes", "allgather_bytes", "sharded_allreduce_bytes",
            "onebit_payload_bytes", "onebit_reduce_scatter_bytes", "onebit_scales"]
 
-# Values on the wire (DESIGN.md §3): (bytes per value, bytes per message).
+# Values on the wire (docs/design.md §3): (bytes per value, bytes per message).
 # int8: one code per value plus one exponent byte per message (the
 # per-message power-of-two scale of collectives/wire.py).
 WIRE_FORMATS = {"fp32": (4, 0), "fp16": (2, 0), "bf16": (2, 0), "int8": (1, 1)}

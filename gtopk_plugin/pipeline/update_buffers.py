@@ -1,5 +1,5 @@
 """Persistent dense update buffers of :class:`gtopk_plugin.GradientReducer`
-(issue #15: no N-sized allocation per step in steady state), a small ring
+(no N-sized allocation per step in steady state), a small ring
 per layout; see :class:`UpdateBuffers` for the lifetime contract of the
 tensors ``reduce()`` returns."""
 from __future__ import annotations
@@ -188,7 +188,7 @@ def write_into(agg, outs: List[Tensor], divisor: int, prev: Optional[Tensor] = N
     value dtype, then the tensor's dtype): a dense result divided straight
     into them, a sparse one as a zero fill -- or, given ``prev`` (the sorted
     indices of the sparse result the tensors hold), zeros at ``prev`` only
-    -- plus O(k) writes: no update buffer, and no copy of one (issue #15)."""
+    -- plus O(k) writes: no update buffer, and no copy of one."""
     vals = agg.vals
     if agg.idx is None:
         off, nnz = 0, 0

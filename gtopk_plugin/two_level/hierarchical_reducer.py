@@ -1,5 +1,5 @@
-"""Two-level (hierarchical) reduction for clusters of multi-GPU nodes
-(issue #18): dense inside a node, the sparse exchange between nodes only.
+"""Two-level (hierarchical) reduction for clusters of multi-GPU nodes:
+dense inside a node, the sparse exchange between nodes only.
 
 Real clusters join 4-8 workers of a node by a fast fabric and the nodes by
 a slow link.  Flat gTop-k (Shi et al. 2019, arXiv 1901.04359) over all
@@ -31,7 +31,7 @@ method and hyper-parameter unchanged, nodes of any size.
 
 **Error feedback.**  The residual (and DGC velocity) lives on the leader
 only: ``acc = node_sum + residual``, less what reached the global result
-under the inner aggregation's "reached" rule (DESIGN.md §3).  Mass
+under the inner aggregation's "reached" rule (docs/design.md §2).  Mass
 conservation (``op="sum"``, g' a rank's gradient after its clipping and
 weight decay): Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual --
 the node sums add up to Σ_ranks g' (to the rounding of the intra-node sum),
@@ -68,6 +68,7 @@ from gtopk_plugin import config
 
 from gtopk_plugin.pipeline import input_check as consistency
 from gtopk_plugin.collectives.transport import Transport
+from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
 from gtopk_plugin.pipeline.input_check import JoinedRankError, LayoutMismatchError, NonFiniteGradientError, PeerInputError
 from gtopk_plugin.pipeline.layout import all_finite, clip_scale, flat_dtype, segment_ks, validate_grads
 from gtopk_plugin.two_level.node_fabric import ERROR, PROPAGATE, SKIP, NodeFabric, check_fabric, flat_result, status_blob
@@ -347,8 +348,6 @@ class HierarchicalReducer:
         :meth:`GradientReducer.correct_momentum` (call it on every rank:
         every rank's optimizer then steps without momentum and weight decay;
         weight decay is added per worker, the velocity is the leader's)."""
-        from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
-
         if self.binding is not None:
             self.binding.remove()
         self.binding = OptimizerBinding(optimizer, named_parameters)
