@@ -104,9 +104,10 @@ SECTIONS = [
          plot=True),
     dict(key="ddp_step", title="DDP step (loopback)",
          command="gtopk-bench ddp-step --workers 2 --rounds 20",
-         text="One DDP training step of a 10.5M-parameter MLP on 2 loopback gloo workers: "
-              "DDP's allreduce against the sparse hook.  On loopback the link is free, so this "
-              "is the hook's local cost; the emulated cluster below measures what it saves.",
+         text="One DDP training step of a 10.5M-parameter MLP on 2 loopback gloo workers: DDP's "
+              "allreduce and PyTorch's own hooks against the sparse hook.  On loopback the link is "
+              "free, so this is each hook's local cost; the emulated cluster below measures what "
+              "they save.",
          tables=[("rows", None, [("variant", "variant", "str"), ("median step ms", "median_ms", "ms"),
                                  ("vs allreduce", "vs_allreduce", "x"), ("hook ms", "hook_ms", "ms")])]),
     dict(key="horovod_overhead", title="Horovod step",
@@ -242,10 +243,12 @@ def _anchor(title: str) -> str:
 
 
 # -- collecting: the rows each section shows, from the studies' output -------
-def _read(raw: str, name: str) -> Optional[dict]:
+def _read(raw: str, name: str, optional: bool = False) -> Optional[dict]:
     path = os.path.join(raw, name)
     if not os.path.exists(path):
-        return None
+        if optional:
+            return None
+        raise FileNotFoundError(f"no {name} in {raw}")
     with open(path) as f:
         return json.load(f)
 
@@ -331,7 +334,7 @@ TRAIN_FILES = ("train_p8_vgg_paper_800_dense.json", "train_p8_vgg_paper_800.json
 def _train(raw):
     # one run per (method, seed): a later file's run replaces an earlier one's
     runs = list({(r["name"], r["seed"]): r for f in TRAIN_FILES
-                 for r in (_read(raw, f) or {"rows": []})["rows"]}.values())
+                 for r in (_read(raw, f, optional=True) or {"rows": []})["rows"]}.values())
     by: Dict[str, List[dict]] = {}
     for r in sorted(runs, key=lambda r: r["seed"]):
         by.setdefault(r["name"], []).append(r)
@@ -372,7 +375,7 @@ def _two_level(raw):
     d = _read(raw, "cluster_nodes.json")
     ex = [dict(method=r["method"], layout=r["layout"], nodes=r["nodes"], exchange_ms=1e3 * r["exchange_s"],
                bytes_sent=r["bytes_sent"]) for r in sorted(d["rows"], key=lambda r: (r["nodes"], r["method"]))]
-    h = _read(raw, "convergence_hier.json")
+    h = _read(raw, "convergence_hier.json", optional=True)
     conv = [dict(task=s["task"], workers=s["workers"], method=s["method"], flat=s["flat"]["mean"],
                  hier=s["hier"]["mean"], gap_pp=s["gap_mean_pp"], bytes_ratio=s["bytes_ratio"])
             for s in (h or {"summary": []})["summary"]]
@@ -386,8 +389,8 @@ COLLECT = {"bytes_per_step": _bytes_per_step, "selection": _selection, "step": _
 
 
 def _machine(raw) -> Optional[dict]:
-    sel = _read(raw, "selection.json")
-    rec = _read(raw, "horovod_overhead.json")
+    sel = _read(raw, "selection.json", optional=True)
+    rec = _read(raw, "horovod_overhead.json", optional=True)
     if sel is None or rec is None:
         return None
     m, h = sel["machine"], rec["machine"]
@@ -428,8 +431,11 @@ def collect(raw: str = RAW, data: str = DATA) -> List[str]:
     for key, fn in COLLECT.items():
         try:
             meta, tables, png = fn(raw)
-        except (TypeError, KeyError, ValueError, IndexError) as e:  # its output is missing or partial
-            print(f"{key}: not collected ({type(e).__name__}: {e})", file=sys.stderr)
+        except FileNotFoundError as e:
+            print(f"{key}: kept ({e})", file=sys.stderr)
+            continue
+        except (TypeError, KeyError, ValueError, IndexError) as e:  # its output is partial
+            print(f"{key}: kept, not collected ({type(e).__name__}: {e})", file=sys.stderr)
             continue
         _write(os.path.join(data, key + ".json"), _round({"section": key, "meta": meta, "tables": tables}))
         if png and os.path.exists(os.path.join(raw, png)):
