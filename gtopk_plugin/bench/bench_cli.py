@@ -4,8 +4,7 @@ cluster, one console script.
 ``gtopk-bench NAME [options]`` is ``python -m gtopk_plugin.bench.MODULE
 [options]``; dashes and underscores in NAME are interchangeable.  Results
 (JSON, and a PNG where the benchmark plots) go to ``gtopk-bench-results/``
-in the current directory unless ``--json``/``--out`` says otherwise
-(``GTOPK_BENCH_RESULTS`` moves the default folder)."""
+in the current directory unless ``--json``/``--out`` says otherwise."""
 from __future__ import annotations
 
 import importlib

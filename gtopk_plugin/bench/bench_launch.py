@@ -10,15 +10,9 @@ callbacks, the last lines of every rank go into the error), after
 
 - engine ``torch``: a torch.distributed gloo group (file store on loopback,
   or TCP at ``master_addr:master_port`` across namespaces);
-- engine ``horovod``: ``hvd.init()`` with Horovod's gloo controller, whose
-  rendezvous the caller started, and ``HorovodTransport(side_channel=True)``:
-  the exchange on the gloo side channel, as the Horovod optimizer runs it
-  (:class:`HorovodEngine`; Horovod is imported here, never in
-  ``gtopk_plugin``'s launcher);
-- engine ``horovod-ops``: the same with every exchange step a Horovod
-  collective (``HorovodTransport()``: what ``exchange="horovod"`` and a
-  NCCL-built Horovod use; :class:`HorovodOpsEngine`);
-- engine ``none``: nothing.
+- engine ``none``: nothing;
+- any other engine the launcher takes, as ``"module:Class"`` (the lab's
+  emulated cluster passes its Horovod engines so).
 
 A worker's result travels as JSON (what the benchmarks write), so every rank
 returns plain lists and dicts.  On any failure, timeout or Ctrl-C every
@@ -49,52 +43,6 @@ die_with_parent = _launch.die_with_parent
 stop_all = _launch.stop_all
 
 
-class HorovodEngine:
-    """Engine ``horovod`` of :func:`gtopk_plugin._launch.launcher.run`: ``hvd.init()``
-    on Horovod's gloo controller (rendezvous from the environment the caller
-    passes), its barrier, ``HorovodTransport`` and ``hvd.shutdown()``.
-
-    ``side_channel``: the transport moves the exchange on its gloo side
-    channel (the optimizer's default) rather than as Horovod
-    ops; the byte counts are the same either way."""
-
-    side_channel = True
-
-    def init(self, ctx) -> None:
-        import horovod.torch as hvd
-
-        hvd.init()
-        if hvd.rank() != ctx.rank or hvd.size() != ctx.size:
-            raise RuntimeError(f"Horovod says rank {hvd.rank()}/{hvd.size()}, the launcher "
-                               f"started rank {ctx.rank}/{ctx.size}")
-        self.hvd = hvd
-
-    def transport(self):
-        from gtopk_plugin.frameworks.horovod import HorovodTransport
-
-        return HorovodTransport(side_channel=self.side_channel)
-
-    def barrier(self) -> None:
-        # waited with sleeps: Horovod's own barrier spins (waiting.barrier)
-        from gtopk_plugin.frameworks.horovod.waiting import barrier
-
-        barrier()
-
-    def shutdown(self) -> None:
-        self.hvd.shutdown()
-
-
-class HorovodOpsEngine(HorovodEngine):
-    """Engine ``horovod-ops``: every exchange step a Horovod collective
-    (one ``hvd.alltoall`` per butterfly round, ``hvd.allgather``...)."""
-
-    side_channel = False
-
-
-#: Engine names of :func:`run_workers` that run Horovod.
-HOROVOD_ENGINES = ("horovod", "horovod-ops")
-
-
 def _as_json(ctx, target: str, payload):
     """The worker side: ``target(ctx, payload)``, its result as JSON would
     carry it (the results are what the benchmarks write)."""
@@ -114,8 +62,8 @@ def run_workers(P: int, target: Union[str, Callable], payload, *, engine: str = 
     (index = rank).
 
     Args:
-        engine: "torch", "horovod", "horovod-ops" or "none" (see the module
-            docstring).
+        engine: "torch", "none" or a launcher engine as ``"module:Class"``
+            (see the module docstring).
         master_addr, master_port: TCP rendezvous of the torch engine (rank 0
             hosts the store; default port: a free one); default: a file store.
         ifname: the interface gloo binds to (``GLOO_SOCKET_IFNAME``).
@@ -125,11 +73,9 @@ def run_workers(P: int, target: Union[str, Callable], payload, *, engine: str = 
         progress: called with (rank, message dict) for each ``ctx.progress``.
         echo: copy workers' output to stderr as it arrives.
     """
-    engines = {"torch": "torch", "none": "none", "horovod": _launch.target_name(HorovodEngine),
-               "horovod-ops": _launch.target_name(HorovodOpsEngine)}
-    if engine not in engines:
-        raise ValueError(f"unknown engine {engine!r}; pass one of {', '.join(engines)}")
-    return _launch.run(P, _as_json, _launch.target_name(target), payload, engine=engines[engine],
+    if engine not in ("torch", "none") and ":" not in engine:
+        raise ValueError(f"unknown engine {engine!r}; pass 'torch', 'none' or 'module:Class'")
+    return _launch.run(P, _as_json, _launch.target_name(target), payload, engine=engine,
                        timeout=timeout, master_addr=master_addr, master_port=master_port, ifname=ifname,
                        prefix=prefix, env=env, output="capture", echo=echo, progress=progress)
 
@@ -142,8 +88,8 @@ def horovodrun(P: int, argv: Sequence[str], timeout: float, env: Optional[Dict[s
     exe = os.path.join(bindir, "horovodrun")
     if not os.path.exists(exe):
         exe = shutil.which("horovodrun") or "horovodrun"
-    run_env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
-                   TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    run_env["PATH"] = bindir + os.pathsep + run_env.get("PATH", "")  # the child's environment
     cmd = [exe, "-np", str(P), "-H", f"localhost:{P}", "--gloo", sys.executable] + list(argv)
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)

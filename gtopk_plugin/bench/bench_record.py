@@ -21,9 +21,9 @@ import platform
 import time
 from typing import Any, Callable, Iterable, Optional
 
-#: Where ``gtopk-bench`` writes its results by default: ``gtopk-bench-results/``
-#: in the current directory, or the folder ``GTOPK_BENCH_RESULTS`` names.
-RESULTS = os.environ.get("GTOPK_BENCH_RESULTS") or "gtopk-bench-results"
+#: Where ``gtopk-bench`` writes its results by default (``--json``/``--out``
+#: elsewhere): ``gtopk-bench-results/`` in the current directory.
+RESULTS = "gtopk-bench-results"
 
 #: Significant digits kept of a non-integral float.
 SIGNIFICANT = 6

@@ -28,7 +28,7 @@ from gtopk_plugin.compress import available
 
 from gtopk_plugin.bench import bench_launch as launch
 from gtopk_plugin.bench.bench_record import write_json
-from lab.cluster import codecs, ddp, harness, measure, model as abm, netns, report
+from lab.cluster import codecs, ddp, harness, hvd_engines, measure, model as abm, netns, report
 from lab.cluster import shapes as S
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -73,7 +73,7 @@ def _net_args(ap):
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker job")
 
 
-ENGINES = ("torch",) + launch.HOROVOD_ENGINES
+ENGINES = ("torch",) + hvd_engines.HOROVOD_ENGINES
 
 
 def _engines(spec: str, progress) -> List[str]:
@@ -89,7 +89,7 @@ def _engines(spec: str, progress) -> List[str]:
     ok, why = harness.horovod_status()
     out = []
     for e in want:
-        if e in launch.HOROVOD_ENGINES and not ok:
+        if e in hvd_engines.HOROVOD_ENGINES and not ok:
             progress.note(f"{why} -> torch.distributed gloo only")
             continue
         out.append(e)
@@ -206,7 +206,7 @@ def _combine(rows: List[dict], new: List[dict]) -> List[dict]:
 
 
 def _engine_dtypes(args, engine: str) -> List[str]:
-    if engine in launch.HOROVOD_ENGINES:
+    if engine in hvd_engines.HOROVOD_ENGINES:
         return [d for d in args.dtypes if d in args.horovod_dtypes]
     return args.dtypes
 

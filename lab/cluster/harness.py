@@ -15,7 +15,7 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional
 
 from gtopk_plugin.bench import bench_launch as launch
-from lab.cluster import netns
+from lab.cluster import hvd_engines, netns
 
 TORCH_PORT = 29500
 HVD_PORT = 29600
@@ -207,9 +207,9 @@ def run_job(net, P: int, target: Callable, payload, engine: str, progress: Optio
         if progress is not None:
             progress.step(msg.get("what", ""))
 
-    common = dict(engine=engine, ifname=net.iface, prefix=net.prefix, timeout=timeout,
-                  progress=on_progress, echo=echo)
-    if engine in launch.HOROVOD_ENGINES:
+    common = dict(engine=hvd_engines.launcher_engine(engine), ifname=net.iface, prefix=net.prefix,
+                  timeout=timeout, progress=on_progress, echo=echo)
+    if engine in hvd_engines.HOROVOD_ENGINES:
         with _hvd_rendezvous(net, P) as envs:
             return launch.run_workers(P, target, payload, env=lambda r: envs[r], **common)
     port = TORCH_PORT if net.prefix(0) else launch.free_port()
