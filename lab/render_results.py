@@ -215,7 +215,9 @@ def render(data: str = DATA) -> str:
            "What the library measures on one machine: bytes, local cost, step time on emulated "
            "slow links, and accuracy.  Every table comes from the JSON in [results/](results/) "
            "and is rendered by `python -m lab render-results`; each section names the command "
-           "that regenerates its data (lab/README.md: every study).", ""]
+           "that regenerates its data.  `gtopk-bench` writes to `gtopk-bench-results/`, the lab's "
+           "studies ([lab/README.md](../lab/README.md)) to `lab/results/`; "
+           "`python -m lab render-results --collect --from DIR` takes a rerun's output into the page.", ""]
     if machine:
         out += ["**Machine.** " + machine["description"], ""]
     out += ["Sections: " + " · ".join(f"[{s['title']}](#{_anchor(s['title'])})" for s in SECTIONS) + ".", "",
