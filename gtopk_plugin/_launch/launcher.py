@@ -2,7 +2,7 @@
 gloo group, supervised, their results collected.
 
 Every program of the project that runs real ranks goes through
-:func:`run`: ``gtopk-demo``, the benchmarks (``benchmarks/launch.py`` adds
+:func:`run`: ``gtopk-demo``, the benchmarks (``gtopk_plugin/bench/bench_launch.py`` adds
 Horovod and network namespaces on top), the convergence study's gloo run and
 the distributed tests (``tests/support/dist_utils.py``).
 
@@ -21,7 +21,7 @@ What it does:
   ``master_addr:master_port`` when given (ranks in separate network
   namespaces).  ``"none"``: nothing.  Anything else names an engine class
   (``"module:Class"``) with ``init(ctx)``, ``barrier()``, ``transport()`` and
-  ``shutdown()`` -- how ``benchmarks/launch.py`` adds Horovod without this
+  ``shutdown()`` -- how ``gtopk_plugin/bench/bench_launch.py`` adds Horovod without this
   package importing a framework (docs/design.md §1).
 * **Supervision.** A rank that raises or dies ends the job at once by
   default (``fail_fast``): its peers would otherwise wait in a collective

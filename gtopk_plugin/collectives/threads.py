@@ -8,7 +8,7 @@ same compressors, error feedback, aggregations and byte counters as on a
 real process group -- so an in-process simulation of a codec (onebit,
 qsgd, powersgd: aggregations written against the Transport protocol only)
 is the real algorithm, not a model of it.  The convergence study uses it
-for the codecs (benchmarks/convergence/sim.py), which
+for the codecs (lab/convergence/sim.py), which
 :class:`gtopk_plugin.testing.Oracle` does not model.
 
 Exactness with respect to ``torch.distributed`` gloo (what the tests hold it

@@ -102,7 +102,7 @@ def uses_momentum_correction(method: str, args) -> bool:
 
 def lr_at(args, step: int, total_steps: int) -> float:
     """``--lr-schedule cosine``: lr·½(1 + cos(π·step/total)), the schedule of
-    benchmarks/convergence (sim.lr_at); else constant."""
+    lab/convergence (sim.lr_at); else constant."""
     import math
 
     if args.lr_schedule == "cosine":

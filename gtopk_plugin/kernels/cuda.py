@@ -1,7 +1,7 @@
 """CUDA back end: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
 
 Same signatures and results as :mod:`gtopk_plugin.kernels.reference` run on
-the same CUDA tensors (bit for bit; ``benchmarks/gpu_check.py`` and
+the same CUDA tensors (bit for bit; ``gtopk-bench gpu-check`` (gtopk_plugin/bench/gpu_check.py) and
 ``tests/unit/test_kernels_cuda.py`` compare the two on a GPU).
 
 Loading.  :func:`load` (called once, on the first kernel call on a CUDA
