@@ -9,7 +9,7 @@ checkpointed with the residuals and assigned inside the branch that ran
 from __future__ import annotations
 
 import io
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -93,26 +93,19 @@ def numpy_call(state, fn, inputs, Tout, stateful: bool = True):
     return outs[:-1]
 
 
-def select(x, offsets: Sequence[int], ks, comp, *, step=0, names: Optional[Sequence[str]] = None,
-           seed: int = 0, rank: int = 0, kernels: Optional[str] = None):
-    """``comp.select`` on the flat tensor ``x`` (segments ``offsets``,
-    counts ``ks``: Python ints or an int tensor): ``(int32 indices, values
-    in x's dtype)``."""
-    names = list(names) if names is not None else [f"s{i}" for i in range(len(offsets) - 1)]
-    bf16 = x.dtype == tf.bfloat16
+def select(x, offsets: Sequence[int], ks, comp):
+    """``comp.select`` on the flat tensor ``x`` (counts ``ks``: Python ints
+    or an int tensor), at step 0: ``(int32 indices, values)``."""
+    bf16, static = x.dtype == tf.bfloat16, not isinstance(ks, (tf.Tensor, tf.Variable))
     offs_t = torch.tensor(list(offsets), dtype=torch.int64)
-    static = not isinstance(ks, (tf.Tensor, tf.Variable))
+    ctx = SelectionContext(step=0, segment_names=[f"s{i}" for i in range(len(offsets) - 1)], seed=0)
 
-    def run(a, k, st):
-        ctx = SelectionContext(step=int(st), segment_names=names, seed=seed, rank=rank, kernels=kernels)
+    def run(a, k):
         idx, vals = comp.select(to_torch(a, bf16), offs_t, torch.from_numpy(np.asarray(k, np.int64)), ctx)
-        if idx is None:  # "every entry" (a dense selector)
-            idx = torch.arange(int(offsets[-1]))
         return idx.to(torch.int32).numpy(), to_numpy(vals)
 
     k_in = tf.constant(list(ks), tf.int64) if static else tf.cast(ks, tf.int64)
-    idx, vals = tf.numpy_function(run, [carrier(x), k_in, tf.cast(step, tf.int64)],
-                                  [tf.int32, carrier(x).dtype], stateful=False)
+    idx, vals = tf.numpy_function(run, [carrier(x), k_in], [tf.int32, carrier(x).dtype], stateful=False)
     count = None
     if static and getattr(comp, "exact_count", False):
         count = sum(min(int(k), int(offsets[s + 1]) - int(offsets[s])) for s, k in enumerate(ks))

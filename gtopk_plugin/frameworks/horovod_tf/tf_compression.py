@@ -42,8 +42,7 @@ def _wire_name(value_dtype) -> Optional[str]:
 
 
 def _check_int8(config, exchange: str, cmp) -> None:
-    """Where the int8 wire cannot run, every rank raises the same ValueError
-    at construction."""
+    """Where the int8 wire cannot run: a ValueError at construction."""
     if exchange != "gloo":
         raise ValueError(f"value_dtype=tf.int8 needs exchange='gloo' (the core's aggregation on the side "
                          f"channel); exchange={exchange!r} cannot carry it -- pass value_dtype=tf.float16 "
@@ -65,30 +64,20 @@ class _Untracked:
 
 
 class SparseCompression(tf.Module):
-    """A compressor of the registry as a Horovod-TF ``compression=``, made
-    by ``Compression.<method>(density, ...)`` (any registered method).
-    Create it once and pass the same object every step: it holds this
-    worker's state, keyed by position in the variable list.
+    """A registered compressor as a Horovod-TF ``compression=``, made by
+    ``Compression.<method>(density, ...)``.  Create it once and pass it every
+    step: it holds this worker's state (``residuals``, ``velocities``,
+    ``step``, ``compressor_state``: tracked ``tf.Variable`` objects, keyed by
+    position in the variable list), so checkpoints resume bit for bit.
 
-    Args (as :class:`~gtopk_plugin.GradientReducer` where not said):
-        method, density, r_factor, merge, granularity, seed, warmup,
-        error_feedback, clip_norm, dense_below, hyper / **method_hyper.
-        value_dtype: None, ``tf.float16``, ``tf.bfloat16`` or ``tf.int8``
-            (int8: topk, gtopk, rtopk, randomk with ``exchange="gloo"``).
-        wire_rounding: the int8 wire's ``"nearest"`` or ``"stochastic"``.
-        nonfinite: ``"raise"`` or ``"skip"`` (every rank applies zero).
-        momentum_correction: DGC momentum correction with the wrapped Keras
-            SGD's momentum and Nesterov flag (:mod:`.tf_momentum`).
-        momentum, nesterov, dampening, momentum_masking: DGC momentum
-            correction with a fixed momentum (the optimizer then must have
-            none of its own).
-        exchange: ``"gloo"`` (default: a gloo side channel made inside the
-            job) or ``"horovod"`` (Horovod ops; what elastic states set).
-        name: prefix of the Horovod op names.
-
-    State (tracked ``tf.Variable`` objects): ``residuals``, ``velocities``,
-    ``step`` and, for a stateful compressor, ``compressor_state``
-    (:mod:`.tf_bridge`); a restored job resumes bit for bit.
+    Keywords as :class:`~gtopk_plugin.GradientReducer`'s, except:
+    ``value_dtype`` None, ``tf.float16``, ``tf.bfloat16`` or ``tf.int8``
+    (int8: exact-count selectors with ``exchange="gloo"``); ``nonfinite``
+    ``"raise"`` or ``"skip"``; ``momentum_correction=True``: DGC momentum
+    correction with the wrapped Keras SGD's momentum (:mod:`.tf_momentum`);
+    ``exchange``: ``"gloo"`` (a side channel made inside the job, the
+    default) or ``"horovod"`` (Horovod ops; what elastic states set);
+    ``name``: the prefix of Horovod op names.
     """
 
     def __init__(self, method: str, density: float = 0.01, *, r_factor: float = 4.0, hyper=None,
@@ -134,7 +123,7 @@ class SparseCompression(tf.Module):
         self.compressor = compressor(method, **self.config.method_hyper)
         if wire == "int8":
             _check_int8(self.config, exchange, self.compressor)
-        self.momentum_correction = bool(momentum_correction)  # take the Keras SGD's momentum over
+        self.momentum_correction = bool(momentum_correction)
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             # a compressor's own state (PowerSGD's warm-start Q): torch.save bytes
@@ -142,11 +131,8 @@ class SparseCompression(tf.Module):
             if self._codec is not None:
                 self.compressor_state = tf.Variable(b"", dtype=tf.string, trainable=False,
                                                     name="compressor_state")
-        self.residuals = {}  # "r0003" -> flat tf.Variable (tracked: checkpoints)
-        self.velocities = {}  # "u0003" -> flat tf.Variable: momentum correction's u
-        # A Keras SGD whose momentum/nesterov the correction takes over
-        # (momentum_correction=True); None: the config's momentum.
-        self._momentum_from = None
+        self.residuals, self.velocities = {}, {}  # "r0003"/"u0003" -> flat tf.Variable
+        self._momentum_from = None  # the Keras SGD whose momentum the correction takes over
         with tf.init_scope():  # the last step's StepTraffic fields (TRAFFIC_FIELDS)
             self._traffic_box = _Untracked(tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64),
                                                        trainable=False, name="last_step_traffic"))
@@ -176,7 +162,6 @@ class SparseCompression(tf.Module):
             return f"Compression.{c.method}({extra[2:]})"
         return f"Compression.{c.method}({c.density!r}{extra})"
 
-    # Horovod's own tape/optimizer call these: say plainly that they cannot run us.
     def compress(self, tensor):
         raise TypeError(f"{self!r} is a sparse gtopk_plugin compression: pass it to "
                         "gtopk_plugin.tensorflow.DistributedGradientTape / DistributedOptimizer, "
@@ -186,8 +171,7 @@ class SparseCompression(tf.Module):
 
     # -- state ----------------------------------------------------------------
     def state_var(self, store: dict, what: str, key: str, numel: int, dtype):
-        """This worker's flat state variable ``key`` in ``store`` (residuals
-        or velocities), created zero at first use."""
+        """The flat state variable ``key`` of ``store``, zero at first use."""
         v = store.get(key)
         if v is None:
             with tf.init_scope():  # created once, eagerly, even while tracing

@@ -22,16 +22,9 @@ __all__ = ["SparseKerasState"]
 
 
 class SparseKerasState(TensorFlowKerasState):
-    """``hvd.elastic.TensorFlowKerasState(model, optimizer, **kwargs)`` that also
-    commits, restores and syncs gtopk_plugin's sparse compression state.
-
-    Args:
-        model, optimizer, backend, kwargs: as Horovod's ``TensorFlowKerasState``.
-        compressions: the ``SparseCompression`` objects to include; a Keras
-            ``DistributedOptimizer`` of gtopk_plugin brings its own
-            (``optimizer.gtopk_compression``), so this is for
-            ``DistributedGradientTape`` users.
-    """
+    """Horovod's ``TensorFlowKerasState`` plus the sparse compressions' state:
+    ``compressions`` (``DistributedGradientTape`` users; a
+    ``DistributedOptimizer`` of this package brings its own)."""
 
     def __init__(self, model, optimizer=None, backend=None, compressions: Iterable = (), **kwargs):
         comps: List[SparseCompression] = []

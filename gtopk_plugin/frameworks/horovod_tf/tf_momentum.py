@@ -33,18 +33,17 @@ def keras_sgd_momentum(optimizer):
 
 
 def _keras_momentum_of(optimizer):
-    """What momentum ``optimizer`` applies itself: None (none, or taken over
-    by gtopk_plugin), else a description for error messages."""
+    """What momentum ``optimizer`` applies itself (for error messages), or None."""
     if getattr(optimizer, "_gtopk_momentum_taken", False):
         return None
     if _is_keras_sgd(optimizer):
         m = optimizer.momentum
-        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
-    hyper = getattr(optimizer, "_hyper", None)  # legacy Keras optimizers
-    if isinstance(hyper, dict) and "momentum" in hyper and getattr(optimizer, "_momentum", True):
+    else:
+        hyper = getattr(optimizer, "_hyper", None)  # legacy Keras optimizers
+        if not (isinstance(hyper, dict) and "momentum" in hyper and getattr(optimizer, "_momentum", True)):
+            return None
         m = hyper["momentum"]
-        return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
-    return None
+    return None if isinstance(m, (int, float)) and float(m) == 0.0 else f"momentum={m!r}"
 
 
 def bind_momentum(compression, optimizer) -> None:
@@ -88,10 +87,7 @@ def bind_momentum(compression, optimizer) -> None:
 def setup_correction(compression, sparse: bool, momentum_correction: bool, optimizer,
                       warn_uncorrected: bool = False) -> None:
     """Front ends: bind (momentum_correction) or refuse a double momentum."""
-    if not sparse:
-        # Dense reduction: every worker's gradient reaches the average, so
-        # the optimizer's own momentum already is what the correction computes
-        # (nothing stays behind); momentum_correction=True changes nothing.
+    if not sparse:  # dense: the optimizer's own momentum is already the corrected one
         return
     momentum_correction = momentum_correction or compression.momentum_correction
     if momentum_correction:

@@ -1,18 +1,14 @@
 """One reduce step of the TensorFlow layer: the reducer's pipeline
-(docs/design.md §2) with the tensor ops in TensorFlow and the exchange on
-the neutral core.
+(docs/design.md §2), tensor ops in TensorFlow, the exchange on the core.
 
 check (one MAX-allreduce of ``[non-finite, fingerprint, -fingerprint,
-step]``: NaN/Inf anywhere, ranks that disagree on the layout or settings,
-and the agreed step, the largest) -> DGC clipping and momentum correction
--> ``acc = grad + residual`` -> :func:`exchange`: the registry's compressor
-and the core's aggregation (``collectives/``, the butterfly on
-``collectives/schedule.py``) over :mod:`.tf_transport`, so the results are
-the PyTorch side's bits by construction -> ``residual = acc`` less what
-reached the result as it travelled, plus the wire roundings this rank owns
--> update: the sum, divided by P for ``hvd.Average``.  Tensors below
-``dense_below`` entries are summed exactly in the same step.  The step and
-the warm-up's counts are read at run time: one traced graph serves every step.
+step]``: NaN/Inf anywhere, a layout or settings mismatch, the agreed step)
+-> DGC clipping and momentum correction -> ``acc = grad + residual`` ->
+:func:`exchange` (the core's compressor and aggregation: the PyTorch side's
+bits by construction) -> ``residual = acc`` less what reached the result as
+it travelled, plus the wire roundings this rank owns -> update: the sum
+(divided by P for ``hvd.Average``).  Tensors below ``dense_below`` entries
+are summed exactly in the same step.  One traced graph serves every step.
 """
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ _TORCH = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: to
 
 
 def _key(x) -> str:
-    """A momentum or warm-up schedule as the same text on every rank (a
-    tensor momentum: "variable"; a function: its name, not its address)."""
+    """A momentum or warm-up schedule as the same text on every rank."""
     if isinstance(x, (int, float)):
         return repr(float(x))
     if x is None or isinstance(x, (tuple, DensityWarmup)):
@@ -84,8 +79,7 @@ def _inputs(grads, pre):
 
 
 def _check(comp, ps, transport, layout, tensors):
-    """``(v, graph assertions)``: the agreed check vector (eagerly a
-    mismatch or, with ``nonfinite="raise"``, NaN/Inf raises on every rank)."""
+    """``(agreed check vector, graph assertions)``; eagerly it raises."""
     fp = input_check.fingerprint(layout)
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
     v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
@@ -174,8 +168,8 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
         layout.append(("hyper",) + tuple(sorted(cmp.hyper.items())))
     v, checks = _check(comp, ps, transport, layout, tensors)
     step = v[3]
-    # P + a run-time zero: in a traced graph Grappler turns a division by a
-    # constant into a multiplication by its reciprocal (other bits for P=3)
+    # P + a run-time zero: Grappler would turn a division by a constant into
+    # a multiplication by its reciprocal (other bits for P = 3)
     zero = 0 if P == 1 else tf.cast(tf.minimum(v[3], 0), tf.int32)
     with tf.control_dependencies(checks):
         skip = v[0] > 0
@@ -276,13 +270,11 @@ def _commit_velocities(cfg, vel_vars, old_u, new_u, big, small, sizes, reached, 
 
 def exchange(comp, transport, acc, acc_s, *, sizes: Sequence[int], offsets: Sequence[int], names, shapes,
              step, rank: int, P: int):
-    """The core's part of the step, in one stateful numpy function: select
-    (or encode) from the flat ``acc`` (None: every tensor is small) and
-    aggregate over ``transport`` -- or, at a codec's dense warm-up step,
-    sum ``acc`` -- then sum the small tensors' ``acc_s`` exactly.  Returns
-    tensors: ``idx``/``sent`` (this rank's selection, values as sent in
-    ``acc``'s dtype; a codec: its dense contribution), ``reached`` (which
-    of ``idx`` reached the result), ``result`` (dense, summed), ``fix_i``/
+    """One stateful numpy function: select (or encode) from the flat ``acc``
+    (None: all tensors small) and aggregate over ``transport`` -- at a
+    codec's dense warm-up step, sum ``acc`` -- then sum ``acc_s`` exactly.
+    Returns tensors ``idx``/``sent`` (this rank's selection, as sent; a codec:
+    its dense contribution), ``reached``, ``result`` (dense sum), ``fix_i``/
     ``fix_v`` (wire roundings this rank owns), ``small``, ``counts``."""
     cfg, cmp = comp.config, comp.compressor
     codec = getattr(cmp, "kind", "selector") == "codec"
@@ -297,7 +289,6 @@ def exchange(comp, transport, acc, acc_s, *, sizes: Sequence[int], offsets: Sequ
     ring = 0 if P == 1 else 2 * (P - 1)
 
     def method(x, st: int, t, counts):
-        """(idx, sent, reached, result, fix_i, fix_v) of the method's exchange."""
         ks = segment_ks(sizes, cfg.density_at(st), cfg.granularity, full=codec)
         k_t = torch.tensor(ks, dtype=torch.int64)
         ctx = SelectionContext(step=st, segment_names=list(names), seed=cfg.seed, rank=rank,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gtopk_plugin.collectives.transport import Transport
 from gtopk_plugin.frameworks.gloo_channel import GlooChannel, store_host
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
+from gtopk_plugin.frameworks.horovod_tf.tf_bridge import carrier, to_numpy, to_torch
 
 __all__ = ["TFSideChannel", "channel_for", "ChannelTransport", "HorovodTFTransport", "transport_for"]
 
@@ -42,6 +43,7 @@ class TFSideChannel(GlooChannel):
 
     def tf_allreduce_max(self, t):
         """Elementwise max of ``t`` over the ranks (a stateful TF op)."""
+
         def run(a):
             return self.allreduce_(torch.from_numpy(np.array(a)), dist.ReduceOp.MAX).numpy()
 
@@ -129,16 +131,12 @@ class ChannelTransport(_TFTransport):
 
 
 def _to_tf(t: torch.Tensor):
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its int16 bits
-        return tf.bitcast(tf.constant(t.view(torch.int16).numpy()), tf.bfloat16)
-    return tf.constant(t.numpy())
+    x = tf.constant(to_numpy(t))
+    return tf.bitcast(x, tf.bfloat16) if t.dtype == torch.bfloat16 else x
 
 
 def _from_tf(x) -> torch.Tensor:
-    if x.dtype == tf.bfloat16:
-        return torch.from_numpy(tf.bitcast(x, tf.int16).numpy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(x.numpy()))
+    return to_torch(np.array(carrier(x).numpy()), x.dtype == tf.bfloat16)
 
 
 class HorovodTFTransport(_TFTransport):
