@@ -12,7 +12,7 @@ covers the power-of-two path too, which the example and elastic jobs below
 run at P = 2): identical gradients go to the
 TensorFlow layer and to the single-process oracle of the PyTorch side
 (gtopk_plugin.testing.Oracle); every sparse method must give the oracle's
-bits on every rank, conserve mass (docs/design.md §2) and leave the oracle's
+bits on every rank, conserve mass (docs/design.md §3) and leave the oracle's
 residuals, eagerly and inside tf.function; DGC momentum correction (plain,
 Nesterov, no masking) and local clipping give the oracle's updates,
 residuals and velocities, and Keras SGD with momentum_correction=True the
@@ -482,7 +482,7 @@ WIRE = {
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P):
-    """fp16/bf16 values on the wire (docs/design.md §2, precision): inputs up to
+    """fp16/bf16 values on the wire (docs/design.md §3): inputs up to
     1e6 and merged sums beyond fp16's range never make an update or a
     residual non-finite (clamped at the sender, sums in float32); every
     later rounding is charged to one rank, so Σ grads = Σ results + Σ

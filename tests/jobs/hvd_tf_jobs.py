@@ -81,7 +81,7 @@ MOMENTUM = {
     "clip_topk_global_graph": (lambda: Compression.topk(0.05, granularity="global", clip_norm=5.0), True),
 }
 
-# fp16/bf16 wire (docs/design.md §2, precision): name -> (Compression factory,
+# fp16/bf16 wire (docs/design.md §3): name -> (Compression factory,
 # traced, gradients); op hvd.Sum
 WIRE = {
     "gtopk_fp16_overflow": (lambda: Compression.gtopk(0.1, value_dtype=tf.float16), False, "overflow"),

@@ -2,7 +2,7 @@
 Horovod's ``TensorFlowKerasState`` plus the sparse compressions' state.
 
 Residuals and velocities are each worker's own (its unsent gradient mass,
-docs/design.md §2, and its own momentum), so they are never broadcast:
+docs/design.md §3, and its own momentum), so they are never broadcast:
 ``commit()`` copies every residual, velocity, step counter and compressor
 state; ``restore()`` puts them back (one created after the commit goes back
 to zero); ``sync()`` broadcasts the model and optimizer, then rank 0's step
