@@ -31,7 +31,7 @@ from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
 from gtopk_plugin.compress.topk import GTopKSelector, TopKSelector
 from gtopk_plugin.config import ReducerConfig
 from gtopk_plugin.pipeline.check_stages import Agree, Compensate, CompensateEarly, FusedTopK, GradsFinite, Validate
-from gtopk_plugin.pipeline.dense_direct import DensePath, DirectUpdate
+from gtopk_plugin.pipeline.dense_direct import DensePath, DirectUpdate, RedoCopy
 from gtopk_plugin.pipeline.exchange_stages import (Aggregate, Encode, NearestWire, Record, Residual, Select,
                                                    StochasticWire, Update)
 from gtopk_plugin.pipeline.layout import Segments, global_segment_name, k_for, local_grad_norm
@@ -115,15 +115,15 @@ class GradientReducer:
             early = FusedTopK(st, cfg.kernels, segments)
         else:
             early = CompensateEarly(st, cfg.kernels)
-        to_wire = NearestWire(cfg) if cfg.wire_rounding == "nearest" else StochasticWire(cfg, tr, agg)
         direct = isinstance(early, DensePath)
-        stages = Stages(
-            [Validate(cfg, self.aggregation, self.compressor, st, tr), early,
-             Agree(cfg, self.aggregation, tr, self._updates)] + ([early.agree] if direct else [])
-            + [Compensate(cfg, st, tr),
-               (Encode if self.codec else Select)(cfg, self.compressor, segments, to_wire, self.aggregation, agg, tr),
-               Aggregate(cfg, self.compressor, tr), Residual(cfg, self.memory, self.momentum),
-               (DirectUpdate if direct else Update)(cfg, self.memory, self._updates, tr), Record(cfg, tr)])
+        check = [Validate(cfg, self.aggregation, self.compressor, st, tr), early,
+                 Agree(cfg, self.aggregation, tr, self._updates)] + ([RedoCopy(early)] if direct else [])
+        to_wire = NearestWire(cfg) if cfg.wire_rounding == "nearest" else StochasticWire(cfg, tr, agg)
+        select = (Encode if self.codec else Select)(cfg, self.compressor, segments, to_wire, self.aggregation,
+                                                    agg, tr)
+        update = (DirectUpdate if direct else Update)(cfg, self.memory, self._updates, tr)
+        stages = Stages(check + [Compensate(cfg, st, tr), select, Aggregate(cfg, self.compressor, tr),
+                                 Residual(cfg, self.memory, self.momentum), update, Record(cfg, tr)])
         if not cfg.dense_below:
             return stages
         dense = GradientReducer(
@@ -162,12 +162,34 @@ class GradientReducer:
                 self.state.step += 1
             return call.updates
 
-    # the state between calls (ReducerState): the step (a framework layer
-    # may set it, e.g. to agree on it across ranks), the loss scale the
-    # residuals are kept in, the optimizer binding
-    step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
-    loss_scale = property(lambda self: self.state.loss_scale, lambda self, v: setattr(self.state, "loss_scale", v))
-    binding = property(lambda self: self.state.binding, lambda self, v: setattr(self.state, "binding", v))
+    # -------------------------------------------- the state between calls
+    @property
+    def step(self) -> int:
+        """Steps completed: the warm-up density and the random draws follow
+        it (a framework layer may set it, e.g. to agree on it across ranks)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The AMP loss scale residuals and velocities are expressed in."""
+        return self.state.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: Optional[float]) -> None:
+        self.state.loss_scale = value
+
+    @property
+    def binding(self):
+        """The optimizer binding of :meth:`correct_momentum`, or None."""
+        return self.state.binding
+
+    @binding.setter
+    def binding(self, value) -> None:
+        self.state.binding = value
 
     def state_dict(self) -> dict:
         """This rank's state: residuals, velocities, step, loss scale and

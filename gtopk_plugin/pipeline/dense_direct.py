@@ -22,7 +22,7 @@ gradients).
 
 Three stages of a reducer running the ``dense`` method with its dense
 aggregation: :class:`DensePath` (the copy, before the cross-rank check),
-:meth:`DensePath.agree` (the redo, after it) and :class:`DirectUpdate`.
+:class:`RedoCopy` (the redo, after it) and :class:`DirectUpdate`.
 Taken when the step needs nothing else of the accumulator: values sent in
 the gradients' dtype, no momentum, clipping,
 optimizer binding or loss-scale change, a zero residual (always so after
@@ -98,20 +98,25 @@ class DensePath(CompensateEarly):
         update, _ = self.updates.take((tuple(c.names), c.dtype, device), sum(c.sizes), c.dtype, device, None)
         return DirectStep(update, flatres, c.names, c.sizes, c.tensors, P, shift, cfg.kernels)
 
-    def agree(self, c):
-        """A stage after the cross-rank check: redo the copy unscaled where
-        any rank did not prescale exactly, and move the back-off."""
-        step = c.direct
+class RedoCopy:
+    """The stage after the cross-rank check: redo the copy unscaled where
+    any rank did not prescale exactly, and move ``path``'s back-off."""
+
+    phase = "check"
+
+    def __init__(self, path: DensePath):
+        self.path = path
+
+    def __call__(self, c):
+        step, path = c.direct, self.path
         if step is None or not step.shift:
             return c
         if c.redo:
-            self.level = min(self.level + 1, self.MAX_LEVEL)
+            path.level = min(path.level + 1, path.MAX_LEVEL)
             step.copy(c.names, c.tensors, 0)
         else:
-            self.level = 0
+            path.level = 0
         return c
-
-    agree.phase = "check"
 
 
 class DirectUpdate(Update):
