@@ -85,8 +85,7 @@ def _check(comp, ps, transport, layout, tensors):
     v = tf.stack([tf.cast(tf.logical_not(finite), tf.int64), tf.constant(fp, tf.int64),
                   tf.constant(-fp, tf.int64), comp.step.read_value()])
     if transport is not None:
-        side = getattr(transport, "ch", None)
-        v = side.tf_allreduce_max(v) if side is not None else hvd.allreduce(
+        v = transport.tf_allreduce_max(v) if hasattr(transport, "tf_allreduce_max") else hvd.allreduce(
             v, op=hvd.Max, name=f"{comp.prefix}.check", ignore_name_scope=True, process_set=ps)
     mismatch = ("gtopk_plugin: ranks reduced different tensors or settings (shapes, dtypes, "
                 "k or method must match)")

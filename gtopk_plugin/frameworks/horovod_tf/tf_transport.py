@@ -1,10 +1,10 @@
 """The core's :class:`~gtopk_plugin.collectives.transport.Transport` for the
 TensorFlow layer, called inside ``tf.numpy_function`` (:func:`.tf_step.exchange`):
 :class:`ChannelTransport` (``exchange="gloo"``, the default) on a gloo side
-channel made inside the job (:class:`TFSideChannel`; a gloo send/recv costs
-a fraction of a Horovod op's cycle), or :class:`HorovodTFTransport`
-(``exchange="horovod"``, for elastic jobs) on ``horovod.tensorflow``'s ops,
-run eagerly, a pairwise step being one ``alltoall`` every rank joins.
+channel made inside the job (a send/recv costs a fraction of a Horovod op's
+cycle), or :class:`HorovodTFTransport` (``exchange="horovod"``, for elastic
+jobs) on ``horovod.tensorflow``'s ops run eagerly, a pairwise step being
+one ``alltoall`` every rank joins.
 
 Bytes are counted as the core counts them, except size headers, counted as
 this layer always has: int32 sizes before an allgather of varying sizes,
@@ -24,38 +24,7 @@ from gtopk_plugin.frameworks.gloo_channel import GlooChannel, store_host
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 from gtopk_plugin.frameworks.horovod_tf.tf_bridge import carrier, to_numpy, to_torch
 
-__all__ = ["TFSideChannel", "channel_for", "ChannelTransport", "HorovodTFTransport", "transport_for"]
-
-
-class TFSideChannel(GlooChannel):
-    """The gloo side channel of ``process_set`` (collective to create); the
-    store's port travels by one Horovod-TF broadcast, eager even while tracing."""
-
-    def __init__(self, process_set, name: str):
-        def broadcast(words):
-            with tf.init_scope():  # eager, also while tracing: every rank traces the step once
-                return hvd.broadcast(tf.constant(np.asarray(words, np.int64)), root_rank=0,
-                                     name=f"{name}.side_channel", process_set=process_set).numpy().tolist()
-
-        super().__init__(process_set.rank(), process_set.size(), name,
-                         store_host(hvd.local_size(), hvd.size()), broadcast)
-        self.transport = ChannelTransport(self)
-
-    def tf_allreduce_max(self, t):
-        """Elementwise max of ``t`` over the ranks (a stateful TF op)."""
-
-        def run(a):
-            return self.allreduce_(torch.from_numpy(np.array(a)), dist.ReduceOp.MAX).numpy()
-
-        return tf.ensure_shape(tf.numpy_function(run, [t], t.dtype, stateful=True), t.shape)
-
-
-def channel_for(holder, process_set, prefix: str) -> TFSideChannel:
-    """The side channel of ``holder`` for ``process_set``, made at first use."""
-    chans = holder.__dict__.setdefault("_side_channels", {})
-    if id(process_set) not in chans:
-        chans[id(process_set)] = TFSideChannel(process_set, f"{prefix}.side{len(chans) + 1}")
-    return chans[id(process_set)]
+__all__ = ["ChannelTransport", "HorovodTFTransport", "transport_for"]
 
 
 class _TFTransport(Transport):
@@ -90,11 +59,19 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class ChannelTransport(_TFTransport):
-    """The core's transport on a :class:`TFSideChannel`."""
+    """On a gloo side channel of ``process_set`` (collective to create; the
+    store's port travels by one Horovod-TF broadcast, eager even while tracing)."""
 
-    def __init__(self, channel: GlooChannel):
+    def __init__(self, process_set, name: str):
         super().__init__()
-        self.ch = channel
+
+        def broadcast(words):
+            with tf.init_scope():  # eager, also while tracing: every rank traces the step once
+                return hvd.broadcast(tf.constant(np.asarray(words, np.int64)), root_rank=0,
+                                     name=f"{name}.side_channel", process_set=process_set).numpy().tolist()
+
+        self.ch = GlooChannel(process_set.rank(), process_set.size(), name,
+                              store_host(hvd.local_size(), hvd.size()), broadcast)
 
     @property
     def rank(self) -> int:
@@ -103,6 +80,14 @@ class ChannelTransport(_TFTransport):
     @property
     def size(self) -> int:
         return self.ch.size
+
+    def tf_allreduce_max(self, t):
+        """Elementwise max of ``t`` over the ranks (a stateful TF op)."""
+
+        def run(a):
+            return self.ch.allreduce_(torch.from_numpy(np.array(a)), dist.ReduceOp.MAX).numpy()
+
+        return tf.ensure_shape(tf.numpy_function(run, [t], t.dtype, stateful=True), t.shape)
 
     def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
         got = self.ch.exchange(send_to, blob, recv_from, None if headers else recv_nbytes, with_size=headers)
@@ -211,9 +196,13 @@ class HorovodTFTransport(_TFTransport):
 
 
 def transport_for(comp, process_set) -> Optional[Transport]:
-    """``comp``'s transport over ``process_set`` (None: one rank)."""
+    """``comp``'s transport over ``process_set`` (None: one rank); a side
+    channel is made at first use."""
     if process_set.size() == 1:
         return None
-    if comp.exchange == "gloo":
-        return channel_for(comp, process_set, comp.prefix).transport
-    return HorovodTFTransport(process_set, comp.prefix)
+    if comp.exchange != "gloo":
+        return HorovodTFTransport(process_set, comp.prefix)
+    chans = comp.__dict__.setdefault("_side_channels", {})
+    if id(process_set) not in chans:
+        chans[id(process_set)] = ChannelTransport(process_set, f"{comp.prefix}.side{len(chans) + 1}")
+    return chans[id(process_set)]
