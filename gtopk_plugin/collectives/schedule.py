@@ -1,9 +1,8 @@
 """The gTop-k butterfly's communication schedule for any P, as plain Python
 (no torch, no framework): who sends to whom in which phase, and which rank
-owns each wire rounding.  One definition serves the torch.distributed /
-Horovod-PyTorch butterfly (:mod:`.gtopk`) and the Horovod-TensorFlow one
-(``frameworks/horovod_tf/collectives.py``), so both frameworks run the same
-exchanges in the same order and charge roundings to the same ranks.
+owns each wire rounding.  The butterfly (:mod:`.gtopk`) runs it for every
+front end: torch.distributed, Horovod-PyTorch and Horovod-TensorFlow (whose
+exchange calls the core through ``tf.numpy_function``).
 
 Shi et al. 2019 (arXiv 1901.04359, Algorithm 1) describe the butterfly for
 P a power of two; docs/design.md §2 extends it to any P.  Let P' = 2^⌊log2 P⌋:

@@ -11,7 +11,7 @@ here; Horovod keeps what needs its view of the job.
 
 Framework-neutral apart from Horovod's common exception type: the PyTorch
 layer (:mod:`.horovod.side_channel`) and the TensorFlow layer
-(:mod:`.horovod_tf.side`) pass in how rank 0's store address reaches the
+(:mod:`.horovod_tf.tf_transport`) pass in how rank 0's store address reaches the
 other ranks (one ``broadcast`` of their framework), so neither imports the
 other's Horovod module -- importing ``horovod.torch`` into a TensorFlow job
 rebinds the process sets' shared back end to the uninitialised torch one.
