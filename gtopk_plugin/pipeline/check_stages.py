@@ -58,6 +58,7 @@ class Validate:
         c.bad = c.bad or check_out(c.out, c.names, c.tensors)
         c.density = self.config.density_at(c.step)
         c.sizes = [t.numel() for t in c.tensors]
+        c.numel = sum(c.sizes)
         c.layout = self.fingerprint(c)
         c.before, c.wait0 = self.transport.counters.copy(), self.transport.wait_seconds
         if not c.bad:
@@ -214,7 +215,7 @@ class Agree:
         c.updates = {n: c.out[n].fill_(fill) if c.out is not None else torch.full_like(t, fill)
                      for n, t in zip(c.names, c.tensors)}
         st = ReduceStats(method=self.config.method, aggregation=self.aggregation, step=c.step,
-                         world_size=self.transport.size, numel=sum(c.sizes), k=0, density=c.density,
+                         world_size=self.transport.size, numel=c.numel, k=0, density=c.density,
                          skipped=True, seconds=c.seconds)
         st.control_bytes = self.transport.counters.copy().minus(c.before).control_bytes
         c.stats = st

@@ -95,7 +95,7 @@ class DensePath(CompensateEarly):
         shift = _shift(P, cfg.op, c.dtype)
         if c.step % (1 << self.level):
             shift = 0  # backing off: unscaled up front (and flagged)
-        update, _ = self.updates.take((tuple(c.names), c.dtype, device), sum(c.sizes), c.dtype, device, None)
+        update, _ = self.updates.take((tuple(c.names), c.dtype, device), c.numel, c.dtype, device, None)
         return DirectStep(update, flatres, c.names, c.sizes, c.tensors, P, shift, cfg.kernels)
 
 class RedoCopy:

@@ -52,7 +52,7 @@ class StochasticWire(NearestWire):
         draws = wire.Draws(self.config.seed, c.step, c.seg_names[0])
         if hasattr(self.aggregation, "draws"):  # aggregations that re-round sums (int8 wire)
             self.aggregation.draws = draws
-        pos = torch.arange(sum(c.sizes), device=c.acc.device) if c.idx is None else c.idx
+        pos = torch.arange(c.numel, device=c.acc.device) if c.idx is None else c.idx
         c.wire_vals = wire.quantize(c.vals, draws(f"rank{self.transport.rank}", pos))[0]
         c.exact = c.wire_vals.dtype == c.dtype
         return c
@@ -95,7 +95,7 @@ class Encode:
             c.idx, c.vals = None, c.acc
             return self.to_wire(c)
         c.aggregation_name, c.aggregation = self.aggregation_name, self.aggregation
-        c.payload, c.vals = codec_contribution(self.compressor, c.acc, c.offsets, sum(c.sizes), c.dtype,
+        c.payload, c.vals = codec_contribution(self.compressor, c.acc, c.offsets, c.numel, c.dtype,
                                                _context(c, self.config, self.transport))
         if self.aggregation_name == payloads.NAME:  # the codec's shards and server residual
             payloads.bind(c.payload, self.compressor, c.seg_names)
@@ -112,7 +112,7 @@ class Aggregate:
         self.config, self.compressor, self.transport = config, compressor, transport
 
     def __call__(self, c):
-        numel = sum(c.sizes)
+        numel = c.numel
         # A dense sum in the gradients' dtype is taken in place in the
         # accumulator: such a step sends acc exactly, so its residual is zero
         # and error feedback never reads acc again; the update is then one
@@ -163,7 +163,7 @@ class Update:
 
     def form(self, c, divisor: int):
         """``(update, nnz)``; ``update`` is None when it went into ``out``."""
-        return self.updates.result(c.agg, (tuple(c.names), c.dtype, c.acc.device), sum(c.sizes), divisor,
+        return self.updates.result(c.agg, (tuple(c.names), c.dtype, c.acc.device), c.numel, divisor,
                                    c.flatres.bufs, self.config.kernels, c.out and [c.out[n] for n in c.names],
                                    c.out_reuse)
 
@@ -198,7 +198,7 @@ class Record:
         tr = self.transport
         c.seconds["total"] = time.perf_counter() - c.t0
         c.seconds["wait"] = tr.wait_seconds - c.wait0  # inside the transport's primitives
-        numel = sum(c.sizes)
+        numel = c.numel
         reached: Optional[torch.Tensor] = c.reached
         sent = numel if c.idx is None else int(c.idx.numel()) if reached is None else int(reached.sum())
         c.stats = ReduceStats.from_counters(

@@ -1,6 +1,7 @@
 """One ``GradientReducer.reduce()`` call as it moves through the stages
 (docs/design.md §2): :class:`Call` carries the caller's arguments and what
-each stage adds to them; :func:`run` passes it through a sequence of stages.
+each stage adds to them; :func:`run` passes it through a sequence of stages
+(:class:`Stages`).
 
 A stage is any callable ``Call -> Call``.  Each has a ``phase`` ("check",
 "select", "communicate" or "update") that its time is counted under in
@@ -17,24 +18,20 @@ __all__ = ["Call", "Stages", "run"]
 
 class Call:
     """The context of one call.  Stages fill in the fields in the order of
-    docs/design.md §2; ``None`` until then."""
+    docs/design.md §2; a field is ``None`` until then (class defaults: a
+    call costs no more than the fields it sets)."""
 
-    __slots__ = (
-        # the caller's arguments
-        "grads", "grad_norm", "loss_scale", "out", "out_reuse",
-        # check: the local checks, the fingerprint, the agreement
-        "step", "density", "bad", "local_error", "names", "tensors", "sizes", "layout", "grad_dtype",
-        "dtype", "extra", "nonfinite", "redo", "before", "wait0", "t0", "seconds",
-        # compensate / select or encode
-        "flatres", "acc", "picked", "direct", "offsets", "k", "seg_names", "aggregation",
-        "aggregation_name", "idx", "vals", "wire_vals", "payload", "exact",
-        # aggregate, residual, update
-        "agg", "reached", "updates", "nnz", "stats")
+    # check: the local checks, the fingerprint, the agreement
+    step = density = bad = local_error = names = tensors = sizes = numel = layout = None
+    grad_dtype = dtype = nonfinite = redo = before = wait0 = None
+    # compensate / select or encode
+    flatres = acc = picked = direct = offsets = k = seg_names = aggregation = aggregation_name = None
+    idx = vals = wire_vals = payload = exact = None
+    # aggregate, residual, update; stats: set when the call is finished
+    agg = reached = updates = nnz = stats = None
 
     def __init__(self, grads, grad_norm: Optional[float] = None, loss_scale: Optional[float] = None,
                  out=None, out_reuse: bool = False):
-        for f in self.__slots__:
-            setattr(self, f, None)
         self.grads, self.grad_norm, self.loss_scale = grads, grad_norm, loss_scale
         self.out, self.out_reuse = out, out_reuse
         # what another stage adds to the cross-rank check: (layout entries,
@@ -47,11 +44,13 @@ class Call:
 def run(stages: Sequence, call: Call) -> Call:
     """``call`` through ``stages`` in order, each stage's time added to its
     phase; stops after a stage that set ``call.stats`` (a finished call)."""
-    seconds = call.seconds
+    seconds, clock = call.seconds, time.perf_counter
+    t = clock()
     for stage in stages:
-        t = time.perf_counter()
         call = stage(call)
-        seconds[stage.phase] = seconds.get(stage.phase, 0.0) + (time.perf_counter() - t)
+        now, phase = clock(), stage.phase
+        seconds[phase] = seconds.get(phase, 0.0) + (now - t)
+        t = now
         if call.stats is not None:
             break
     return call
