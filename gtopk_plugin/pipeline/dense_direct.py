@@ -22,14 +22,14 @@ gradients).
 
 Three stages of a reducer running the ``dense`` method with its dense
 aggregation: :class:`DensePath` (the copy, before the cross-rank check),
-:class:`RedoCopy` (the redo, after it) and :class:`DirectUpdate`.
-Taken when the step needs nothing else of the accumulator: values sent in
-the gradients' dtype, no momentum, clipping,
-optimizer binding or loss-scale change, a zero residual (always so after
-a dense step; a residual loaded from a sparse method takes the general
-path once), no ``out=`` tensors (the DDP and Horovod layers pass them, so
-they keep the two-pass path), on CPU (the CUDA back end keeps its own
-compensation and division kernels).  Like the general path, a redo reads
+:class:`RedoCopy` (the redo, after it) and :class:`DirectUpdate`.  A call
+takes the path when it needs nothing else of the accumulator: values sent
+in the gradients' dtype, no momentum, clipping, optimizer binding or
+loss-scale change, a zero residual (always so after a dense step; a
+residual loaded from a sparse method takes the general path once), no
+``out=`` tensors (the DDP and Horovod layers pass them, so they keep the
+two-pass path), on CPU (the CUDA back end keeps its own compensation and
+division kernels).  Like the general path, a redo reads
 the gradients again after the check: they must not change during the call.
 """
 from __future__ import annotations
