@@ -1,4 +1,4 @@
-"""Dense warm-up of the codecs (``start_iter``, issue #17) on real gloo
+"""Dense warm-up of the codecs (``start_iter``) on real gloo
 process groups, P = 1, 3, 4.
 
 Steps before ``start_iter`` are a dense allreduce of the accumulator: the

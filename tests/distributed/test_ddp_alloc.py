@@ -1,4 +1,4 @@
-"""DDP communication hook in steady state (issue #15): how many tensors of at
+"""DDP communication hook in steady state: how many tensors of at
 least half the model's gradient size a training step allocates, counted on a
 real gloo group (P = 2) after warm-up.
 

@@ -47,7 +47,7 @@ def test_demo_trains_and_reports_json(tmp_path):
     assert report["lr_schedule"] == "cosine"
     assert gtopk["bytes_per_step_per_worker"] < dense["bytes_per_step_per_worker"]
     # Dense traffic is the ring-allreduce figure; gTop-k with P=2 is one round
-    # of k entries of 8 bytes per layer (DESIGN.md §3), about 10% of it here.
+    # of k entries of 8 bytes per layer (docs/design.md §2), about 10% of it here.
     assert dense["bytes_per_step_per_worker"] == pytest.approx(dense["dense_bytes_per_step_per_worker"])
     assert gtopk["bytes_per_step_per_worker"] < 0.2 * dense["bytes_per_step_per_worker"]
     for r in (dense, gtopk):

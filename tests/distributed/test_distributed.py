@@ -3,7 +3,7 @@
 One spawn per P runs every method for 50 steps; the parent checks each
 against the single-process oracle (gtopk_plugin.testing.Oracle), checks that
 all ranks got the same bits, that mass is conserved, and that the traffic
-counters match DESIGN.md §3 exactly.
+counters match docs/design.md §2 exactly.
 """
 import math
 
@@ -73,7 +73,7 @@ def test_every_method_matches_oracle_conserves_mass_and_agrees_across_ranks(runs
         oracle = Oracle(P, **kw)
         exact = kw["method"] not in ("dense", "randomk")  # gloo's allreduce order is its own
         # fp16/bf16 wires too: merges add in float32 and every re-rounding
-        # lands in one residual (DESIGN.md §3), so float32 tolerances hold
+        # lands in one residual (docs/design.md §2), so float32 tolerances hold
         tol = dict(atol=1e-4, rtol=1e-5)
         sum_grad = torch.zeros(NUMEL, dtype=torch.float64)
         sum_out = torch.zeros(NUMEL, dtype=torch.float64)

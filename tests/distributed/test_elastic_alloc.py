@@ -1,4 +1,4 @@
-"""Elastic scheduler in steady state (issue #15): layer-sized allocations per
+"""Elastic scheduler in steady state: layer-sized allocations per
 step on a real gloo group (P = 2), after warm-up, beyond those of the same
 training loop without the scheduler (autograd's own gradients).
 
@@ -86,8 +86,8 @@ def _many(rank, world, cases):
 
 
 # case -> layer-sized allocations per step beyond the plain loop's: none
-# (before issue #15: one per layer, the copy of its gradients; the variance
-# policy, until session 20: a copy of each layer's local gradients and five
+# (formerly one per layer, the copy of its gradients; the variance policy
+# once made a copy of each layer's local gradients and five
 # float64 temporaries of twice its size for its deviation).  The reducer's
 # update ring may still grow while the scheduler holds a layer's updates
 # across steps (zeros, at most UpdateBuffers.RING buffers per layer over the

@@ -9,7 +9,7 @@
   falls to B², staleness never exceeds max_staleness, and every reduced
   update is applied exactly once, in step order;
 - composed with gTop-k / rTop-k / Top-k reducers: identical results on all
-  ranks and mass conservation (DESIGN.md §3);
+  ranks and mass conservation (docs/design.md §2);
 - bad input: a clear error on every rank, no hang;
 - the BytePS adapter against a FAKE byteps.torch forwarding to gloo
   (adapter logic only: BytePS itself needs a GPU and does not run here).
@@ -213,7 +213,7 @@ def test_gated_variance_policy_estimates_the_variance_unbiased(P):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [3])
 def test_sparse_reducers_compose_identical_on_all_ranks_and_conserve_mass(P):
-    # selectors and codecs (issue #17: the scheduler works with quantizers too)
+    # selectors and codecs (the scheduler works with quantizers too)
     methods = {"gtopk": dict(density=0.3), "rtopk": dict(density=0.3, r_factor=2.0, seed=3),
                "onebit": {}, "qsgd": dict(levels=7, bucket_size=32, seed=5)}
     res = run_workers(P, ew.sparse, methods, timeout=200)
@@ -284,7 +284,7 @@ def test_byteps_adapter_against_fake_byteps_module():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [2, 3])
 def test_bucketed_reductions_fuse_layers_and_keep_the_results(P):
-    """bucket_cap_mb (issue #19: per-message latency): the launches that
+    """bucket_cap_mb (per-message latency): the launches that
     reach the wrapped back end are one per bucket, cut alike on every rank;
     barrier training still equals synchronous SGD (bit for bit at P = 2,
     where a sum of two is the same in any ring order; to rounding at P = 3),

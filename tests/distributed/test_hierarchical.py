@@ -1,4 +1,4 @@
-"""Two-level (hierarchical) reduction, issue #18 (gtopk_plugin/hierarchical.py)
+"""Two-level (hierarchical) reduction (gtopk_plugin/two_level/hierarchical_reducer.py)
 on real gloo groups: P = 8 split 4 x 2, 6 as 4 + 2 and as 3 x 2, 5 as 3 + 2
 (subgroups of one P = 8 job: ``group=`` is split), and P = 4 as 2 x 2 for
 the codecs, the compensation features, resume, errors and the DDP hook.

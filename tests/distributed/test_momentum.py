@@ -1,7 +1,7 @@
 """DGC momentum correction, factor masking, local clipping and AMP loss-scale
-handling (issue #14), checked against an independent numpy oracle
+handling, checked against an independent numpy oracle
 (tests/support/momentum_oracle.py), against torch.optim.SGD itself, and against the
-invariant of DESIGN.md §3:
+invariant of docs/design.md §2:
     Σ_ranks Σ_steps increment_t = Σ_steps result_t + Σ_ranks v   (op=sum).
 """
 import math

@@ -1,5 +1,4 @@
-"""The shared-memory node fabric of the two-level reduction (issue #18;
-gtopk_plugin/collectives/shared_memory.py, gtopk_plugin/node_fabric.py) on
+"""The shared-memory node fabric of the two-level reduction (gtopk_plugin/collectives/shared_memory.py, gtopk_plugin/node_fabric.py) on
 real gloo groups, P = 4: a mapping that grows with the layout, a node of 3
 (uneven shards) beside a node of 1, the fall-back to the node's gloo group
 when a rank cannot map the file, and the insisting mode's error on every

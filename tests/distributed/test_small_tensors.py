@@ -1,4 +1,4 @@
-"""``GradientReducer(dense_below=N)`` (issue #17, gtopk_plugin/small_tensors.py)
+"""``GradientReducer(dense_below=N)`` (gtopk_plugin/small_tensors.py)
 on real gloo process groups, P = 1, 3, 4.
 
 Tensors below N entries go dense in the same call: their updates are the

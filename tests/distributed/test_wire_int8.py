@@ -1,4 +1,4 @@
-"""int8 wire (issue #17: ``value_dtype=torch.int8``, 5 bytes per entry plus
+"""int8 wire (``value_dtype=torch.int8``, 5 bytes per entry plus
 one exponent byte per message) on real gloo process groups, P = 2, 3, 4:
 
 - every rank gets the same bits, and they equal the single-process oracle's

@@ -5,7 +5,7 @@ below read the per-rank results and check:
 - Compression.none / fp16 (also with backward_passes_per_step=2 and groups)
   give the same parameters as stock ``hvd.DistributedOptimizer``;
 - every sparse method: identical bits on all ranks, equal to the
-  single-process oracle, mass conserved (DESIGN.md §3), exact traffic;
+  single-process oracle, mass conserved (docs/design.md §2), exact traffic;
 - backward_passes_per_step=2, skip_synchronize, broadcast_optimizer_state,
   an elastic TorchState commit/restore round trip;
 - bad input: a clear error on every rank, no hang;
@@ -226,7 +226,7 @@ def test_sparse_traffic_matches_design(P):
         for t in ok(res, "sparse/gtopk_fp16wire")["traffic"]:
             if P == Pp:
                 assert t["payload_bytes_sent"] == int(math.log2(P)) * K * 6
-    # collectives per step (issue #15): the exchange on the gloo side channel
+    # collectives per step: the exchange on the gloo side channel
     # is one op per butterfly round per bucket plus the consistency check;
     # Horovod sees one op per step (join detection, which also runs on the
     # transport's count).  Exchange "horovod": every op a Horovod op, no join

@@ -1,4 +1,4 @@
-"""Hierarchical reduction in the PyTorch Horovod layer (issue #18):
+"""Hierarchical reduction in the PyTorch Horovod layer:
 ``DistributedOptimizer(..., hierarchical=True)`` under real ``horovodrun
 -np 4 -H localhost:4 --gloo``, with the nodes faked (``local_size=2`` /
 ``node_of_rank``: 2 nodes of 2, all on one host) and Horovod's own topology

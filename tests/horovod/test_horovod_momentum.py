@@ -1,5 +1,5 @@
 """Momentum correction, local clipping and GradScaler in the Horovod PyTorch
-layer (issue #14) under real ``horovodrun -np N --gloo`` jobs, checked
+layer under real ``horovodrun -np N --gloo`` jobs, checked
 against the independent numpy momentum oracle (tests/support/momentum_oracle.py)."""
 import math
 import os

@@ -1,4 +1,4 @@
-"""The registry drives the PyTorch Horovod layer too (issue #16): the
+"""The registry drives the PyTorch Horovod layer too: the
 ``onebit`` codec and a codec registered from user code run through
 ``gtopk_plugin.horovod.DistributedOptimizer`` under real ``horovodrun -np 3
 --gloo``, and ``Compression.none`` is Horovod's own optimizer with our

@@ -1,4 +1,4 @@
-"""Worker script of tests/horovod/test_horovod_hierarchical.py (issue #18),
+"""Worker script of tests/horovod/test_horovod_hierarchical.py,
 run under ``horovodrun -np 4 -H localhost:4 --gloo``: the PyTorch Horovod
 ``DistributedOptimizer(..., hierarchical=True)``.  All four ranks are on
 one host, so the nodes are faked with ``local_size=2`` (2 nodes of 2); the

@@ -42,7 +42,7 @@ def progress(msg):
 
 class CountingOps:
     """Counts the Horovod ops the sparse layer issues: wraps the ``mpi_ops``
-    module that its transport and step modules call (issue #15: the test
+    module that its transport and step modules call (the test
     asserts the number per step)."""
 
     def __init__(self):
@@ -248,7 +248,7 @@ SPARSE_CONFIGS = {
     # every exchange step a Horovod collective (no gloo side channel)
     "gtopk_hvd_exchange": lambda: Compression.gtopk(0.1, fusion_threshold=100, exchange="horovod"),
     "gtopk_fp16wire": lambda: Compression.gtopk(0.1, value_dtype=torch.float16),
-    # int8 values + one exponent byte per message, stochastic rounding (issue #17)
+    # int8 values + one exponent byte per message, stochastic rounding
     "gtopk_int8wire": lambda: Compression.gtopk(0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=4),
     "topk_warmup": lambda: Compression.topk(0.05, warmup=[0.5, 0.2], fusion_threshold=200),
     # variable-size sets through alltoall (sizes not known to receivers)

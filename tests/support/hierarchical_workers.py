@@ -1,4 +1,4 @@
-"""Worker bodies of tests/distributed/test_hierarchical.py (issue #18): the
+"""Worker bodies of tests/distributed/test_hierarchical.py: the
 two-level HierarchicalReducer on real gloo groups.  Each body runs many
 configurations in one job (process start-up dominates the cost) and returns
 plain tensors; the parent checks them against the single-process oracle.

@@ -1,5 +1,5 @@
 """Independent numpy oracle of DGC momentum correction + momentum factor
-masking (Lin et al. 2018), written from DESIGN.md §3 without the library's
+masking (Lin et al. 2018), written from docs/design.md §2 without the library's
 MomentumCorrection or reducer code.
 
 Per worker r (float32 throughout, in the operation order DGC states):

@@ -122,7 +122,7 @@ def local_model_grads(rank, steps_params, steps):
 def elastic_momentum(rank, world_size, steps):
     """ElasticScheduler(policy="barrier", reducer=gtopk, momentum_correction=True)
     against the synchronous loop with GradientReducer.correct_momentum: under
-    the barrier policy both apply the same updates (DESIGN.md §3)."""
+    the barrier policy both apply the same updates (docs/design.md §2)."""
     import torch.distributed as dist
 
     from elastic_helpers import loss_of, make_model, params_of, train_elastic

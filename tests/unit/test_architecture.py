@@ -1,9 +1,13 @@
-"""Architecture invariants of issue #16, checked on the source tree itself
-(an AST walk, independent of the code it checks):
+"""Architecture invariants (docs/design.md §1), checked on the source tree
+itself (an AST walk, independent of the code it checks):
 
 - no module of gtopk_plugin/ over MAX_LINES lines;
-- no import cycle among the package's modules (module-level imports; a
-  package's ``__init__`` re-exporting its children is not a cycle);
+- no import cycle among the package's modules, counting imports deferred
+  into functions too (a deferred import hides a cycle, it does not remove
+  it; a package's ``__init__`` re-exporting its children is not a cycle);
+- file names unique under gtopk_plugin/ (``__init__``/``__main__`` aside);
+- the lab (lab/: studies, emulator drivers, probes) is neither shipped nor
+  imported by the package;
 - only gtopk_plugin/frameworks/ imports an optional framework (horovod,
   tensorflow, byteps), at any depth, and the core never imports
   gtopk_plugin.frameworks (only the public shims at the top level do);
@@ -30,6 +34,9 @@ OPTIONAL = ("horovod", "tensorflow", "byteps", "keras")
 # re-exports of frameworks/, which is their whole job
 PUBLIC_SHIMS = {"gtopk_plugin", "gtopk_plugin.horovod", "gtopk_plugin.tensorflow", "gtopk_plugin.torch_ddp",
                 "gtopk_plugin.byteps"}
+# gtopk-bench measures the framework layers against the frameworks' own
+# reductions: a consumer of the layers (like the demo), never imported by them
+CONSUMERS = ("gtopk_plugin.bench",)
 
 
 def _modules():
@@ -92,12 +99,12 @@ def _imports(module, path, top_level_only):
     return out
 
 
-def _internal_edges(module, path):
+def _internal_edges(module, path, top_level_only=True):
     """Edges to package modules; importing a.b.c also runs a and a.b, except
     the importer's own ancestors (already being imported)."""
     ancestors = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
     edges = set()
-    for name in _imports(module, path, top_level_only=True):
+    for name in _imports(module, path, top_level_only=top_level_only):
         if not name.startswith("gtopk_plugin"):
             continue
         parts = name.split(".")
@@ -141,10 +148,65 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_import_cycles_through_deferred_imports():
+    """An import inside a function runs later, but the two modules still
+    need each other: each must be readable without the other's internals."""
+    graph = {m: _internal_edges(m, p, top_level_only=False) for m, p in MODULES.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (counting imports inside functions): " + "; ".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_file_names_are_unique_in_the_package():
+    seen = {}
+    for p in sorted(PKG.rglob("*.py")):
+        if p.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    dup = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not dup, f"file names used twice under gtopk_plugin/: {dup}"
+
+
+LAB_NAMES = ("lab", "benchmarks")
+
+
+def test_the_package_never_imports_the_lab():
+    bad = [f"{m} imports {name}" for m, p in MODULES.items()
+           for name in _imports(m, p, top_level_only=False) if name.split(".")[0] in LAB_NAMES]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_wheel_ships_only_the_package(monkeypatch):
+    """setup.py's package list, read by running it with setuptools.setup
+    replaced: gtopk_plugin and its sub-packages (and the kernel sources),
+    nothing of the lab."""
+    import setuptools
+
+    captured = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: captured.update(kw))
+    monkeypatch.setenv("GTOPK_BUILD_EXT", "0")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["setup.py", "--name"])
+    code = compile((ROOT / "setup.py").read_text(), str(ROOT / "setup.py"), "exec")
+    exec(code, {"__file__": str(ROOT / "setup.py"), "__name__": "__main__"})
+    packages = captured["packages"]
+    assert "gtopk_plugin" in packages and "gtopk_plugin.pipeline" in packages
+    stray = [p for p in packages if p != "gtopk_plugin.csrc" and
+             (p.split(".")[0] != "gtopk_plugin" or p.split(".")[1:2] in (["lab"], ["benchmarks"]))]
+    assert not stray, f"setup.py ships lab or foreign packages: {stray}"
+    dirs = set((captured.get("package_dir") or {}).values())
+    assert not any(d.split("/")[0] in LAB_NAMES for d in dirs), captured.get("package_dir")
+
+
+def test_nothing_imports_the_bench():
+    bad = [f"{m} imports {name}" for m, p in MODULES.items() if not m.startswith(CONSUMERS)
+           for name in _imports(m, p, top_level_only=False) if name.startswith(CONSUMERS)]
+    assert not bad, "\n".join(bad)
+
+
 def test_only_frameworks_import_a_framework():
     bad = []
     for m, p in MODULES.items():
-        in_frameworks = m.startswith("gtopk_plugin.frameworks")
+        in_frameworks = m.startswith("gtopk_plugin.frameworks") or m.startswith(CONSUMERS)
         for name in _imports(m, p, top_level_only=False):
             top = name.split(".")[0]
             if top in OPTIONAL and not in_frameworks:
@@ -191,6 +253,11 @@ def test_the_checks_can_fail():
     tree = ast.parse("import os\nx = os.environ.get('A')\ny = os.environ['B']\nz = 'C' in os.environ\n"
                      "w = os.getenv('D')\nos.environ['E'] = '1'\n")
     assert sorted(set(_env_reads(tree))) == [2, 3, 4, 5]
+    # a deferred import is an edge when asked for, and only then
+    tree_src = "def f():\n    import gtopk_plugin.config\n"
+    fake = Path("/nonexistent")
+    assert _resolve("gtopk_plugin.x", ast.parse(tree_src).body[0].body[0]) == ["gtopk_plugin.config"]
+    assert fake not in MODULES.values()
 
 
 def test_import_gtopk_plugin_pulls_no_optional_framework():

@@ -1,4 +1,4 @@
-"""The compressor registry as the one source of truth (issue #16), single
+"""The compressor registry as the one source of truth, single
 process: metadata and hyper-parameter validation, the 1-bit codec against a
 numpy oracle of its encode/decode, and compressors registered from user code
 (a selector with a hyper-parameter, a codec) working through
@@ -373,7 +373,7 @@ def test_register_rejects_bad_names_and_clashes():
 
 
 def test_onebit_with_momentum_correction_conserves_the_velocity_mass():
-    # DESIGN.md §3 momentum correction, for a codec: Σ_steps u_t = Σ_steps result_t + v
+    # docs/design.md §2 momentum correction, for a codec: Σ_steps u_t = Σ_steps result_t + v
     red = make(method="onebit", op="sum", momentum=0.9)
     g = torch.Generator().manual_seed(2)
     tot_u = torch.zeros(50, dtype=torch.float64)

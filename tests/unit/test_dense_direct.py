@@ -170,7 +170,7 @@ def test_prescaled_sums_equal_divided_sums_when_exact(ftz):
         # (That the flagged sum then differs under FTZ is not asserted: on
         # this machine FTZ was intermittently not in effect for the sum right
         # after set_flush_denormal(True), though a probe just before flushed;
-        # cause not found, see the session 17 note.)
+        # cause not found.)
     finally:
         torch.set_flush_denormal(False)
     # flagged inexact at the top: a large sum overflows unscaled only

@@ -573,7 +573,7 @@ def _count_calls(monkeypatch, module, name):
 def test_reducer_uses_cpu_kernels_by_default(monkeypatch, method):
     monkeypatch.delenv("GTOPK_KERNELS", raising=False)
     assert kernels.backend("cpu") == "cpu"
-    # exact top-k runs fused with the compensation (issue #15)
+    # exact top-k runs fused with the compensation
     name = "select_threshold" if method == "threshold" else "compensate_select_topk"
     fast = _count_calls(monkeypatch, cpu, name)
     ref = _count_calls(monkeypatch, reference, name)
@@ -591,7 +591,7 @@ def test_reducer_uses_cpu_kernels_by_default(monkeypatch, method):
 def test_gtopk_kernels_env_forces_a_backend(monkeypatch):
     monkeypatch.setenv("GTOPK_KERNELS", "reference")
     assert kernels.backend("cpu") == "reference"
-    # the reducer runs exact top-k fused with the compensation (issue #15)
+    # the reducer runs exact top-k fused with the compensation
     fast = _count_calls(monkeypatch, cpu, "compensate_select_topk")
     ref = _count_calls(monkeypatch, reference, "compensate_select_topk")
     gp.GradientReducer(method="topk", density=0.1,

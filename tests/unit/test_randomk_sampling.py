@@ -1,4 +1,4 @@
-"""Random-k's O(k) draw (issue #15, gtopk_plugin/compress/randomk.py):
+"""Random-k's O(k) draw (gtopk_plugin/compress/randomk.py):
 ``sample_distinct`` replaced ``torch.randperm(n)[:k]`` per segment, so the
 indices random-k draws changed (every layer -- reducer, DDP hook, both
 Horovod layers, the single-process Oracle -- reaches them only through

@@ -1,4 +1,4 @@
-"""GradientReducer.reduce(..., out=) (issue #15: the update written straight
+"""GradientReducer.reduce(..., out=) (the update written straight
 into the caller's tensors, e.g. DDP's bucket): against the numpy oracle of
 test_reducer_alloc and against the same reducer without ``out`` (bit for
 bit, every method, mixed dtypes, small tensors, skipped steps), ``out``

@@ -1,4 +1,4 @@
-"""GradientReducer.reduce in steady state (issue #15): persistent residual,
+"""GradientReducer.reduce in steady state: persistent residual,
 accumulator and update buffers, no N-sized allocation per step on the sparse
 path, the update buffers' lifetime contract, and the fused CPU kernels
 (compensate, compensate_select_topk, subtract_at_, scatter_reset_) against
@@ -114,7 +114,7 @@ def test_dense_step_passes(with_out):
     N, the copy into the update buffer that also checks and counts
     (dense_direct); with ``out`` two, the fused compensation into the
     accumulator and one division out of it into ``out``.  No torch copy,
-    clone, division or count over N-sized inputs (issue #15), no scratch
+    clone, division or count over N-sized inputs, no scratch
     accumulator without ``out``; the result is still the exact sum."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -2,7 +2,7 @@
 the torch and TensorFlow butterflies: for every P, sends and receives pair
 up phase by phase, every rank < P' meets every other rank < P' once through
 its group, exactly one rank owns each group's rounding per round, and the
-message-round count is the one the statistics report (DESIGN.md §3)."""
+message-round count is the one the statistics report (docs/design.md §2)."""
 import pytest
 
 from gtopk_plugin.collectives.schedule import butterfly_schedule, message_rounds

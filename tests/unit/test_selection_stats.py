@@ -1,4 +1,4 @@
-"""Statistical tests of the random selectors (issue #20), fixed seeds, against
+"""Statistical tests of the random selectors, fixed seeds, against
 numpy oracles that share no code with the implementation (tests/support/oracles.py:
 numpy only).  Each test states the deviation it detects and with what
 probability (power of the chi-square test at level α = 10⁻³, computed from
@@ -159,7 +159,7 @@ def test_buckets_of_one_step_draw_independently_in_the_reducer(method):
     600 steps; overlap |S₁ ∩ S₂| against the hypergeometric law of
     independent k-subsets (random-k: k = 10 of n = 100; rTop-k: 10 of the
     top 20), tail cells pooled until each expects ≥ 5 (χ²(3) and χ²(6)), at
-    α = 10⁻³.  Buckets that share one key (the bug of issue #20) have
+    α = 10⁻³.  Buckets that share one key (a bug this test once caught) have
     overlap k in every step: λ ≈ 9,400 and 52,000, detected with
     probability 1; sharing the draw in 5% of the steps gives λ = 23.5
     (random-k) and 129 (rTop-k), detected with probability 0.85 and 1.0;

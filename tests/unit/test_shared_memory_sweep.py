@@ -1,5 +1,5 @@
-"""Files a killed leader leaves in the shared-memory directory (issue #18's
-fabric, gtopk_plugin/collectives/shared_memory.py): a later set-up removes
+"""Files a killed leader leaves in the shared-memory directory (the two-level
+reduction's fabric, gtopk_plugin/two_level/shared_memory.py): a later set-up removes
 exactly those whose creator is gone and that are older than any set-up,
 and nothing else.  Oracle: the directory listing, built by hand."""
 import os

@@ -1,4 +1,4 @@
-"""``dense_below`` (issue #17, gtopk_plugin/small_tensors.py) in one process:
+"""``dense_below`` (gtopk_plugin/small_tensors.py) in one process:
 validation, the split (small tensors dense and exact, the rest as without
 them), global granularity (small tensors leave the global segment), bytes
 and stats, checkpoints with momentum, and the DDP hook's keyword."""

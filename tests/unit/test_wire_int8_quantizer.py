@@ -1,4 +1,4 @@
-"""The int8 wire's quantizer (gtopk_plugin/collectives/wire.py, issue #17),
+"""The int8 wire's quantizer (gtopk_plugin/collectives/wire.py),
 single process: exactness of the residual's share (decoded + err == v bit
 for bit), bounds (|q| <= 127, never ±inf, zero and empty messages), the
 per-message exponent, lossless re-encoding of a slice, stochastic rounding
