@@ -2,8 +2,9 @@
 Horovod-TensorFlow front ends take a Keras SGD's momentum over
 (``momentum_correction=True``) or refuse to apply momentum twice.
 
-The correction itself is the compression's (:mod:`.tf_kernels`); this
-module only binds it to the optimizer.
+The correction itself is the core's ``MomentumCorrection``, run in the
+exchange (:func:`.tf_step.exchange`); this module only binds it to the
+optimizer.
 """
 from __future__ import annotations
 

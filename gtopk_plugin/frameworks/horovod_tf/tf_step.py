@@ -1,14 +1,14 @@
 """One reduce step of the TensorFlow layer: the reducer's pipeline
-(docs/design.md §2), tensor ops in TensorFlow, the exchange on the core.
+(docs/design.md §2), tensor ops in TensorFlow, the rest on the core.
 
 check (one MAX-allreduce of ``[non-finite, fingerprint, -fingerprint,
 step]``: NaN/Inf anywhere, a layout or settings mismatch, the agreed step)
--> DGC clipping and momentum correction -> ``acc = grad + residual`` ->
-:func:`exchange` (the core's compressor and aggregation: the PyTorch side's
-bits by construction) -> ``residual = acc`` less what reached the result as
-it travelled, plus the wire roundings this rank owns -> update: the sum
-(divided by P for ``hvd.Average``).  Tensors below ``dense_below`` entries
-are summed exactly in the same step.  One traced graph serves every step.
+-> :func:`exchange`, the core's torch code in one numpy call: DGC clipping
+and momentum correction, ``acc = grad + residual``, the compressor and
+aggregation, the new residual and velocities (the PyTorch side's bits by
+construction) -> update: the sum (divided by P for ``hvd.Average``).
+Tensors below ``dense_below`` entries are summed exactly in the same step.
+One traced graph serves every step.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from gtopk_plugin.collectives import Selection, wire
 from gtopk_plugin.collectives.rounds import ROUNDS, codec_contribution
 from gtopk_plugin.collectives.transport import SingleProcessTransport
 from gtopk_plugin.compress.compressor import SelectionContext
+from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
 from gtopk_plugin.config import DensityWarmup
 from gtopk_plugin.kernels.reference import INT32_LIMIT, index_dtype
 from gtopk_plugin.pipeline import input_check
-from gtopk_plugin.pipeline.layout import global_segment_name, segment_ks
+from gtopk_plugin.pipeline.layout import clip_scale, global_segment_name, segment_ks
 from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
 from gtopk_plugin.frameworks.horovod_tf._guard import hvd, tf
 from gtopk_plugin.frameworks.horovod_tf.tf_bridge import carrier, numpy_call, to_numpy, to_torch
-from gtopk_plugin.frameworks.horovod_tf.tf_kernels import clip_factor, momentum_step
 from gtopk_plugin.frameworks.horovod_tf.tf_transport import transport_for
 
 __all__ = ["reduce", "exchange"]
@@ -170,50 +170,34 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     # P + a run-time zero: Grappler would turn a division by a constant into
     # a multiplication by its reciprocal (other bits for P = 3)
     zero = 0 if P == 1 else tf.cast(tf.minimum(v[3], 0), tf.int32)
+
+    def cat(ts, dt):
+        return tf.concat(ts, 0) if ts else tf.zeros([0], dt or tf.float32)
+
     with tf.control_dependencies(checks):
         skip = v[0] > 0
         flat = [tf.reshape(tf.cast(t, dt), [-1]) for t, dt in zip(tensors, dts)]
-        if cfg.clip_norm is not None:  # DGC local clipping over every tensor (small part first, as torch)
-            factor = clip_factor([flat[j] for j in small + big], cfg.clip_norm, P)
-            flat = [g * tf.cast(factor, g.dtype) for g in flat]
-        old_u = new_u = None
-        if mspec is not None:  # DGC momentum correction: the increments enter the residual
-            old_u = [u.read_value() for u in vel_vars]
-            flat, new_u = momentum_step(flat, old_u, *mspec)
-        acc = tf.concat([flat[j] + r.read_value() if cfg.error_feedback else flat[j]
-                         for j, r in zip(big, res_vars)], 0) if big else None
-        acc_s = tf.concat([flat[j] for j in small], 0) if small else None
+        g, g_s = cat([flat[j] for j in big], dtype), cat([flat[j] for j in small], s_dtype)
+    old_r = cat([r.read_value() for r in res_vars] if cfg.error_feedback else [], g.dtype)
+    old_u, old_us = (cat([vel_vars[j].read_value() for j in js] if mspec else [], d.dtype)
+                     for js, d in ((big, g), (small, g_s)))
+    m = tf.cast(mspec[0] if mspec else 0.0, tf.float64)
     control = tf.constant([32 if (P > 1 and f == "control_bytes") else 0 for f in TRANSPORT_FIELDS], tf.int64)
-    zero64, no_idx = tf.constant(0, tf.int64), tf.zeros([0], tf.int32)
+    zero64 = tf.constant(0, tf.int64)
 
     def run():
-        out = exchange(comp, transport, acc, acc_s, sizes=sizes, offsets=offsets, names=seg_names,
-                       shapes=[tuple(tensors[j].shape.as_list()) for j in big] if cfg.granularity == "layer" else None,
-                       step=step, rank=rank, P=P)
-        counts = dict(zip(COUNTS, tf.unstack(out["counts"])))
-        traffic = control + out["counts"][:_NT]
-        if big:
-            result = out["result"]
-            update = result / tf.cast(P + zero, dtype) if average else result
-            if codec:  # acc less this worker's contribution as it decodes; no masking
-                residual, reached = acc - out["sent"], no_idx
-            else:
-                reached, sent = tf.boolean_mask(out["idx"], out["reached"]), tf.boolean_mask(out["sent"], out["reached"])
-                residual = tf.tensor_scatter_nd_update(acc, reached[:, None], tf.gather(acc, reached) - sent)
-                residual = tf.tensor_scatter_nd_add(residual, out["fix_i"][:, None], out["fix_v"])
-        else:
-            update = residual = tf.zeros([0], s_dtype)
-            reached = no_idx
-        res = (update, residual, traffic, reached, counts["sent_entries"], counts["rounds"])
-        if small:
-            s = out["small"]
-            res += (s / tf.cast(P + zero, s_dtype) if average else s,)
-        return res
+        result, residual, u, small_sum, us, counts = exchange(
+            comp, transport, mspec, [g, old_r, old_u, g_s, old_us, tf.cast(step, tf.int64), m],
+            sizes=sizes, s_sizes=s_sizes, offsets=offsets, names=seg_names,
+            shapes=[tuple(tensors[j].shape.as_list()) for j in big] if cfg.granularity == "layer" else None,
+            rank=rank, P=P)
+        update = result / tf.cast(P + zero, dtype) if average and big else result
+        if small and average:
+            small_sum = small_sum / tf.cast(P + zero, s_dtype)
+        return update, residual, u, small_sum, us, control + counts[:_NT], counts[-1], counts[-2]
 
     def skipped():
-        out = (tf.zeros([N], dtype or s_dtype), acc if big else tf.zeros([0], s_dtype), control, no_idx,
-               zero64, zero64)
-        return out + ((tf.zeros([Ns], s_dtype),) if small else ())
+        return tf.zeros([N], g.dtype), old_r, old_u, tf.zeros([Ns], g_s.dtype), old_us, control, zero64, zero64
 
     if tf.executing_eagerly():
         res = skipped() if bool(skip) else run()
@@ -221,7 +205,7 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
         res = tf.cond(skip, skipped, run)
     else:
         res = run()
-    update, residual, traffic, reached, sent, rounds = res[:6]
+    update, residual, new_u, small_sum, new_us, traffic, sent, rounds = res
     if cfg.warmup is None or not big:
         k = sum(ks)
     elif tf.executing_eagerly():
@@ -233,59 +217,47 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
              "numel": N + Ns, "k": k + Ns, "sent_entries": sent, "rounds": rounds}
     comp._traffic.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
                                     tf.reshape(tf.cast(skip, tf.int64), [1])], 0))
-    if cfg.error_feedback and big:
-        if cfg.nonfinite == "skip":  # a skipped step keeps the old residual
-            residual = tf.where(skip, tf.concat([r.read_value() for r in res_vars], 0), residual)
-        for r, part in zip(res_vars, tf.split(residual, sizes)):
-            r.assign(part)
+    states = [(res_vars, residual, sizes)] if cfg.error_feedback else []
     if mspec is not None:
-        _commit_velocities(cfg, vel_vars, old_u, new_u, big, small, sizes, reached, skip)
+        states += [([vel_vars[j] for j in big], new_u, sizes), ([vel_vars[j] for j in small], new_us, s_sizes)]
+    for variables, value, ns in states:
+        for var, part in zip(variables, tf.split(value, ns) if variables else []):
+            var.assign(part)
     comp.step.assign(step + 1)
     out = list(grads)
-    parts = [(big, tf.split(update, sizes) if big else [])] + ([(small, tf.split(res[6], s_sizes))] if small else [])
-    for js, ups in parts:
-        for j, u in zip(js, ups):
+    for js, ups, ns in ((big, update, sizes), (small, small_sum, s_sizes)):
+        for j, u in zip(js, tf.split(ups, ns) if js else []):
             u = tf.cast(tf.reshape(u, tensors[j].shape), tensors[j].dtype)
             out[pos[j]] = u * tf.cast(post, u.dtype) if post != 1.0 else u
     return out
 
 
-def _commit_velocities(cfg, vel_vars, old_u, new_u, big, small, sizes, reached, skip):
-    """DGC velocities after the step: the method's part restarts where its
-    accumulator reached the result (momentum factor masking); the small
-    tensors' are plain momentum buffers; a skipped step keeps the old ones."""
-    keep_old = cfg.nonfinite == "skip"
-    if big:
-        u = tf.concat([new_u[j] for j in big], 0)
-        if cfg.momentum_masking:
-            u = tf.tensor_scatter_nd_update(u, reached[:, None], tf.zeros(tf.shape(reached), u.dtype))
-        if keep_old:
-            u = tf.where(skip, tf.concat([old_u[j] for j in big], 0), u)
-        for j, part in zip(big, tf.split(u, sizes)):
-            vel_vars[j].assign(part)
-    for j in small:
-        vel_vars[j].assign(tf.where(skip, old_u[j], new_u[j]) if keep_old else new_u[j])
-
-
-def exchange(comp, transport, acc, acc_s, *, sizes: Sequence[int], offsets: Sequence[int], names, shapes,
-             step, rank: int, P: int):
-    """One stateful numpy function: select (or encode) from the flat ``acc``
-    (None: all tensors small) and aggregate over ``transport`` -- at a
-    codec's dense warm-up step, sum ``acc`` -- then sum ``acc_s`` exactly.
-    Returns tensors ``idx``/``sent`` (this rank's selection, as sent; a codec:
-    its dense contribution), ``reached``, ``result`` (dense sum), ``fix_i``/
-    ``fix_v`` (wire roundings this rank owns), ``small``, ``counts``."""
+def exchange(comp, transport, mspec, inputs, *, sizes: Sequence[int], s_sizes: Sequence[int],
+             offsets: Sequence[int], names, shapes, rank: int, P: int):
+    """One stateful numpy function, the reducer's steps from clipping on in
+    the core's torch code: ``inputs`` are the flat method part (None: all
+    tensors small), its residual and velocity (empty: none), the small part
+    and its velocity, the step and the momentum (float64).  DGC clipping
+    (docs/design.md §2) and momentum correction (``MomentumCorrection``),
+    ``acc = grad + residual``, select (or encode) and aggregate over
+    ``transport`` -- at a codec's dense warm-up step, sum ``acc`` -- then
+    sum the small part exactly.  Returns the dense sum, the new residual
+    (``acc`` less what reached the result as it travelled, plus the wire
+    roundings this rank owns), the velocities (masked where ``acc``
+    reached the result), the small part's sum and the counts (``COUNTS``)."""
     cfg, cmp = comp.config, comp.compressor
     codec = getattr(cmp, "kind", "selector") == "codec"
     warm_start = 0 if cfg.aggregation == ROUNDS else int(getattr(cmp, "start_iter", 0) or 0)
     agg = collectives.get(cfg.aggregation)
-    N = int(offsets[-1]) if acc is not None else 0
+    N = int(sum(sizes))
     offs_t = torch.tensor(list(offsets), dtype=torch.int64)
-    bdt = acc.dtype if acc is not None else tf.float32
-    sdt = acc_s.dtype if acc_s is not None else tf.float32
+    g, g_s = inputs[0], inputs[3]
+    bdt, sdt = g.dtype, g_s.dtype
+    bf, sbf = bdt == tf.bfloat16, sdt == tf.bfloat16
     wdt = _TORCH[comp.wire_dtype or bdt]
     int8 = wdt == wire.QUANTIZED
     ring = 0 if P == 1 else 2 * (P - 1)
+    b_names, s_names = [f"b{i}" for i in range(len(sizes))], [f"s{i}" for i in range(len(s_sizes))]
 
     def method(x, st: int, t, counts):
         ks = segment_ks(sizes, cfg.density_at(st), cfg.granularity, full=codec)
@@ -302,7 +274,7 @@ def exchange(comp, transport, acc, acc_s, *, sizes: Sequence[int], offsets: Sequ
                 counts["rounds"] += ring
                 return none_i, x, none_i.bool(), total, none_i, none_v
             if cfg.aggregation == ROUNDS:
-                x = x.clone()  # the codec keeps views of acc; TF's buffer is read-only
+                x = x.clone()  # the codec keeps views of its input
             payload, mine = codec_contribution(cmp, x, offs_t, N, x.dtype, ctx)
             sel = Selection(idx=None, vals=mine, numel=N, offsets=offs_t, k=k_t, idx_dtype=index_dtype(N),
                             sum_dtype=x.dtype, static_count=True, kernels=cfg.kernels, payload=payload)
@@ -328,39 +300,55 @@ def exchange(comp, transport, acc, acc_s, *, sizes: Sequence[int], offsets: Sequ
         reached = torch.ones(idx.numel(), dtype=torch.bool) if res.reached is None else res.reached
         fix_i, fix_v = res.residual_add if res.residual_add is not None else (none_i, none_v)
         sent = wire.values(wvals, x.dtype) if int8 else wvals.to(x.dtype)  # int8: decoded (exact)
-        return idx.to(torch.int32), sent, reached, result, fix_i.to(torch.int32), fix_v.to(x.dtype)
+        return idx, sent, reached, result, fix_i, fix_v.to(x.dtype)
 
-    def run(a, a_s, st):
+    def run(g, r, u, g_s, u_s, st, m):
         t = transport if transport is not None else SingleProcessTransport()
         if hasattr(t, "begin"):
             t.begin()
         before = t.counters.copy()
         counts = {"rounds": 0, "sent_entries": 0}
-        x = to_torch(a, bdt == tf.bfloat16)
-        outs = method(x, int(st), t, counts) if acc is not None else \
-            (torch.zeros(0, dtype=torch.int32), x, torch.zeros(0, dtype=torch.bool), x, torch.zeros(0, dtype=torch.int32), x)
-        small = to_torch(a_s, sdt == tf.bfloat16).clone()
-        if acc_s is not None:  # the exact sum, after the method's exchange (the PyTorch side's order)
+        x, xs = to_torch(g, bf), to_torch(g_s, sbf)
+        parts, sparts = list(torch.split(x, list(sizes))), list(torch.split(xs, list(s_sizes)))
+        scale = clip_scale(cfg.clip_norm, sparts + parts, None, None, P)  # over the whole call
+        if scale != 1.0:
+            parts, sparts = [p * scale for p in parts], [p * scale for p in sparts]
+        if mspec is not None:  # DGC momentum correction: the increments enter the residual
+            mc = MomentumCorrection(MomentumSpec(float(m), bool(mspec[1]), float(mspec[2])), cfg.momentum_masking)
+            for ns, nn, vel, b in ((b_names, sizes, u, bf), (s_names, s_sizes, u_s, sbf)):
+                mc.velocities.update(zip(ns, torch.split(to_torch(vel, b), list(nn))))
+            parts = mc.accumulate(b_names, sizes, parts, x.dtype, "cpu") if parts else parts
+            sparts = mc.accumulate(s_names, s_sizes, sparts, xs.dtype, "cpu") if sparts else sparts
+        result = acc = torch.cat(parts) if parts else x
+        if cfg.error_feedback and parts:
+            acc = acc + to_torch(r, bf)
+        residual = acc
+        if parts:
+            idx, sent, reached, result, fix_i, fix_v = method(acc, int(st), t, counts)
+            if codec:  # acc less this worker's contribution as it decodes; no masking
+                residual = acc - sent
+            else:
+                at = idx[reached].long()
+                residual = acc.clone()
+                residual[at] = acc[at] - sent[reached]
+                residual.index_put_((fix_i.long(),), fix_v, accumulate=True)
+                if mspec is not None:
+                    mc.mask_(b_names, at)
+        small = torch.cat(sparts) if sparts else xs.clone()
+        if sparts:  # the exact sum, after the method's exchange (the PyTorch side's order)
             if P > 1:
                 t.allreduce_sum_(small)
             counts["sent_entries"] += small.numel()
             counts["rounds"] += ring
+        vel = [torch.cat([mc.velocities[n] for n in ns]) if mspec is not None and ns else v[:0]
+               for ns, v in ((b_names, x), (s_names, xs))]
         delta = t.counters.copy().minus(before)
-        return tuple(to_numpy(o) for o in outs) + (to_numpy(small), np.asarray(
-            [getattr(delta, f) for f in TRANSPORT_FIELDS] + [counts["rounds"], counts["sent_entries"]],
-            np.int64))
+        outs = (result, residual if cfg.error_feedback and parts else x[:0], vel[0], small, vel[1])
+        return tuple(to_numpy(o) for o in outs) + (np.asarray(
+            [getattr(delta, f) for f in TRANSPORT_FIELDS] + [counts["rounds"], counts["sent_entries"]], np.int64),)
 
-    empty = tf.zeros([0])
-    a = carrier(acc) if acc is not None else empty
-    a_s = carrier(acc_s) if acc_s is not None else empty
-    outs = numpy_call(comp.codec_state(), run, [a, a_s, tf.cast(step, tf.int64)],
-                      [tf.int32, a.dtype, tf.bool, a.dtype, tf.int32, a.dtype, a_s.dtype, tf.int64])
-    keys = ("idx", "sent", "reached", "result", "fix_i", "fix_v", "small", "counts")
-    out = {k: tf.ensure_shape(v, [None]) for k, v in zip(keys, outs)}
-    for k, dt in (("sent", bdt), ("result", bdt), ("fix_v", bdt), ("small", sdt)):
-        if dt == tf.bfloat16:
-            out[k] = tf.bitcast(out[k], tf.bfloat16)
-    out["counts"] = tf.ensure_shape(out["counts"], [len(COUNTS)])
-    if acc is not None:
-        out["result"] = tf.ensure_shape(out["result"], [N])
-    return out
+    ins = [carrier(a) for a in inputs[:5]] + list(inputs[5:])
+    outs = numpy_call(comp.codec_state(), run, ins, [ins[0].dtype] * 3 + [ins[3].dtype] * 2 + [tf.int64])
+    vals = [tf.ensure_shape(o, a.shape) for o, a in zip(outs[:5], inputs)]
+    vals = [tf.bitcast(o, tf.bfloat16) if a.dtype == tf.bfloat16 else o for o, a in zip(vals, inputs)]
+    return vals + [tf.ensure_shape(outs[5], [len(COUNTS)])]
