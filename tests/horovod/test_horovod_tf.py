@@ -107,10 +107,9 @@ def test_selection_matches_reference_bit_for_bit(dtype):
         xt = tf.constant(_to_np(x))
         if dtype == torch.bfloat16:
             xt = tf.bitcast(xt, tf.bfloat16)
-        for name, ours, theirs in (("topk", S.select_topk, ref.select_topk),
-                                   ("threshold", S.select_threshold, ref.select_threshold)):
+        for name, theirs in (("topk", ref.select_topk), ("threshold", ref.select_threshold)):
             ti, tv = theirs(x, torch.tensor(offs), torch.tensor(ks))
-            fi, fv = ours(xt, offs, ks)
+            fi, fv = S.select(xt, offs, ks, S.compressor(name))
             assert np.array_equal(ti.numpy(), fi.numpy()), f"{name} {dtype} trial {trial}: indices differ"
             assert _bits(_to_np(tv)) == _bits(_tf_np(fv)), f"{name} {dtype} trial {trial}: values differ"
 
@@ -121,14 +120,14 @@ def test_runtime_counts_select_as_static_counts(select):
     int32 tensor): the selection must be the static one, bit for bit,
     including k >= n and the threshold rule's sample-size arithmetic."""
     rng = np.random.default_rng(3)
-    fn = S.select_topk if select == "topk" else S.select_threshold
+    comp = S.compressor(select)
     for trial in range(10):
         offs, ks = _layout(rng)
         if trial == 0:
             offs, ks = [0, 5000, 5007, 60000], [3, 7, 2000]  # sampled threshold path, k = n
         x = tf.constant(rng.standard_normal(offs[-1]).astype(np.float32))
-        traced = tf.function(lambda x, k: fn(x, offs, k))
-        si, sv = fn(x, offs, ks)
+        traced = tf.function(lambda x, k: S.select(x, offs, k, comp))
+        si, sv = S.select(x, offs, ks, comp)
         ti, tv = traced(x, tf.constant(ks, tf.int32))
         assert np.array_equal(si.numpy(), ti.numpy()) and _bits(sv.numpy()) == _bits(tv.numpy()), (trial, ks)
 
@@ -139,7 +138,7 @@ def test_threshold_large_segment_matches_reference():
     for n, k in ((200_000, 2_000), (50_000, 17), (10_000, 4_000)):
         x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
         ti, _ = ref.select_threshold(x, torch.tensor([0, n]), torch.tensor([k]))
-        fi, _ = S.select_threshold(tf.constant(x.numpy()), [0, n], [k])
+        fi, _ = S.select(tf.constant(x.numpy()), [0, n], [k], S.compressor("threshold"))
         assert np.array_equal(ti.numpy(), fi.numpy()), (n, k)
 
 

@@ -1,10 +1,9 @@
 """The bridge from TensorFlow tensors to the torch core inside
-``tf.numpy_function`` (eager and traced): numpy <-> torch without copies
-(bfloat16, which numpy lacks, as its int16 bits), the registry's
-compressors, and a compressor's own state (PowerSGD's warm start) as the
-``torch.save`` bytes of its ``state_dict()`` in one ``tf.string`` variable,
-checkpointed with the residuals and assigned inside the branch that ran
-(a skipped step keeps the old state; a restored job resumes bit for bit).
+``tf.numpy_function``: numpy <-> torch without copies (bfloat16 as its
+int16 bits), the registry's compressors, and a compressor's own state
+(PowerSGD's warm start) as ``torch.save`` bytes in one ``tf.string``
+variable, checkpointed with the residuals and assigned inside the branch
+that ran (a skipped step keeps the old state; a restore resumes bit for bit).
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 from gtopk_plugin.compress.compressor import Compressor, SelectionContext
 
 __all__ = ["compressor", "carrier", "to_torch", "to_numpy", "CodecState", "has_state", "decode_state",
-           "numpy_call", "select", "select_topk", "select_threshold"]
+           "numpy_call", "select"]
 
 
 def compressor(method: str, **hyper):
@@ -94,8 +93,9 @@ def numpy_call(state, fn, inputs, Tout, stateful: bool = True):
 
 
 def select(x, offsets: Sequence[int], ks, comp):
-    """``comp.select`` on the flat tensor ``x`` (counts ``ks``: Python ints
-    or an int tensor), at step 0: ``(int32 indices, values)``."""
+    """``comp.select`` (e.g. ``compressor("topk")``) on the flat tensor ``x``
+    (counts ``ks``: Python ints or an int tensor), at step 0: ``(int32
+    indices, values)``; the tests hold it to the reference kernels' bits."""
     bf16, static = x.dtype == tf.bfloat16, not isinstance(ks, (tf.Tensor, tf.Variable))
     offs_t = torch.tensor(list(offsets), dtype=torch.int64)
     ctx = SelectionContext(step=0, segment_names=[f"s{i}" for i in range(len(offsets) - 1)], seed=0)
@@ -112,13 +112,3 @@ def select(x, offsets: Sequence[int], ks, comp):
     vals = tf.bitcast(vals, tf.bfloat16) if bf16 else vals
     return tf.ensure_shape(idx, [count]), tf.ensure_shape(vals, [count])
 
-
-def select_topk(x, offsets: Sequence[int], ks):
-    """Exact per-segment top-k (the registry's ``topk``; docs/design.md §2's
-    selection and tie rule)."""
-    return select(x, offsets, ks, compressor("topk"))
-
-
-def select_threshold(x, offsets: Sequence[int], ks):
-    """Sampled-threshold selection per segment (the registry's ``threshold``)."""
-    return select(x, offsets, ks, compressor("threshold"))

@@ -1,44 +1,41 @@
 """``SparseCompression``: a registered compressor of the core as a
-Horovod-TensorFlow ``compression=``, holding this worker's state
-(residuals, momentum-correction velocities, the step counter, a
-compressor's own state) as ``tf.Variable`` objects of a ``tf.Module``, so
-every checkpoint that holds it saves and restores them.  The settings are
-the PyTorch side's :class:`~gtopk_plugin.config.ReducerConfig` (same
-validation, same messages); the step is :func:`.tf_step.reduce`.
+Horovod-TensorFlow ``compression=``; its settings are a
+:class:`~gtopk_plugin.config.ReducerConfig` (the PyTorch side's validation
+and messages), its state ``tf.Variable`` objects of a ``tf.Module`` (saved
+by every checkpoint that holds it); the step is :func:`.tf_step.reduce`.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from typing import Optional
 
 import torch
 
 from gtopk_plugin.config import ReducerConfig
 from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
+from gtopk_plugin.frameworks.horovod_tf import tf_step
 from gtopk_plugin.frameworks.horovod_tf._guard import tf
 from gtopk_plugin.frameworks.horovod_tf.tf_bridge import CodecState, compressor, decode_state, has_state
+from gtopk_plugin.frameworks.horovod_tf.tf_momentum import keras_sgd_momentum
 
 __all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
 
-_TF_WIRE = {None: None, "float16": tf.float16, "bfloat16": tf.bfloat16, "int8": tf.int8}
-_TORCH_WIRE = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # last_step_traffic's int64 vector: the transport's fields, the statistics', skipped
 TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 # the core's aggregations this layer runs; the int8 wire: those of exact counts
 AGGREGATIONS = ("allgather", "gtopk", "allreduce_values", "allgather_payloads", "allreduce_rounds")
 _INT8_AGGREGATIONS = ("allgather", "gtopk", "allreduce_values")
-_DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", seed=0, nonfinite="raise", momentum=None,
-                 nesterov=False, dampening=0.0, momentum_masking=True, clip_norm=None, hyper=(),
-                 exchange="gloo", dense_below=0, wire_rounding="nearest")
+# the settings repr shows where they differ from ReducerConfig's defaults
+_SHOWN = ("r_factor", "merge", "granularity", "seed", "nonfinite", "momentum", "nesterov", "dampening",
+          "momentum_masking", "clip_norm", "dense_below", "wire_rounding")
 
 
 def _wire_name(value_dtype) -> Optional[str]:
-    if value_dtype is None:
-        return None
-    for name, tdt in (("float16", tf.float16), ("bfloat16", tf.bfloat16), ("int8", tf.int8)):
-        if value_dtype in (name, tdt, _TORCH_WIRE[name]):
-            return name
-    raise ValueError(f"value_dtype must be None, tf.float16, tf.bfloat16 or tf.int8; got {value_dtype!r}")
+    names = [n for n in ("float16", "bfloat16", "int8") if value_dtype in (n, tf.as_dtype(n), getattr(torch, n))]
+    if value_dtype is not None and not names:
+        raise ValueError(f"value_dtype must be None, tf.float16, tf.bfloat16 or tf.int8; got {value_dtype!r}")
+    return names[0] if names else None
 
 
 def _check_int8(config, exchange: str, cmp) -> None:
@@ -99,8 +96,8 @@ class SparseCompression(tf.Module):
             raise ValueError("wire_rounding='stochastic' applies to the int8 wire; pass value_dtype=tf.int8 "
                              "(fp16/bf16 casts round to nearest)")
         self.config = ReducerConfig(  # validates (ValueError)
-            method=method, density=density, r_factor=r_factor, merge=merge, granularity=granularity,
-            value_dtype=_TORCH_WIRE[wire], seed=seed, nonfinite=nonfinite, error_feedback=bool(error_feedback),
+            method=method, density=density, r_factor=r_factor, merge=merge, granularity=granularity, seed=seed,
+            value_dtype=wire and getattr(torch, wire), nonfinite=nonfinite, error_feedback=bool(error_feedback),
             warmup=warmup, momentum=momentum, nesterov=bool(nesterov), dampening=dampening,
             momentum_masking=bool(momentum_masking), clip_norm=clip_norm, hyper=hyper, dense_below=dense_below,
             wire_rounding=wire_rounding)
@@ -119,7 +116,7 @@ class SparseCompression(tf.Module):
         if exchange not in ("gloo", "horovod"):
             raise ValueError(f"exchange must be 'gloo' or 'horovod'; got {exchange!r}")
         self.exchange = exchange
-        self.wire_dtype = _TF_WIRE[wire]
+        self.wire_dtype = wire and tf.as_dtype(wire)
         self.compressor = compressor(method, **self.config.method_hyper)
         if wire == "int8":
             _check_int8(self.config, exchange, self.compressor)
@@ -131,11 +128,11 @@ class SparseCompression(tf.Module):
             if self._codec is not None:
                 self.compressor_state = tf.Variable(b"", dtype=tf.string, trainable=False,
                                                     name="compressor_state")
+            # the last step's StepTraffic fields (TRAFFIC_FIELDS)
+            self._traffic = _Untracked(tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64),
+                                                   trainable=False, name="last_step_traffic"))
         self.residuals, self.velocities = {}, {}  # "r0003"/"u0003" -> flat tf.Variable
         self._momentum_from = None  # the Keras SGD whose momentum the correction takes over
-        with tf.init_scope():  # the last step's StepTraffic fields (TRAFFIC_FIELDS)
-            self._traffic_box = _Untracked(tf.Variable(tf.zeros([len(TRAFFIC_FIELDS)], tf.int64),
-                                                       trainable=False, name="last_step_traffic"))
 
     @property
     def method(self) -> str:
@@ -147,20 +144,15 @@ class SparseCompression(tf.Module):
 
     def __repr__(self):
         c = self.config
-        now = dict(r_factor=c.r_factor, merge=c.merge, granularity=c.granularity, seed=c.seed,
-                   nonfinite=c.nonfinite, momentum=c.momentum, nesterov=c.nesterov, dampening=c.dampening,
-                   momentum_masking=c.momentum_masking, clip_norm=c.clip_norm, exchange=self.exchange,
-                   dense_below=c.dense_below, wire_rounding=c.wire_rounding)
-        extra = "".join(f", {k}={v!r}" for k, v in now.items() if v != _DEFAULTS[k])
-        if c.hyper:  # the method's own hyper-parameters, as keywords (Compression.<method>(..., k=v))
-            extra += "".join(f", {k}={v!r}" for k, v in dict(c.hyper).items())
-        if self.momentum_correction:
-            extra += ", momentum_correction=True"
-        if self.wire_dtype is not None:
-            extra += f", value_dtype=tf.{self.wire_dtype.name}"
-        if getattr(self.compressor, "kind", "selector") == "codec":  # no density: Compression.onebit(...)
-            return f"Compression.{c.method}({extra[2:]})"
-        return f"Compression.{c.method}({c.density!r}{extra})"
+        extra = [f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)
+                 if f.name in _SHOWN and getattr(c, f.name) != f.default]
+        extra += [f"exchange={self.exchange!r}"] if self.exchange != "gloo" else []
+        extra += [f"{k}={v!r}" for k, v in c.hyper]  # the method's own, as Compression.<method>(..., k=v)
+        extra += ["momentum_correction=True"] if self.momentum_correction else []
+        extra += [f"value_dtype=tf.{self.wire_dtype.name}"] if self.wire_dtype is not None else []
+        if getattr(self.compressor, "kind", "selector") != "codec":  # a codec: no density
+            extra.insert(0, repr(c.density))
+        return f"Compression.{c.method}({', '.join(extra)})"
 
     def compress(self, tensor):
         raise TypeError(f"{self!r} is a sparse gtopk_plugin compression: pass it to "
@@ -188,8 +180,6 @@ class SparseCompression(tf.Module):
         """``(momentum, nesterov, dampening)`` of the next call, or None: the
         bound Keras SGD's (read at every call, at trace time inside
         ``tf.function``) when not 0, else this compression's ``momentum=``."""
-        from gtopk_plugin.frameworks.horovod_tf.tf_momentum import keras_sgd_momentum
-
         opt = self._momentum_from
         if opt is not None:
             spec = keras_sgd_momentum(opt)
@@ -199,14 +189,10 @@ class SparseCompression(tf.Module):
         return None if c.momentum is None else (c.momentum, c.nesterov, c.dampening)
 
     @property
-    def _traffic(self):
-        return self._traffic_box.var
-
-    @property
     def last_step_traffic(self) -> dict:
         """This worker's traffic in the last step (read eagerly), in the
         PyTorch layers' format (``StepTraffic.as_dict()``) plus ``skipped``."""
-        v = dict(zip(TRAFFIC_FIELDS, (int(x) for x in self._traffic.numpy())))
+        v = dict(zip(TRAFFIC_FIELDS, (int(x) for x in self._traffic.var.numpy())))
         skipped = bool(v.pop("skipped"))
         return StepTraffic(**v, buckets=1, skipped=skipped).as_dict()
 
@@ -229,6 +215,4 @@ class SparseCompression(tf.Module):
     def reduce(self, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
         """The updates of the list ``grads`` (None stays None) over
         ``process_set``; collective, eager or inside ``tf.function``."""
-        from gtopk_plugin.frameworks.horovod_tf.tf_step import reduce
-
-        return reduce(self, grads, process_set, op, gradient_predivide_factor)
+        return tf_step.reduce(self, grads, process_set, op, gradient_predivide_factor)

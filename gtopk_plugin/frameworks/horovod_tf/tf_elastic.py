@@ -1,13 +1,10 @@
 """Elastic Horovod-TensorFlow (``hvd.elastic.run``): :class:`SparseKerasState`,
-Horovod's ``TensorFlowKerasState`` plus the sparse compressions' state.
-
-Residuals and velocities are each worker's own (its unsent gradient mass,
-docs/design.md §3, and its own momentum), so they are never broadcast:
-``commit()`` copies every residual, velocity, step counter and compressor
-state; ``restore()`` puts them back (one created after the commit goes back
-to zero); ``sync()`` broadcasts the model and optimizer, then rank 0's step
-counter (random draws and warm-ups agree again).  As the PyTorch layer's
-``SparseOptimizerStateHandler``.
+Horovod's ``TensorFlowKerasState`` plus the sparse compressions' state, as
+the PyTorch layer's ``SparseOptimizerStateHandler``.  Residuals and
+velocities are each worker's own (docs/design.md §3): never broadcast,
+``commit()`` copies and ``restore()`` puts back every residual, velocity,
+step counter and compressor state (one created after the commit goes back
+to zero); ``sync()`` broadcasts the model, optimizer and rank 0's step.
 """
 from __future__ import annotations
 

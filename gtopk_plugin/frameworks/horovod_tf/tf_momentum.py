@@ -16,10 +16,6 @@ from gtopk_plugin.frameworks.horovod_tf._guard import tf
 __all__ = ["keras_sgd_momentum", "bind_momentum", "setup_correction"]
 
 
-def _is_keras_sgd(optimizer) -> bool:
-    return isinstance(optimizer, tf.keras.optimizers.SGD)
-
-
 def keras_sgd_momentum(optimizer):
     """``(momentum, nesterov, 0.0)`` of a Keras SGD, or None when its
     momentum is the Python number 0 (nothing to correct).  A tensor or
@@ -37,7 +33,7 @@ def _keras_momentum_of(optimizer):
     """What momentum ``optimizer`` applies itself (for error messages), or None."""
     if getattr(optimizer, "_gtopk_momentum_taken", False):
         return None
-    if _is_keras_sgd(optimizer):
+    if isinstance(optimizer, tf.keras.optimizers.SGD):
         m = optimizer.momentum
     else:
         hyper = getattr(optimizer, "_hyper", None)  # legacy Keras optimizers
@@ -58,7 +54,7 @@ def bind_momentum(compression, optimizer) -> None:
     momentum 0 while it runs: ``optimizer.momentum`` and its config keep the
     user's values, and (decoupled) ``weight_decay`` stays with it.
     """
-    if not _is_keras_sgd(optimizer):
+    if not isinstance(optimizer, tf.keras.optimizers.SGD):
         raise ValueError(
             f"momentum_correction=True needs a Keras SGD optimizer (tf.keras.optimizers.SGD with "
             f"momentum); got {type(optimizer).__name__}. Adam-style optimizers keep their own moments: use "

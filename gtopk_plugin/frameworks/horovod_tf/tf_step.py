@@ -1,13 +1,9 @@
-"""One reduce step of the TensorFlow layer: the reducer's pipeline
-(docs/design.md §2), tensor ops in TensorFlow, the rest on the core.
-
-check (one MAX-allreduce of ``[non-finite, fingerprint, -fingerprint,
-step]``: NaN/Inf anywhere, a layout or settings mismatch, the agreed step)
--> :func:`exchange`, the core's torch code in one numpy call: DGC clipping
-and momentum correction, ``acc = grad + residual``, the compressor and
-aggregation, the new residual and velocities (the PyTorch side's bits by
-construction) -> update: the sum (divided by P for ``hvd.Average``).
-Tensors below ``dense_below`` entries are summed exactly in the same step.
+"""One reduce step of the TensorFlow layer (the reducer's pipeline,
+docs/design.md §2): the check (one MAX-allreduce of ``[non-finite,
+fingerprint, -fingerprint, step]``) in TensorFlow, then :func:`exchange`,
+the core's torch code in one numpy call (clipping, momentum correction,
+error feedback, compressor, aggregation: the PyTorch side's bits by
+construction), then the update (the sum, divided by P for ``hvd.Average``).
 One traced graph serves every step.
 """
 from __future__ import annotations
@@ -37,19 +33,15 @@ __all__ = ["reduce", "exchange"]
 # exchange()'s counts: the transport's, then rounds and entries sent
 COUNTS = TRANSPORT_FIELDS + ("rounds", "sent_entries")
 _NT = len(TRANSPORT_FIELDS)
-_TORCH = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
-          tf.float64: torch.float64, tf.int8: torch.int8}
 
 
 def _key(x) -> str:
     """A momentum or warm-up schedule as the same text on every rank."""
-    if isinstance(x, (int, float)):
-        return repr(float(x))
-    if x is None or isinstance(x, (tuple, DensityWarmup)):
-        return repr(x)
     if callable(x):
         return f"callable {getattr(x, '__module__', '')}.{getattr(x, '__qualname__', type(x).__name__)}"
-    return "variable"
+    if isinstance(x, (int, float)):
+        return repr(float(x))
+    return repr(x) if x is None or isinstance(x, (tuple, DensityWarmup)) else "variable"
 
 
 def _promote(dtypes):
@@ -143,9 +135,6 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
         offsets, seg_names = [0, N], [global_segment_name(names)]  # the PyTorch side's key of the draws
     codec = getattr(cmp, "kind", "selector") == "codec"  # a codec encodes all: k = n (as the reducer)
 
-    def k_sum(st) -> int:
-        return sum(segment_ks(sizes, cfg.density_at(int(st)), cfg.granularity, full=codec))
-
     ks = segment_ks(sizes, cfg.density, cfg.granularity, full=codec)  # the target (after any warm-up)
     res_vars = [comp.state_var(comp.residuals, "residual", f"r{pos[j]:04d}", all_sizes[j], dtype) for j in big]
     dts = [s_dtype if j in small else dtype for j in range(len(tensors))]  # each part's flat dtype
@@ -156,15 +145,9 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     settings = (cfg.method, cfg.aggregation, cfg.granularity, str(comp.wire_dtype),
                 "average" if average else "sum", tuple(ks), _key(cfg.warmup),
                 None if mspec is None else (_key(mspec[0]), bool(mspec[1]), float(mspec[2]), cfg.momentum_masking),
-                cfg.clip_norm)
-    if cfg.dense_below:
-        settings += (("dense_below", cfg.dense_below),)
-    if cfg.wire_rounding != "nearest":
-        settings += (("wire_rounding", cfg.wire_rounding),)
+                cfg.clip_norm, cfg.dense_below, cfg.wire_rounding, cfg.hyper)  # hyper: the method's own
     layout = input_check.describe_layout(
         [(n, tuple(t.shape.as_list()), t.dtype.name) for n, t in zip(all_names, tensors)], settings)
-    if getattr(cmp, "hyper", None):  # the method's own hyper-parameters, as the reducer adds them
-        layout.append(("hyper",) + tuple(sorted(cmp.hyper.items())))
     v, checks = _check(comp, ps, transport, layout, tensors)
     step = v[3]
     # P + a run-time zero: Grappler would turn a division by a constant into
@@ -206,16 +189,13 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
     else:
         res = run()
     update, residual, new_u, small_sum, new_us, traffic, sent, rounds = res
-    if cfg.warmup is None or not big:
-        k = sum(ks)
-    elif tf.executing_eagerly():
-        k = k_sum(step)
-    else:
-        k = tf.numpy_function(lambda st: np.int64(k_sum(st)), [step], tf.int64, stateful=False)
+    k = sum(ks) if cfg.warmup is None or not big else tf.numpy_function(  # k at this step's density
+        lambda st: np.int64(sum(segment_ks(sizes, cfg.density_at(int(st)), cfg.granularity, full=codec))),
+        [step], tf.int64, stateful=False)
     stats = {"dense_bytes": sum(StepTraffic.ring_allreduce(P, 0, n * dt.size).dense_bytes
                                 for n, dt in ((N, dtype), (Ns, s_dtype)) if dt is not None),
              "numel": N + Ns, "k": k + Ns, "sent_entries": sent, "rounds": rounds}
-    comp._traffic.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
+    comp._traffic.var.assign(tf.concat([traffic, tf.stack([tf.cast(stats[f], tf.int64) for f in STATS_FIELDS]),
                                     tf.reshape(tf.cast(skip, tf.int64), [1])], 0))
     states = [(res_vars, residual, sizes)] if cfg.error_feedback else []
     if mspec is not None:
@@ -234,17 +214,11 @@ def reduce(comp, grads, process_set=None, op=None, gradient_predivide_factor: fl
 
 def exchange(comp, transport, mspec, inputs, *, sizes: Sequence[int], s_sizes: Sequence[int],
              offsets: Sequence[int], names, shapes, rank: int, P: int):
-    """One stateful numpy function, the reducer's steps from clipping on in
-    the core's torch code: ``inputs`` are the flat method part (None: all
-    tensors small), its residual and velocity (empty: none), the small part
-    and its velocity, the step and the momentum (float64).  DGC clipping
-    (docs/design.md §2) and momentum correction (``MomentumCorrection``),
-    ``acc = grad + residual``, select (or encode) and aggregate over
-    ``transport`` -- at a codec's dense warm-up step, sum ``acc`` -- then
-    sum the small part exactly.  Returns the dense sum, the new residual
-    (``acc`` less what reached the result as it travelled, plus the wire
-    roundings this rank owns), the velocities (masked where ``acc``
-    reached the result), the small part's sum and the counts (``COUNTS``)."""
+    """One stateful numpy function running the reducer's steps from
+    clipping on in the core's torch code.  ``inputs``: the flat method part,
+    its residual and velocity (empty: none), the small part and its
+    velocity, the step, the momentum (float64).  Returns the dense sum, the
+    new residual and velocities, the small part's exact sum, the counts."""
     cfg, cmp = comp.config, comp.compressor
     codec = getattr(cmp, "kind", "selector") == "codec"
     warm_start = 0 if cfg.aggregation == ROUNDS else int(getattr(cmp, "start_iter", 0) or 0)
@@ -254,53 +228,56 @@ def exchange(comp, transport, mspec, inputs, *, sizes: Sequence[int], s_sizes: S
     g, g_s = inputs[0], inputs[3]
     bdt, sdt = g.dtype, g_s.dtype
     bf, sbf = bdt == tf.bfloat16, sdt == tf.bfloat16
-    wdt = _TORCH[comp.wire_dtype or bdt]
-    int8 = wdt == wire.QUANTIZED
+    int8 = cfg.value_dtype == wire.QUANTIZED
     ring = 0 if P == 1 else 2 * (P - 1)
     b_names, s_names = [f"b{i}" for i in range(len(sizes))], [f"s{i}" for i in range(len(s_sizes))]
 
-    def method(x, st: int, t, counts):
-        ks = segment_ks(sizes, cfg.density_at(st), cfg.granularity, full=codec)
-        k_t = torch.tensor(ks, dtype=torch.int64)
+    def method(acc, st: int, t, counts):
+        """``(dense sum, new residual, indices that reached the result or None)``."""
+        k_t = torch.tensor(segment_ks(sizes, cfg.density_at(st), cfg.granularity, full=codec), dtype=torch.int64)
         ctx = SelectionContext(step=st, segment_names=list(names), seed=cfg.seed, rank=rank,
                                kernels=cfg.kernels, shapes=shapes if cfg.aggregation == ROUNDS else None)
-        none_i, none_v = torch.zeros(0, dtype=torch.int32), x[:0]
         if codec:
             counts["sent_entries"] += N
             if warm_start > 0 and cmp.dense_at(st):  # the dense method's step: residual zero
-                total = x.clone()
+                total = acc.clone()
                 if P > 1:
                     t.allreduce_sum_(total)
                 counts["rounds"] += ring
-                return none_i, x, none_i.bool(), total, none_i, none_v
-            if cfg.aggregation == ROUNDS:
-                x = x.clone()  # the codec keeps views of its input
+                return total, torch.zeros_like(acc), None
+            x = acc.clone() if cfg.aggregation == ROUNDS else acc  # the codec keeps views of its input
             payload, mine = codec_contribution(cmp, x, offs_t, N, x.dtype, ctx)
             sel = Selection(idx=None, vals=mine, numel=N, offsets=offs_t, k=k_t, idx_dtype=index_dtype(N),
                             sum_dtype=x.dtype, static_count=True, kernels=cfg.kernels, payload=payload)
             res = agg(sel, t)
             counts["rounds"] += res.rounds
-            return none_i, sel.vals.reshape(-1), none_i.bool(), res.vals.to(x.dtype), none_i, none_v
-        idx, vals = cmp.select(x, offs_t, k_t, ctx)
-        if idx is None:  # "every entry" (a dense selector)
-            idx = torch.arange(N)
+            # acc less this worker's contribution as it decodes; no masking
+            return res.vals.to(acc.dtype), acc - sel.vals.reshape(-1), None
+        idx, vals = cmp.select(acc, offs_t, k_t, ctx)
+        idx = torch.arange(N) if idx is None else idx  # None: "every entry" (a dense selector)
         # the int8 wire's stochastic rounding, keyed as the reducer keys it
         draws = None if cfg.wire_rounding == "nearest" else wire.Draws(cfg.seed, st, names[0])
         if hasattr(agg, "draws"):  # aggregations that re-round sums (int8 wire)
             agg.draws = draws
-        wvals = wire.to_wire(vals, wdt) if draws is None else wire.quantize(vals, draws(f"rank{rank}", idx))[0]
+        wvals = wire.to_wire(vals, cfg.value_dtype or acc.dtype) if draws is None else \
+            wire.quantize(vals, draws(f"rank{rank}", idx))[0]
         res = agg(Selection(idx=idx, vals=wvals, numel=N, offsets=offs_t, k=k_t, idx_dtype=index_dtype(N),
-                            sum_dtype=x.dtype, static_count=bool(getattr(cmp, "exact_count", False)),
+                            sum_dtype=acc.dtype, static_count=bool(getattr(cmp, "exact_count", False)),
                             kernels=cfg.kernels), t)
         counts["rounds"] += res.rounds
         counts["sent_entries"] += idx.numel()
-        result = res.vals.to(x.dtype)
+        result = res.vals.to(acc.dtype)
         if res.idx is not None:  # a sparse result: dense here (zeros elsewhere)
-            result = torch.zeros(N, dtype=x.dtype).index_put_((res.idx.long(),), result)
-        reached = torch.ones(idx.numel(), dtype=torch.bool) if res.reached is None else res.reached
-        fix_i, fix_v = res.residual_add if res.residual_add is not None else (none_i, none_v)
-        sent = wire.values(wvals, x.dtype) if int8 else wvals.to(x.dtype)  # int8: decoded (exact)
-        return idx, sent, reached, result, fix_i, fix_v.to(x.dtype)
+            result = torch.zeros(N, dtype=acc.dtype).index_put_((res.idx.long(),), result)
+        # acc less what reached the result as it travelled (int8: decoded, exact) ...
+        sent = wire.values(wvals, acc.dtype) if int8 else wvals.to(acc.dtype)
+        at, sent = (idx.long(), sent) if res.reached is None else (idx[res.reached].long(), sent[res.reached])
+        residual = acc.clone()
+        residual[at] = acc[at] - sent
+        if res.residual_add is not None:  # ... plus the wire roundings this rank owns
+            fix_i, fix_v = res.residual_add
+            residual.index_put_((fix_i.long(),), fix_v.to(acc.dtype), accumulate=True)
+        return result, residual, at
 
     def run(g, r, u, g_s, u_s, st, m):
         t = transport if transport is not None else SingleProcessTransport()
@@ -324,16 +301,9 @@ def exchange(comp, transport, mspec, inputs, *, sizes: Sequence[int], s_sizes: S
             acc = acc + to_torch(r, bf)
         residual = acc
         if parts:
-            idx, sent, reached, result, fix_i, fix_v = method(acc, int(st), t, counts)
-            if codec:  # acc less this worker's contribution as it decodes; no masking
-                residual = acc - sent
-            else:
-                at = idx[reached].long()
-                residual = acc.clone()
-                residual[at] = acc[at] - sent[reached]
-                residual.index_put_((fix_i.long(),), fix_v, accumulate=True)
-                if mspec is not None:
-                    mc.mask_(b_names, at)
+            result, residual, at = method(acc, int(st), t, counts)
+            if mspec is not None and at is not None:  # momentum factor masking
+                mc.mask_(b_names, at)
         small = torch.cat(sparts) if sparts else xs.clone()
         if sparts:  # the exact sum, after the method's exchange (the PyTorch side's order)
             if P > 1:

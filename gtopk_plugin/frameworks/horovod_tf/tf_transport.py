@@ -1,19 +1,16 @@
 """The core's :class:`~gtopk_plugin.collectives.transport.Transport` for the
 TensorFlow layer, called inside ``tf.numpy_function`` (:func:`.tf_step.exchange`):
 :class:`ChannelTransport` (``exchange="gloo"``, the default) on a gloo side
-channel made inside the job (a send/recv costs a fraction of a Horovod op's
-cycle), or :class:`HorovodTFTransport` (``exchange="horovod"``, for elastic
-jobs) on ``horovod.tensorflow``'s ops run eagerly, a pairwise step being
-one ``alltoall`` every rank joins.
-
-Bytes are counted as the core counts them, except size headers, counted as
-this layer always has: int32 sizes before an allgather of varying sizes,
-and none for a butterfly message (its size rides with it).
+channel made inside the job, or :class:`HorovodTFTransport`
+(``exchange="horovod"``, for elastic jobs) on ``horovod.tensorflow``'s ops
+run eagerly, a pairwise step being one ``alltoall`` every rank joins.
+Bytes are counted as the core counts them, except size headers: int32 sizes
+before an allgather of varying sizes, none for a butterfly message.
 """
 from __future__ import annotations
 
 import pickle
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -30,23 +27,39 @@ __all__ = ["ChannelTransport", "HorovodTFTransport", "transport_for"]
 class _TFTransport(Transport):
     """Byte counts of this layer; pairwise steps go through :meth:`phase`."""
 
-    def _count_phase(self, sent: Optional[torch.Tensor], got: Optional[torch.Tensor]) -> None:
+    def __init__(self, process_set):
+        super().__init__()
+        self.ps, self._rank, self._size = process_set, process_set.rank(), process_set.size()
+
+    rank = property(lambda self: self._rank)
+    size = property(lambda self: self._size)
+
+    def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
+        got = self._phase(send_to, blob, recv_from, None if headers else recv_nbytes, headers)
         c = self.counters
-        if sent is not None:
-            c.payload_bytes_sent += sent.numel()
+        if send_to is not None:
+            c.payload_bytes_sent += blob.numel()
             c.messages_sent += 1
         if got is not None:
             c.payload_bytes_received += got.numel()
+        return got
 
-    def _count_allgather(self, sizes: List[int], with_sizes: bool) -> None:
-        P, r, c = self.size, self.rank, self.counters
-        if with_sizes:  # int32 sizes first
+    def allgather_blobs(self, blob, nbytes=None):
+        parts = self._gather(blob.contiguous(), None if nbytes is None else [int(n) for n in nbytes])
+        sizes, P, r, c = [p.numel() for p in parts], self.size, self.rank, self.counters
+        parts[r] = blob
+        if nbytes is None:  # int32 sizes first
             c.header_bytes_sent += 4 * (P - 1)
             c.header_bytes_received += 4 * (P - 1)
         total = sum(sizes)  # the ring model, as Transport.allgather_blobs
         c.payload_bytes_sent += total - sizes[(r + 1) % P]
         c.payload_bytes_received += total - sizes[r]
         c.messages_sent += P - 1
+        return parts
+
+    def _raw_allgather_object(self, obj):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        return [pickle.loads(b.numpy().tobytes()) for b in self._gather(data)]
 
     def _raw_send(self, peer, send):
         raise NotImplementedError("pairwise steps go through phase()")
@@ -63,7 +76,7 @@ class ChannelTransport(_TFTransport):
     store's port travels by one Horovod-TF broadcast, eager even while tracing)."""
 
     def __init__(self, process_set, name: str):
-        super().__init__()
+        super().__init__(process_set)
 
         def broadcast(words):
             with tf.init_scope():  # eager, also while tracing: every rank traces the step once
@@ -73,14 +86,6 @@ class ChannelTransport(_TFTransport):
         self.ch = GlooChannel(process_set.rank(), process_set.size(), name,
                               store_host(hvd.local_size(), hvd.size()), broadcast)
 
-    @property
-    def rank(self) -> int:
-        return self.ch.rank
-
-    @property
-    def size(self) -> int:
-        return self.ch.size
-
     def tf_allreduce_max(self, t):
         """Elementwise max of ``t`` over the ranks (a stateful TF op)."""
 
@@ -89,16 +94,11 @@ class ChannelTransport(_TFTransport):
 
         return tf.ensure_shape(tf.numpy_function(run, [t], t.dtype, stateful=True), t.shape)
 
-    def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
-        got = self.ch.exchange(send_to, blob, recv_from, None if headers else recv_nbytes, with_size=headers)
-        self._count_phase(blob if send_to is not None else None, got)
-        return got
+    def _phase(self, send_to, blob, recv_from, nbytes, headers):
+        return self.ch.exchange(send_to, blob, recv_from, nbytes, with_size=headers)
 
-    def allgather_blobs(self, blob, nbytes=None):
-        parts = self.ch.allgather(blob.contiguous(), None if nbytes is None else list(nbytes))
-        parts[self.rank] = blob
-        self._count_allgather([p.numel() for p in parts], nbytes is None)
-        return parts
+    def _gather(self, blob, nbytes=None):
+        return self.ch.allgather(blob, nbytes)
 
     def _raw_sendrecv(self, dst, send, src, recv):
         got = self.ch.exchange(dst, _bytes(send), src, recv.numel() * recv.element_size(), with_size=False)
@@ -109,10 +109,6 @@ class ChannelTransport(_TFTransport):
 
     def _raw_allreduce_max_(self, t):
         self.ch.allreduce_(t, dist.ReduceOp.MAX)
-
-    def _raw_allgather_object(self, obj):
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        return [pickle.loads(b.numpy().tobytes()) for b in self.ch.allgather(data)]
 
 
 def _to_tf(t: torch.Tensor):
@@ -129,8 +125,8 @@ class HorovodTFTransport(_TFTransport):
     (counted from :meth:`begin`) is ``{prefix}.{kind}.{n}`` on every rank."""
 
     def __init__(self, process_set, prefix: str):
-        super().__init__()
-        self.ps, self.prefix, self.n = process_set, prefix, 0
+        super().__init__(process_set)
+        self.prefix, self.n = prefix, 0
 
     def begin(self) -> None:
         self.n = 0
@@ -138,14 +134,6 @@ class HorovodTFTransport(_TFTransport):
     def _name(self, kind: str) -> str:
         self.n += 1
         return f"{self.prefix}.{kind}.{self.n}"
-
-    @property
-    def rank(self) -> int:
-        return self.ps.rank()
-
-    @property
-    def size(self) -> int:
-        return self.ps.size()
 
     def _alltoall(self, send: torch.Tensor, dst: Optional[int], kind: str):
         """``send`` to ``dst`` (None: nothing), every rank taking part:
@@ -157,24 +145,16 @@ class HorovodTFTransport(_TFTransport):
                                 process_set=self.ps)
         return _from_tf(out), got.numpy()
 
-    def phase(self, send_to, blob, recv_from, recv_nbytes, device, headers):
+    def _phase(self, send_to, blob, recv_from, nbytes, headers):
         send = blob if send_to is not None else torch.empty(0, dtype=torch.uint8)
         out, _ = self._alltoall(send, send_to, "phase")
-        got = out if recv_from is not None else None
-        self._count_phase(send if send_to is not None else None, got)
-        return got
+        return out if recv_from is not None else None
 
     def _gather(self, blob, nbytes=None):
-        sizes = list(nbytes) if nbytes is not None else hvd.allgather(
+        sizes = nbytes if nbytes is not None else hvd.allgather(
             tf.constant([blob.numel()], tf.int32), name=self._name("sizes"), process_set=self.ps).numpy().tolist()
         out = _from_tf(hvd.allgather(_to_tf(blob), name=self._name("allgather"), process_set=self.ps))
-        return list(torch.split(out, [int(s) for s in sizes])), [int(s) for s in sizes]
-
-    def allgather_blobs(self, blob, nbytes=None):
-        parts, sizes = self._gather(blob, nbytes)
-        parts[self.rank] = blob
-        self._count_allgather(sizes, nbytes is None)
-        return parts
+        return list(torch.split(out, [int(s) for s in sizes]))
 
     def _raw_sendrecv(self, dst, send, src, recv):
         out, got = self._alltoall(_bytes(send), dst, "sendrecv")
@@ -189,10 +169,6 @@ class HorovodTFTransport(_TFTransport):
 
     def _raw_allreduce_max_(self, t):
         self._allreduce_(t, hvd.Max, "max")
-
-    def _raw_allgather_object(self, obj):
-        blobs, _ = self._gather(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
-        return [pickle.loads(b.numpy().tobytes()) for b in blobs]
 
 
 def transport_for(comp, process_set) -> Optional[Transport]:
