@@ -1,66 +1,26 @@
 """The compressor interface: selectors and codecs.
 
 A compressor turns one worker's accumulator ``acc = grad + residual`` (one
-flat tensor per reducer call, cut into segments: one per tensor with
-granularity "layer", one for the bucket with "global") into what that
-worker contributes, and declares how contributions combine across workers.
-Compressors are pure torch and never communicate (docs/design.md §1).
+flat tensor per call, cut into segments) into that worker's contribution
+and declares how contributions combine; it is pure torch and never
+communicates (docs/design.md §1).
 
-Two kinds:
-
-* a **selector** picks entries: ``select(acc, offsets, k, ctx) -> (idx,
-  vals)`` (global indices ascending, or ``None`` for "all of acc"); the
-  values travel as they are (or rounded to the wire dtype) and combine by a
-  dense allreduce, a sparse allgather or the gTop-k butterfly merge.
-* a **codec** encodes the whole accumulator: ``encode(acc, offsets, ctx) ->
-  [payload tensors]`` (their shapes and dtypes depend only on the layout,
-  so receivers know every size); ``decode(payload, offsets, numel, dtype) ->
-  dense tensor``.  How a layer consumes a codec::
-
-      payload = codec.encode(acc, offsets, ctx)          # this worker
-      mine = codec.decode(payload, offsets, N, dtype)     # what it contributes
-      blobs = allgather(pack(payload))                    # "allgather_payloads"
-      result = Σ_ranks (in rank order) decode(unpack(blob_r))
-      residual = acc − mine                               # error feedback
-
-  Every rank decodes the same bytes with the same code, so every rank gets
-  the same bits, and mass is conserved: Σ_r acc_r = result + Σ_r residual_r.
-
-  A codec whose messages *sum* across workers and that needs several
-  exchanges (low rank: PowerSGD) declares ``aggregation =
-  "allreduce_rounds"`` and implements ``rounds(acc, offsets, ctx,
-  world_size)`` instead: a generator that yields each flat tensor to be
-  summed over the workers and receives the sum back (``s = yield msg``),
-  then returns ``(result, contribution)``: the dense sum over workers and
-  what error feedback subtracts from ``acc`` (residual = acc −
-  contribution).  It still never communicates: ``collectives/rounds.py``
-  drives the generator with allreduces.
-
-  A codec may also offer a two-phase compressed allreduce
-  (``merge="reduce_scatter_payloads"``, onebit: Tang et al. 2021, 1-bit
-  Adam): every rank sends shard j of its payload to rank j, the owner
-  decodes and sums the P pieces, re-encodes the sum and keeps that second
-  compression's error as its *server residual* (codec state), and an
-  allgather of the re-encoded shards follows.  Mass is then conserved with
-  the server residuals counted: Σ_r acc_r = result + Σ_r residual_r +
-  Σ_owners server_residual.  The codec supplies ``shard_plan``,
+* **selector**: ``select(acc, offsets, k, ctx) -> (idx, vals)`` (global
+  indices ascending, or ``None`` for all of acc).
+* **codec**: ``encode(acc, offsets, ctx) -> [payload tensors]`` (shapes and
+  dtypes depend only on the layout) and ``decode(payload, offsets, numel,
+  dtype) -> dense``; or, with ``aggregation = "allreduce_rounds"``, a
+  generator ``rounds(acc, offsets, ctx, world_size)`` that yields messages
+  to be summed (``s = yield msg``) and returns ``(result, contribution)``
+  (driven by ``collectives/rounds.py``).  A codec offering
+  ``merge="reduce_scatter_payloads"`` supplies ``shard_plan``,
   ``shard_payload``, ``decode_shard``, ``encode_shard`` and the server
-  residual accessors (``collectives/payloads.py`` drives them).
+  residual accessors (driven by ``collectives/payloads.py``).
 
-Error feedback is not part of a compressor: it is the same wrapper around
-either kind (``compress/error_feedback.py``): residual = acc − what this
-worker's contribution was, as it travelled (selected values as rounded to
-the wire, a codec's payload as decoded), and only where it reached the
-result.
-
-Declared metadata, read by the registry (``gtopk_plugin.registry``) and so
-by every layer: ``kind``, ``aggregation`` (default aggregation, a name in
-``gtopk_plugin.collectives``), ``merges`` (aggregations ``merge=`` may pick
-instead), ``hyperparams`` (:class:`HyperParam` declarations, validated;
-their values become attributes of the instance), ``uses_density``,
-``exact_count`` and ``shared_indices``.  Adding a compressor is one file in
-this folder with a class decorated by ``@register("name")`` (see
-docs/compressors.md).
+Error feedback wraps either kind (``compress/error_feedback.py``).  The
+declared metadata (``kind``, ``aggregation``, ``merges``, ``hyperparams``,
+``uses_density``, ``exact_count``, ``shared_indices``) is read by the
+registry; semantics and how to add one: docs/compressors.md, docs/design.md §2.
 """
 from __future__ import annotations
 

@@ -2,25 +2,14 @@
 "Deep Gradient Compression", arXiv 1712.01887, §3.2), the velocity half of
 error feedback.
 
-Sparsifying the gradient and then applying momentum to the sparse update
-(what a user gets by keeping ``SGD(momentum=m)`` after a sparse reducer)
-delays the bulk of every coordinate by many steps and then applies it with
-the momentum of a stale direction.  DGC moves the momentum in front of the
-compressor instead, per worker:
+Per worker, in front of the compressor::
 
-    u ← m·u + g               (Nesterov: u ← m·(u + g), increment u + g)
-    v ← v + u                 (v is the error-feedback residual)
-    select from v; where an entry of v reached the global result, zero it in
-    v (error feedback) *and* in u (momentum factor masking)
+    u ← m·u + (1 − dampening)·g   (Nesterov: u ← m·(u + g), increment u + g)
+    v ← v + u                     (v is the error-feedback residual)
+    where an entry of v reached the result, zero it in v and in u
 
-and the optimizer applies the reduced update **without** momentum of its own.
-Summed over workers this is plain momentum SGD on the dense gradient, up to
-the delay of what is still in v (docs/design.md §2, momentum correction):
-    Σ_ranks Σ_steps increment_t = Σ_steps result_t + Σ_ranks v.
-
-Dampening follows ``torch.optim.SGD``: u ← m·u + (1 − dampening)·g.
-The velocity is kept as one flat buffer per tensor layout so that masking
-touches only the k reached entries.
+and the optimizer applies the reduced update without momentum of its own.
+Invariant and ordering with clipping: docs/design.md §5.
 """
 from __future__ import annotations
 

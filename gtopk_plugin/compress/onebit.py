@@ -3,55 +3,21 @@
 Distributed Training of Speech DNNs") in the scaled-sign form of EF-signSGD
 (Karimireddy et al. 2019, arXiv 1901.09847, Algorithm 1).
 
-Per segment s (a tensor with granularity "layer", the whole bucket with
-"global") the worker sends the sign of every entry of its accumulator
-``acc = grad + residual`` -- one bit, packed 8 per byte, little-endian
-within a byte, bit 1 for ``acc >= 0`` -- and one float32 scale, the mean
-absolute value ``‖acc_s‖₁ / n_s``.  It decodes to ``scale_s · sign(acc)``
-(sign(0) = +1), which preserves the segment's ℓ1 norm (EF-signSGD's
-scaling).  Error feedback keeps ``acc − scale_s · sign(acc)`` in the
-residual, so nothing is lost: the scaled sign is a biased compressor, and
-error feedback is what makes it converge (Karimireddy et al., Theorem II).
+Per segment (or per ``chunk`` entries from the segment's start when
+``chunk`` > 0) the worker sends the sign of every entry of ``acc`` (bit 1
+for ``acc >= 0``, 8 per byte, little-endian within a byte) and one float32
+scale ``‖acc‖₁ / n``; it decodes to ``scale · sign(acc)`` (sign(0) = +1)
+and error feedback keeps ``acc − scale · sign(acc)``.  Payload bytes:
+``traffic.onebit_payload_bytes``.
 
-``chunk`` (hyper-parameter, default 0 = one scale per segment as above):
-with ``chunk`` > 0 each segment is cut into chunks of ``chunk`` entries
-from its own start (the last one shorter, an empty segment none) and every
-chunk gets its own float32 scale ‖acc_c‖₁/n_c (EF-signSGD's "per tensor or
-per chunk"); the sign bits are unchanged.  A payload is then ⌈N/8⌉ +
-4·Σ_s ⌈n_s/chunk⌉ bytes (``traffic.onebit_payload_bytes``), and in the
-two-phase variant below "segment" reads "chunk" throughout (a shard
-carries the scales of the chunks it overlaps).
-
-Two aggregations (``merge=``):
-
-* ``"allgather_payloads"`` (the default): payloads do not sum in encoded
-  form (each worker has its own scales), so they travel by an allgather and
-  every rank decodes and adds all P of them in rank order (bit-identical
-  results everywhere).  Bytes per worker and step: (P − 1)·(⌈N/8⌉ +
-  4·segments) each way, against 2·(P − 1)/P·4N for a float32 ring
-  allreduce; but every rank decodes P·N entries.
-* ``"reduce_scatter_payloads"``: the two-phase compressed allreduce of
-  1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient
-  Large-Scale Training with Adam's Convergence Speed", arXiv 2102.02888,
-  §4.1; DeepSpeed's compressed allreduce), with error feedback on both
-  sides as in EF-signSGD.  The sign bytes are cut into P shards (the
-  methods below: :meth:`OneBitCodec.shard_plan`); shard j belongs to rank
-  j.  Phase 1: every rank sends shard j of its payload (its sign bytes and
-  the scales of the segments the shard overlaps) to rank j; rank j decodes
-  the P contributions in rank order, adds its *server residual* e_j, and
-  re-compresses the sum t_j with the same scaled sign (one scale per piece
-  segment ∩ shard, ‖·‖₁/n in float64 rounded once to float32); e_j ← t_j −
-  decode(that).  Phase 2: an allgather of the P compressed shard sums,
-  which every rank decodes into the result.  Mass conservation (op=sum)
-  holds with the server residuals counted: Σ grad = Σ result + Σ worker
-  residuals + Σ server residuals.  Bytes per worker: about 2·(P−1)/P·(⌈N/8⌉
-  + 4·segments) each way instead of (P−1)·(...), and O(N) decode work per
-  rank instead of O(P·N).  The server residuals are this codec's state
-  (``state_dict``: bit-exact resume), keyed by the call's segment names and
-  P; a call whose layout changes (DDP rebuilding its buckets) starts a
-  fresh server residual for it, and the old one stays in the state.
-  Buckets of fewer than 8·P entries (fewer sign bytes than ranks) take the
-  allgather: there is nothing to shard.
+``merge=``: ``"allgather_payloads"`` (default; every rank decodes and adds
+the P payloads in rank order) or ``"reduce_scatter_payloads"``, the
+two-phase compressed allreduce of 1-bit Adam (Tang et al. 2021, arXiv
+2102.02888): rank j owns shard j of the sign bytes, sums the P pieces plus
+its *server residual*, re-compresses (e_j ← t_j − decode) and the shards
+are allgathered.  Mass is conserved counting server residuals; they are
+the codec's state (``state_dict``), keyed by segment names and P.  Buckets
+of fewer than 8·P entries take the allgather.  Details: docs/compressors.md.
 """
 from __future__ import annotations
 

@@ -2,24 +2,14 @@
 reducer, so that momentum correction (DGC, Lin et al. 2018) can be turned on
 without the user rewriting their optimizer.
 
-Why: with momentum correction the velocity lives in front of the
-compressor, per worker (compress/momentum.py); the optimizer that applies the
-reduced update must not apply momentum a second time.  The binding therefore
-
-- reads ``momentum``, ``nesterov``, ``dampening`` and ``weight_decay`` from
-  the optimizer's param groups *at every step* (so momentum schedules such as
-  OneCycleLR's ``cycle_momentum`` are followed);
-- adds ``weight_decay · p`` to each worker's (clipped) gradient before the
-  correction, as ``torch.optim.SGD`` adds it before its momentum (summed over
-  P workers with op="average" this is exactly SGD's ``g + wd·p``);
-- sets ``momentum`` and ``weight_decay`` of those groups to 0 for the
-  duration of ``optimizer.step()`` only (step pre/post hooks), so the
-  optimizer applies ``p ← p − lr·update`` and its ``param_groups`` and
-  ``state_dict()`` still show the user's values between steps.
-
-Only SGD-style groups (a ``momentum`` key) can be corrected: Adam/AdamW keep
-their own moments of the reduced update (plain error feedback; see
-docs/recipes.md), and binding them is a clear ``ValueError``.
+The binding reads ``momentum``, ``nesterov``, ``dampening`` and
+``weight_decay`` from the param groups at every step (momentum schedules are
+followed), adds ``weight_decay · p`` to each worker's clipped gradient
+before the correction, and sets the groups' momentum and weight decay to 0
+only for the duration of ``optimizer.step()`` (step pre/post hooks), so
+``param_groups`` and ``state_dict()`` show the user's values between steps.
+Only SGD-style groups (a ``momentum`` key) can be bound; others raise
+``ValueError`` (docs/recipes.md, docs/design.md §5).
 """
 from __future__ import annotations
 

@@ -5,40 +5,18 @@ with the semantics of PyTorch's ``powerSGD_hook``
 (``torch.distributed.algorithms.ddp_comm_hooks``), which the tests use as
 the oracle.
 
-Each tensor (a segment: granularity "layer") is viewed as a matrix the way
-torch's hook views it, ``M = t.view(shape[0], -1)`` (n × m), with rank
-``r' = min(n, m, rank)``.  It is compressed when it has ≥ 2 dimensions and
-``(n + m)·r'·min_compression_rate < n·m`` (torch's test); every other
-tensor (vectors, small matrices) goes dense.  One step, every worker:
-
-1. ``Q`` (m × r'): last step's averaged ``Q`` (warm start), or on the first
-   compressed step (or every step with ``warm_start=False``) a standard
-   normal draw keyed by (seed, step, tensor name) -- the same on every
-   rank, and a resumed run draws the same; then orthonormalized;
-2. ``P = M Q``; allreduce (sum) of every P *and* every dense tensor, in one
-   flat message; ``P̂ = orthonormalize(ΣP)``;
-3. ``Q = Mᵀ P̂``; allreduce (sum) of every Q; the warm-start state becomes
-   ``ΣQ / W`` (W workers);
-4. result (sum over workers) ``P̂ (ΣQ)ᵀ``; dense tensors: their sum.
-
-Orthonormalization: Gram-Schmidt for r' ≤ 2 or half precision, else the Q
-factor of ``torch.linalg.qr`` (torch's choice); ``epsilon`` is added to the
-column norms (torch's ``orthogonalization_epsilon``); with ``epsilon = 0``
-a zero column stays zero (torch would make it NaN).
-
-Error feedback (torch's): a compressed tensor keeps ``M − P̂ (ΣQ / W)ᵀ``,
-its accumulator less the averaged approximation every worker applies; a
-dense tensor keeps nothing (torch keeps ``acc − mean(acc)``, which sums to
-zero over the workers: the results are the same).  The result depends on
-the workers' accumulators only through their sum, so any split of the
-residuals with the same sum gives the same updates; mass is conserved
-to float rounding (the division by W and the products in float
-arithmetic): Σ_ranks Σ_steps grad = Σ_steps result + Σ_ranks residual.
-Steps before ``start_iter`` (torch's ``start_powerSGD_iter``) are a plain
-dense allreduce.  Bytes per step: two allreduces per call, of
-``dense + Σ n·r'`` and of ``Σ m·r'`` entries, counted with the ring model
-2·(P − 1)/P of their bytes each way: a 1000 × 1000 float32 matrix at rank 4
-costs 2 × 16,000 bytes of allreduce against 4,000,000.
+Each tensor is viewed as ``M = t.view(shape[0], -1)`` (n × m), rank ``r' =
+min(n, m, rank)``; it is compressed when it has ≥ 2 dimensions and
+``(n + m)·r'·min_compression_rate < n·m``, else it goes dense.  Per step:
+Q (warm start: last step's ``ΣQ / W``; else a normal draw keyed by (seed,
+step, tensor name), the same on every rank) orthonormalized; ``P = M Q``,
+allreduce of every P and dense tensor in one message, ``P̂ =
+orthonormalize(ΣP)``; ``Q = Mᵀ P̂``, allreduce; result ``P̂ (ΣQ)ᵀ``.
+Orthonormalization as torch's (Gram-Schmidt for r' ≤ 2 or half precision,
+else QR; ``epsilon`` added to column norms; with 0 a zero column stays 0).
+Error feedback keeps ``M − P̂ (ΣQ / W)ᵀ``; dense tensors keep nothing.
+Mass is conserved to float rounding.  Steps before ``start_iter`` are a
+plain dense allreduce.  See docs/compressors.md.
 """
 from __future__ import annotations
 

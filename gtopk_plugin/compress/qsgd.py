@@ -3,47 +3,21 @@
 Encoding", NeurIPS, arXiv 1610.02132, §3.1 and the bucketed variant of §5),
 here with error feedback.
 
-Each segment (a tensor with granularity "layer", the bucket with "global")
-is cut into buckets of ``bucket_size`` consecutive entries (the last one
-shorter).  For an entry ``v`` of a bucket with L2 norm ``‖b‖`` and ``s =
-levels``, let ``x = |v| / ‖b‖ · s`` (in [0, s]) and ``l = ⌊x⌋``: the entry
-is sent as the signed level ``sign(v)·l`` or ``sign(v)·(l+1)``, the latter
-with probability ``x − l`` -- unbiased: ``E[level]·‖b‖/s = v``.  It
-decodes to ``level · (‖b‖ / s)``.
+Each segment is cut into buckets of ``bucket_size`` entries (the last one
+shorter).  With ``s = levels``, bucket L2 norm ``‖b‖`` (float32) and ``x =
+|v|/‖b‖·s``, an entry is sent as ``sign(v)·⌊x⌋`` or ``sign(v)·(⌊x⌋+1)``,
+the latter with probability ``x − ⌊x⌋`` (unbiased), and decodes to
+``level·‖b‖/s``.  Draws: one float32 uniform per entry keyed by (seed,
+step, segment name, rank), so a resume is bit-exact.
 
-Wire format (byte exact; sizes depend only on the layout):
+Wire format: the codes ``level + s`` as ``bits = ⌈log2(2s+1)⌉``-bit
+unsigned integers packed LSB first into one bit stream (bit t is bit
+``t mod 8`` of byte ``t div 8``; zero padded): ``⌈N·bits/8⌉`` bytes; then
+one float32 norm per bucket.  Payloads travel by an allgather, decoded and
+summed in rank order.
 
-1. codes: every entry's ``level + s`` (in 0..2s) as an unsigned integer of
-   ``bits = ⌈log2(2s+1)⌉`` bits, little-endian, packed LSB first into one
-   bit stream over the whole call (bit j of code i is bit ``i·bits + j``
-   of the stream; bit t of the stream is bit ``t mod 8`` of byte ``t div
-   8``; the last byte padded with zeros): ``⌈N·bits/8⌉`` bytes.  s = 1 is
-   ternary in 2 bits, s = 7 fits 4 bits, s = 127 one byte;
-2. norms: one float32 per bucket, segments in order: 4 bytes each.
-
-The norm is computed in float32 and the level from the float32 norm as it
-travels (x in float64, clamped to s), so decoding needs nothing else.
-Random rounding draws one uniform (float32, torch's CPU generator) per
-entry keyed by (seed, step, segment name, rank) -- each worker its own
-draws, deterministic, and the step counter is the whole RNG state, so a
-resumed run is bit-exact.  Error feedback keeps ``acc − decode(own
-payload)``; payloads do not sum in encoded form (per-worker norms), so they
-travel by an allgather of payloads, decoded and summed in rank order.
-Bytes per worker and step: (P − 1)·(⌈N·bits/8⌉ + 4·buckets) each way.
-
-Implementation: every step is a tensor op over the whole call (was 0.28 s encode / 0.09 s decode on 1.1M entries, now 0.04 / 0.005 s,
-one thread): buckets as a zero-padded (buckets, bucket_size) matrix, the
-codes packed in groups that fill whole bytes (int64 words, or uint8 for 1,
-2, 4, 8 bits), bit for bit the stream described above.
-
-Error feedback needs a contractive compressor (Karimireddy et al. 2019,
-arXiv 1901.09847): E‖Q(v) − v‖² = ω‖v‖² with ω < 1, else the residual
-grows step after step.  QSGD's variance bound (Lemma 3.1) is ω ≤ min(d/s²,
-√d/s) for buckets of d entries, so keep ``levels² > bucket_size``.  The
-defaults, s = 7 (4 bits) and d = 32 (5 bits per entry with the norms),
-give ω ≤ 0.65 (≈ 0.11 measured on Gaussian data); the paper's 4-bit, d =
-512 setting has ω ≈ 1.6 and makes the residual diverge (use it with
-``error_feedback=False``, the paper's own setting).
+Error feedback needs a contractive compressor: keep ``levels² >
+bucket_size`` (else use ``error_feedback=False``); see docs/compressors.md.
 """
 from __future__ import annotations
 
