@@ -1,28 +1,20 @@
 """The scheduling core: which layer may run its forward pass now, and which
 reduced gradients to apply (Nadiradze, Markov et al. 2020, arXiv
-2001.05918, §6).  Framework-neutral and model-neutral: it sees layers as
-integers, a back end (:class:`~.backend.AsyncReduction`), a policy and an
+2001.05918, §6).  Framework- and model-neutral: it sees layers as integers,
+a back end (:class:`~.backend.AsyncReduction`), a policy and an
 ``apply(unit, step, update)`` callback.
 
-Semantics, for the forward pass of step τ (after ``step()`` closed τ − 1):
+For the forward pass of step τ: a layer's updates are applied in step
+order, each exactly once, at the first poll after arrival at which the
+layer is unused in the current forward (polls: before every layer's
+forward, at ``step()``, ``zero_grad()``, ``finish()``); before layer L's
+forward every update of a step ≤ τ − 1 − max_staleness is applied (hard
+bound), any other missing one is waited for until its step's barrier breaks
+or it arrives; ``drain()`` applies everything.  See docs/elastic.md.
 
-- a layer's updates are applied in step order, each exactly once;
-- an update is applied at the first poll after it arrives at which its
-  layer has not yet been used in the current forward pass (a parameter that
-  autograd saved for backward must not change before backward), and always
-  before the layer's next use: polls happen before every layer's forward,
-  and at ``step()``, ``zero_grad()`` and ``finish()``;
-- before layer L's forward, every update of L of a step ≤ τ − 1 −
-  max_staleness is applied (waited for if need be): the hard bound;
-- any other missing update of L, of step t, is waited for only until step
-  t's barrier is broken — the policy decides from the applied and missing
-  parts of step t — or until it arrives;
-- ``drain()`` waits for and applies everything.
-
-Launches of one layer never leave more than ``max_staleness + 1``
-reductions outstanding: a launch first waits for (without applying) the
-layer's reductions of steps ≤ t − max_staleness − 1, which lets a back end
-name its per-layer ops with ``max_staleness + 2`` slots.
+A layer never has more than ``max_staleness + 1`` reductions outstanding (a
+launch first waits for older ones), so a back end can name its per-layer
+ops with ``max_staleness + 2`` slots.
 """
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
 """When may the barrier of a step break?  (Nadiradze, Markov et al. 2020,
-arXiv 2001.05918, "elastic consistency", §6: the synchronization-avoiding
-scheduler.)
+arXiv 2001.05918, "elastic consistency", §6.)
 
-A policy looks at one step t of training.  Every layer (a module's own
-parameters) launched one reduction at step t; the step's *whole update* is
-the concatenation of all layers' local gradients at launch, and its *applied
-part* the concatenation of the layers whose reduced gradient has already
-been applied to the parameters.  Norms are taken over that concatenation:
+A policy looks at one step t.  Every layer (a module's own parameters)
+launched one reduction at step t; the step's *whole update* is the
+concatenation of all layers' local gradients at launch, its *applied part*
+that of the layers whose reduced gradient is already applied.  Norms are
+over that concatenation:
 
     ‖applied‖² = Σ_{applied layers} ‖g_layer‖²,   ‖whole‖² = Σ_{all layers} ‖g_layer‖²,
-    ‖missing‖² = ‖whole‖² − ‖applied‖²  (computed as the sum over missing layers)
+    ‖missing‖² = Σ_{missing layers} ‖g_layer‖²
 
-— a sum of squared norms, never a sum of per-layer norms.  The local
-gradient is what a worker knows when the reductions start; the reduced
-gradient is not known until it arrives, which is the point.
-
-The scheduler asks ``broken(...)`` only while some update of step t is
-missing; a step whose updates are all applied is complete, not broken.
-Hyper-parameters are validated by :class:`~.settings.ElasticConfig`.
+— sums of squared norms, never of per-layer norms.  ``broken(...)`` is asked
+only while some update of step t is missing.  Hyper-parameters are
+validated by :class:`~.settings.ElasticConfig`.
 """
 from __future__ import annotations
 
@@ -118,38 +113,19 @@ class NormPolicy(Policy):
 class VariancePolicy(Policy):
     """Variance-bounded: break once ‖missing‖² ≤ B², B² = variance_factor · σ̂².
 
-    σ² is the paper's variance bound of one worker's stochastic gradient,
-    E‖g_i − ∇f(x)‖² ≤ σ² (arXiv 2001.05918; the variance-bounded scheduler
-    lets the part of the update missing from a worker's view be as large as
-    the noise SGD already tolerates).  Each complete step gives a sample from
-    the spread of the workers' local gradients g_i around their dense mean
-    ḡ = (1/P)·Σ_j g_j.  For i.i.d. worker noise, E‖g_i − ḡ‖² = (P−1)/P · σ²,
-    so the unbiased sample is
+    σ² bounds one worker's gradient noise, E‖g_i − ∇f(x)‖² ≤ σ² (arXiv
+    2001.05918).  Each complete step gives the unbiased sample
+    s_t = P/(P−1) · Σ_layers ‖g_i − ḡ‖², ḡ the dense mean of the raw
+    gradients; σ̂² ← s_0, then σ̂² ← (1 − m)·σ̂² + m·s_t, m = ``momentum``.
+    Until a first sample the barrier holds.
 
-        s_t = P/(P−1) · Σ_layers ‖g_i − ḡ‖²,
-
-    and σ̂² ← s_0, then σ̂² ← (1 − m)·σ̂² + m·s_t with m = ``momentum`` (0.1).
-    Until a first sample there is no estimate and the barrier holds.
-
-    ḡ must be the *dense mean of the raw gradients*, on the average's scale.
-    :meth:`bind` tells the policy what the reduction returns:
-
-    - ``op="average"``: the reduced update is ḡ (dense allreduce / P);
-    - ``op="sum"``: it is P·ḡ, and :meth:`deviation` divides it by P first;
-    - ``exact=False`` (a compressing reducer: Top-k, gTop-k, rTop-k, ...;
-      or a dense one with momentum correction or clipping): the update is
-      an approximation of ḡ (sparse and error-fed, or transformed), and
-      ‖g_i − update‖² would measure the compression error, not the
-      variance.  No sample is taken (:meth:`deviation` returns NaN, which
-      :meth:`observe` ignores), so the barrier holds — synchronous SGD —
-      and a ``RuntimeWarning`` says so at :meth:`bind`.
-    - ``world_size=1``: no spread to measure; no sample, the barrier holds.
-
-    An unbound policy (nothing called :meth:`bind`) keeps the uncorrected
-    sample Σ‖g_i − reduced‖² of earlier versions: biased low by (P−1)/P,
-    and wrong under ``op="sum"`` or with compression.  The scheduler binds
-    the policy from its back end (world size, the reducer's ``op``, whether
-    it compresses).
+    :meth:`bind` (called by the scheduler from its back end) says what the
+    reduction returns: ``op="average"``: ḡ; ``op="sum"``: P·ḡ (divided by P);
+    ``exact=False`` (a compressing reducer, or dense with momentum correction
+    or clipping) or ``world_size=1``: no sample is taken (:meth:`deviation`
+    returns NaN), the barrier holds, and a ``RuntimeWarning`` says so.
+    Unbound, the sample is the uncorrected Σ‖g_i − reduced‖².
+    See docs/elastic.md, "Semantics".
     """
 
     name = "variance"

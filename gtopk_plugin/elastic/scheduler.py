@@ -10,19 +10,12 @@ Usage, where a synchronous data-parallel loop would call ``optimizer.step()``::
         sched.step()                      # closes the step; does not wait
     sched.finish()                        # every update applied
 
-What happens (see :mod:`.core` for the exact rules):
-- during backward, as soon as a layer's gradients are accumulated (and every
-  layer before it in the fixed launch order, reverse registration order, has
-  launched), its reduction starts on the back end;
-- each reduced gradient is applied to its layer's parameters by the user's
-  optimizer as soon as it arrives and the layer is not in use;
-- before a layer's forward at step t+1 (a forward pre-hook), its step-t
-  update is waited for only until step t's barrier breaks (the policy), and
-  never more than ``max_staleness`` steps behind.
-
-Policy ``"barrier"`` (or ``"norm"`` with β = 1, or ``max_staleness=0``) is
-synchronous SGD, bit for bit; the scheduler then only overlaps a layer's
-reduction with the forward pass of the layers before it.
+Reductions start during backward in a fixed launch order; each update is
+applied by the user's optimizer as soon as it arrives and its layer is not
+in use; a layer's forward waits for step t's update only until step t's
+barrier breaks (the policy), and never beyond ``max_staleness``.  Policy
+``"barrier"`` is synchronous SGD bit for bit.  Exact rules: :mod:`.core`
+and docs/elastic.md, "Semantics".
 """
 from __future__ import annotations
 
@@ -47,59 +40,31 @@ _STATE_VERSION = 1
 class ElasticScheduler:
     """Elastic consistency scheduler (one state object, DDP comm-hook style).
 
-    Hyper-parameters the user tunes (validated; ``ValueError`` on every rank):
+    Args (validated before any communication; ``ValueError`` on the bad rank,
+    ``PeerInputError`` on the others):
         policy: ``"barrier"``, ``"norm"`` (default) or ``"variance"``.
-        beta: the norm policy's β in [0, 1]: the barrier of step t breaks once
-            ‖applied part of step t's update‖₂ ≥ β·‖step t's whole update‖₂,
-            norms over the concatenation of all layers' local gradients.
-        variance_factor: the variance policy's factor (≥ 0): the barrier
-            breaks once ‖missing part‖₂² ≤ variance_factor × (running
-            estimate of the gradient variance).
+        beta: the norm policy's β in [0, 1]: step t's barrier breaks once
+            ‖applied part of its update‖₂ ≥ β·‖whole update‖₂.
+        variance_factor: (≥ 0) the variance policy breaks once ‖missing‖₂² ≤
+            variance_factor × the running gradient-variance estimate.
         max_staleness: int ≥ 0 (default 1): no parameter is used more than
             this many steps behind, whatever the policy.
-        bucket_cap_mb: fuse consecutive layers' reductions into buckets of
-            at least this many MiB of gradients (the step's last layer closes
-            its bucket), as Horovod's fusion buffer and DDP's buckets do:
-            one message per bucket instead of per layer where every message
-            pays a fixed latency; each layer still gets its update when its
-            bucket arrives.  0 (default): one reduction per layer, the
-            paper's granularity.
-        momentum_correction: with a sparse ``reducer``, DGC momentum
-            correction with the SGD optimizer's own momentum and weight
-            decay (``GradientReducer.correct_momentum``): the velocity lives
-            in front of the compressor and every per-layer application runs
-            the optimizer with momentum and weight decay 0.
+        bucket_cap_mb: fuse consecutive layers' reductions into buckets of at
+            least this many MiB; 0 (default): one reduction per layer.
+        momentum_correction: with a sparse ``reducer``, DGC momentum correction
+            with the SGD optimizer's own momentum and weight decay.
+        reducer: ``None`` (dense average) or a
+            :class:`~gtopk_plugin.GradientReducer` run per layer on a
+            background thread (moved off torch.distributed's default group).
+        transport: ``None`` (torch.distributed), a Transport, or an
+            :class:`~.backend.AsyncReduction` (e.g. BytePS's); leave it None
+            with a ``reducer``.
 
-    Where the reductions run:
-        reducer: ``None`` (dense allreduce, averaged) or a
-            :class:`~gtopk_plugin.GradientReducer` (``method="gtopk"``,
-            ``"rtopk"``, ``"topk"``, ...), run per layer on a background thread
-            with its own error feedback; its ``op`` decides average or sum.
-        transport: ``None`` (torch.distributed's default group, through a
-            dedicated process group), a Transport
-            (``TorchDistributedTransport(group)``, Horovod's
-            ``HorovodTransport(process_set)``: native asynchronous allreduce),
-            or an :class:`~.backend.AsyncReduction` (e.g. BytePS's, see
-            :mod:`gtopk_plugin.byteps`).  With a ``reducer``, leave it None:
-            the reducer's transport is used.  A reducer on torch.distributed's
-            default group is moved to a dedicated group of the same ranks, so
-            its background collectives never interleave with the training
-            loop's own.
-
-    Internal state: ``stats`` (:class:`~.stats.ElasticStats`), the step
-    counter, the variance estimate, the reducer's residuals
-    (``state_dict()``).
-
-    Requirements: the model is used through its modules' ``forward`` (a
-    parameter is waited for before the forward of a module that registers
-    it; a parameter read only outside such a forward is detected at its
-    first backward and from then on waited for before the model's own
-    forward); one backward pass per ``step()``; the gradients are dense.
-    Gradients are reduced as computed: clipping or unscaling ``p.grad``
-    after backward does not change what is reduced.  Parameters that got no
-    gradient in a step take part with zeros (another rank may have one), as
-    in Horovod.  Every rank must construct the scheduler and call ``step()``
-    the same number of times (all collectives).
+    State (``state_dict()``): ``stats``, the step counter, the variance
+    estimate, the reducer's residuals.  Requirements: parameters read inside
+    their modules' ``forward``, one backward per ``step()``, dense gradients,
+    the same number of ``step()`` calls on every rank.  Semantics, limits and
+    back ends: docs/elastic.md.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,

@@ -33,59 +33,30 @@ DENSE_METHOD = "dense"
 
 class SparseCompression:
     """A compressor of the core's registry (:mod:`gtopk_plugin.registry`),
-    selected as a Horovod ``compression=``.
-
-    Made by ``Compression.<name>(density, ...)`` for any registered method
-    (``topk``, ``gtopk``, ``rtopk``, ``randomk``, ``threshold``, codecs such
-    as ``onebit``, or one registered from user code); validated at
-    construction (``ValueError`` naming the bad keyword).
+    selected as a Horovod ``compression=``; made by ``Compression.<name>(density,
+    ...)`` for any registered method and validated at construction
+    (``ValueError`` naming the bad keyword).  Works only with
+    ``gtopk_plugin.horovod.DistributedOptimizer``.
 
     Args:
-        method, density: as :class:`~gtopk_plugin.GradientReducer`.
-        r_factor: rTop-k's r (keep k of the top r·k); accepted by every
-            method, used by those that declare it.
-        **hyper: the method's own hyper-parameters (``registry.describe``).
-        value_dtype: ``None``, ``torch.float16``, ``torch.bfloat16`` or
-            ``torch.int8`` values on the wire (int8: 5 bytes per entry plus one
-            exponent byte per message, rounding error kept exactly in the
-            residual; see GradientReducer and docs/api.md).
-        wire_rounding: the int8 wire's rounding, ``"nearest"`` (default) or
-            ``"stochastic"`` (unbiased, keyed by (seed, step)).
-        warmup: density schedule (``DensityWarmup``, a sequence, or a callable).
-        merge, granularity, seed, error_feedback, kernels: as GradientReducer
-            (``granularity="global"`` selects per bucket).
-        nonfinite: ``"raise"`` (every rank raises, nothing applied),
-            ``"skip"`` (every rank applies zero for the step, residuals kept),
-            or ``"propagate"`` (as "skip", but the skipped bucket's gradients
-            are set to NaN on every rank, so a ``torch.cuda.amp.GradScaler``
-            sees the overflow, skips ``optimizer.step`` and lowers its scale,
-            as it would with dense Horovod allreduce).
-        fusion_threshold: bucket size in bytes (default ``GTOPK_FUSION_THRESHOLD``
-            or 64 MiB).  Smaller buckets start their exchange earlier in
-            backward; each costs a consistency check and its own rounds.
-        momentum_correction: DGC momentum correction with factor masking,
-            using the wrapped SGD optimizer's own momentum, nesterov,
-            dampening and weight decay (read at every step; the optimizer's
-            ``step()`` then runs with momentum and weight decay 0 for those
-            groups, restored right after).  Adam/AdamW: ``ValueError`` (use
-            plain error feedback).  See docs/recipes.md.
-        momentum, nesterov, momentum_masking: explicit correction settings
-            (as GradientReducer) for an optimizer built without momentum.
-        clip_norm: DGC local clipping (threshold × P^-1/2, global norm over
-            all buckets of the step: with it, buckets are reduced after
-            backward, in ``synchronize()``).
-        dense_below: tensors with fewer entries go dense (exact sum, no
-            residual) in the same step, as GradientReducer(dense_below=)
-            (default 0: off).
-        exchange: ``"gloo"`` (default): the sparse exchange runs on a gloo
-            side channel made inside the job, leaving one Horovod op per
-            step (join detection); ``"horovod"``: every exchange step is a
-            Horovod collective (alltoall per butterfly round).  Same
-            results and byte counts; docs/results.md compares their timings.  (With NCCL-built Horovod always "horovod".)
-            Like every setting it must be the same on every rank; unlike the
-            others a mismatch here is not detected (Horovod stalls).
-
-    Objects of this class only work with ``gtopk_plugin.horovod.DistributedOptimizer``.
+        method, density, r_factor, merge, granularity, seed, error_feedback,
+        kernels, momentum, nesterov, momentum_masking, dense_below, warmup:
+            as :class:`~gtopk_plugin.GradientReducer` (``granularity="global"``
+            selects per bucket); ``**hyper``: the method's own hyper-parameters.
+        value_dtype, wire_rounding: values on the wire (fp16, bf16, int8) and
+            the int8 rounding (docs/api.md, docs/design.md §2).
+        nonfinite: ``"raise"`` (every rank raises), ``"skip"`` (every rank
+            applies zero) or ``"propagate"`` (as skip, gradients set to NaN so a
+            ``GradScaler`` sees the overflow); docs/design.md §6.
+        fusion_threshold: bucket size in bytes (``GTOPK_FUSION_THRESHOLD`` or
+            64 MiB).
+        momentum_correction: DGC momentum correction using the wrapped SGD's own
+            momentum settings (Adam/AdamW: ``ValueError``); docs/recipes.md.
+        clip_norm: DGC local clipping over all buckets of the step (buckets are
+            then reduced in ``synchronize()``); docs/recipes.md.
+        exchange: ``"gloo"`` (side channel, default) or ``"horovod"`` (every
+            exchange step a Horovod op; always with NCCL Horovod); same results.
+            Must match on every rank: a mismatch is not detected (Horovod stalls).
     """
 
     def __init__(self, method: str, density: float, *, r_factor: float = 4.0,

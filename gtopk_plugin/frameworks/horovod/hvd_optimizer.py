@@ -1,39 +1,22 @@
 """The drop-in ``DistributedOptimizer`` of the PyTorch Horovod layer::
 
-    import horovod.torch as hvd
-    from gtopk_plugin.horovod import DistributedOptimizer, Compression
-
-    hvd.init()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters(),
                                compression=Compression.gtopk(0.01))
 
-Which optimizer you get:
+A sparse compression gives ours, whose step is :class:`~.sparse._SparsePath`
+(the core's ``GradientReducer`` per bucket, overlapping backward); a dense
+one gives Horovod's own optimizer (plus ``last_step_traffic`` and a
+non-spinning ``synchronize()``, :mod:`.waiting`), or ours with
+:class:`~.dense._DensePath` where Horovod would fail or hang (bfloat16
+parameters, ``groups``); ``op=hvd.Adasum`` gives Horovod's Adasum optimizer.
+As in Horovod, the class derives from the user's optimizer class, with
+methods copied from :class:`_OptimizerBody` plus one path class.
 
-* a sparse ``Compression.topk/gtopk/rtopk/randomk/threshold(density)``: ours,
-  whose step is :class:`~.sparse._SparsePath` (the core's
-  ``GradientReducer`` per bucket, overlapping backward);
-* ``Compression.none`` / ``fp16`` / any Horovod ``Compressor``: Horovod's own
-  ``horovod.torch.DistributedOptimizer`` (it is exactly what our dense path
-  did), with ``last_step_traffic`` added and a ``synchronize()`` that waits
-  without spinning (:mod:`.waiting`); ours with
-  :class:`~.dense._DensePath` only where Horovod would fail or hang
-  (bfloat16 parameters: Horovod 0.28.1 has no bfloat16 allreduce;
-  ``groups``: an incomplete group is reduced as a whole on every rank);
-* ``op=hvd.Adasum`` with dense compression: Horovod's Adasum optimizer.
-
-As in Horovod, our optimizer is a new class whose base is the user's
-optimizer class (``isinstance(opt, torch.optim.SGD)`` holds) and whose
-methods are copied from a body class: :class:`_OptimizerBody` (Horovod's
-public API, gradient hooks, state) plus one path class.
-
-A parameter's gradients are reduced by one optimizer of ours: the gradient
-hooks hold the optimizer weakly (a dropped optimizer is collected and its
-hooks removed, so it never starts a step again), and building one over
-parameters that an earlier, still referenced one of ours holds retires the
-earlier one (its hooks are removed, its ``step()`` raises).  Otherwise its
-hooks would go on starting steps -- Horovod ops -- whenever the model's
-backward runs, under names the new optimizer uses too.
+A parameter is reduced by one optimizer of ours: hooks hold the optimizer
+weakly (a dropped one is collected and its hooks removed), and building one
+over parameters of a live earlier one retires that one (hooks removed,
+``step()`` raises).  See docs/horovod.md.
 """
 from __future__ import annotations
 
@@ -305,56 +288,25 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Args:
         optimizer: the torch optimizer to wrap.
-        named_parameters: ``model.named_parameters()``; names identify each
-            gradient's reduction (and residual) on every rank.  Every
-            parameter of the optimizer must be named (``ValueError``).
-        compression: ``Compression.none`` / ``Compression.fp16`` (Horovod's
-            dense allreduce) or a sparse ``Compression.topk/gtopk/rtopk/
-            randomk/threshold(density, ...)``.
-        backward_passes_per_step: backward passes accumulated locally before
-            the reduction (gradients are summed, as in Horovod).
-        op: ``hvd.Average`` or ``hvd.Sum`` (``hvd.Adasum`` for dense compression:
-            Horovod's own Adasum optimizer is returned).
-        gradient_predivide_factor: with op=Average, scale by 1/f before and
-            f/size after the sum.
-        num_groups: deprecated alias of ``groups``.
-        groups: int n or a list of lists of parameters: parameters reduced
-            together (dense: Horovod grouped allreduce; sparse: one bucket each).
-        sparse_as_dense: reduce ``torch.sparse`` gradients as dense tensors
-            (sparse compression always does).
-        process_set: reduce over this Horovod process set.
-        grad_scaler: (sparse compression) the ``torch.amp.GradScaler`` of an
-            AMP loop: residuals and velocities follow its loss scale
-            (rescaled exactly when it changes) and the clipping threshold
-            is scaled with it; use ``nonfinite="propagate"`` so that every
-            rank's scaler sees an overflow on any rank.
-        hierarchical: (sparse compression) two-level reduction,
-            :class:`gtopk_plugin.HierarchicalReducer`: a dense sum inside each
-            node, the compression between node leaders only, the result
-            broadcast in the node.  The nodes: ``local_size`` (rank r on node
-            r // local_size) or ``node_of_rank`` (node id per rank), else
-            Horovod's own (``hvd.cross_rank()`` of every rank; the global
-            process set).  Needs the gloo side channel (CPU Horovod).
-        intra_fabric: (hierarchical only) how a node's ranks move the dense
-            node sum: ``"auto"`` (default: shared memory for CPU tensors
-            when the node's ranks share a host, else Horovod),
-            ``"shared_memory"`` or ``"engine"``
-            (:mod:`gtopk_plugin.two_level.node_fabric`).
+        named_parameters: ``model.named_parameters()``; every parameter of the
+            optimizer must be named (``ValueError`` naming the missing one).
+        compression: ``Compression.none`` / ``fp16`` (Horovod's dense
+            allreduce) or a sparse ``Compression.topk/gtopk/rtopk/randomk/
+            threshold(density, ...)``.
+        backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+        groups, sparse_as_dense, process_set: as in Horovod (``op=hvd.Adasum``
+            with dense compression returns Horovod's Adasum optimizer).
+        grad_scaler: (sparse) the AMP ``GradScaler``; residuals, velocities and
+            the clipping threshold follow its loss scale (docs/recipes.md).
+        hierarchical, local_size, node_of_rank, intra_fabric: (sparse)
+            two-level reduction, :class:`gtopk_plugin.HierarchicalReducer`;
+            needs the gloo side channel (docs/hierarchical.md).
 
-    Dense compression returns Horovod's own optimizer (it does exactly what
-    a dense path of ours would) with ``last_step_traffic`` (ring model)
-    added.  Our dense path runs only where it adds something: bfloat16
-    parameters, which Horovod 0.28.1 cannot allreduce (they travel as
-    fp32), and ``groups``, where Horovod reduces the members of a group
-    that is incomplete at ``step()`` one by one and can hang (ours reduces
-    it as a whole on every rank).  Either way parameter names are checked
-    first, with errors that name the missing parameter.
-
-    With a sparse compression the returned optimizer also has ``reducer``,
-    ``last_stats`` (last bucket), ``last_step_traffic`` (bytes of the last
-    step, summed over buckets: :class:`gtopk_plugin.pipeline.traffic.StepTraffic`
-    as a dict) and ``buckets``; its ``state_dict()`` holds the residuals and
-    step counter under ``"gtopk_plugin"``.
+    Dense compression returns Horovod's own optimizer plus
+    ``last_step_traffic``; our dense path only for bfloat16 parameters and
+    ``groups`` (docs/horovod.md, "What happens in a step").  Sparse compression
+    adds ``reducer``, ``last_stats``, ``last_step_traffic`` and ``buckets``;
+    ``state_dict()`` holds residuals and step counter under ``"gtopk_plugin"``.
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

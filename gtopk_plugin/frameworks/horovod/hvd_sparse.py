@@ -2,43 +2,21 @@
 reduced by the core's :class:`~gtopk_plugin.GradientReducer` on a worker
 thread as soon as all its gradients are ready (overlapping backward).
 
-Why it is shaped this way:
+* buckets are reduced in a fixed order on every rank, bucket i's Horovod ops
+  in scope ``b{i}`` (:func:`~gtopk_plugin.pipeline.param_buckets.bucket_scope`);
+* only the last bucket advances the reducer's step counter (warm-up and
+  random draws are per step);
+* with ``clip_norm`` the buckets are held until ``synchronize()`` (the norm
+  covers the whole step);
+* the exchange runs on a gloo side channel; the one Horovod op per step is
+  the join detection (:class:`JoinedRankError` on every rank);
+* every Horovod op carries the optimizer's prefix ``gtopk.p{set}.o{n}`` and
+  a step's join is waited for before the next step starts, so two
+  optimizers or an abandoned step never reuse an in-flight op name;
+* reductions run on one daemon thread per optimizer, in submission order.
 
-* buckets are reduced in a fixed order on every rank (bucket i+1 never
-  starts before bucket i) and every Horovod op of bucket i is named in
-  scope ``b{i}`` (:func:`gtopk_plugin.pipeline.param_buckets.bucket_scope`), so Horovod's
-  coordinator pairs the same op on every rank whatever the hook order;
-* only the last bucket advances the reducer's step counter, so density
-  warm-up and random draws are per step, not per bucket;
-* ``op=hvd.Average`` with a ``gradient_predivide_factor`` f scales by 1/f
-  before the reduction and by f after it, as Horovod does;
-* DGC local clipping (Lin et al. 2018) needs this worker's gradient norm
-  over the whole step, so with ``clip_norm`` the buckets are held until
-  ``synchronize()``;
-* the exchange itself runs on a gloo side channel (a Horovod op
-  costs a cycle of its background loop, a gloo send/recv a fraction of a
-  millisecond), so one Horovod op per step is left: a 1-element allreduce
-  started by the step's first gradient hook (it overlaps backward), in
-  which a rank inside ``hvd.join()`` answers with zero -- every other rank
-  then raises :class:`JoinedRankError` before any exchange, instead of
-  waiting on a peer that will never come;
-* Horovod pairs ops by name and refuses a name that is still in flight on
-  that rank, so every Horovod op of an optimizer carries its own prefix
-  ``gtopk.p{process set}.o{n}`` (the n-th sparse optimizer built on that
-  process set: the same on every rank, as Horovod's own names assume the
-  same program on every rank), and a step's join is waited for before the
-  optimizer starts another one.  Without that, an optimizer abandoned
-  after backward (its join still in flight on a rank its peers had not
-  reached yet) or two optimizers whose backward passes interleave made
-  one rank's next join fail with Horovod's duplicate-name error while
-  the others went on: the ranks' op streams parted and the job hung or
-  was shut down by Horovod's timeout;
-* each optimizer's reductions run on one daemon thread of its own, in
-  submission order; a reduction that waits on a dead peer never holds up
-  interpreter exit, and the thread ends when the optimizer is collected.
-
-Methods of :class:`_SparsePath` are copied into the optimizer class that
-:func:`~.optimizer.DistributedOptimizer` builds (see :mod:`.optimizer`).
+See docs/horovod.md, "What happens in a step".  Methods of
+:class:`_SparsePath` are copied into the optimizer class (:mod:`.optimizer`).
 """
 from __future__ import annotations
 
