@@ -1,57 +1,23 @@
 """Two-level (hierarchical) reduction for clusters of multi-GPU nodes:
 dense inside a node, the sparse exchange between nodes only.
 
-Real clusters join 4-8 workers of a node by a fast fabric and the nodes by
-a slow link.  Flat gTop-k (Shi et al. 2019, arXiv 1901.04359) over all
-P = nodes x local workers spends log2(P) butterfly rounds on the slow links
-and re-selects k entries even at merges inside a node, where a dense sum is
-nearly free and loses nothing.  Like Horovod's hierarchical allreduce and
-BytePS's intra-node reduce before its push-pull, this composition
+1. the workers' gradients (after each worker's clipping and weight decay)
+   are summed densely inside each node
+   (:mod:`gtopk_plugin.two_level.node_fabric`: shared memory for CPU
+   tensors, else an allreduce on the node group);
+2. the node's sum runs through a :class:`~gtopk_plugin.GradientReducer`
+   (any method) on the cross-node group of node leaders (local rank 0),
+   with ``op="sum"``; residual and DGC velocity live on the leader only;
+3. the leader's result is broadcast inside the node (a shared region, or a
+   binomial tree of (index, value) pairs or the dense vector, whichever is
+   smaller) and ``op="average"`` divides by the whole world size P.
 
-1. sums the workers' gradients densely inside each node: for CPU tensors
-   through memory shared by the node's processes (each rank sums a shard
-   into the leader's buffer), else one allreduce of the node's flat
-   gradient on the node group (the engine's best dense primitive);
-   :mod:`gtopk_plugin.two_level.node_fabric`;
-2. runs the node's sum through a :class:`~gtopk_plugin.GradientReducer`
-   (any method: topk, gtopk, rtopk, randomk, threshold, dense and the codecs
-   onebit, qsgd, powersgd, ``dense_below``) on the cross-node group of node
-   leaders (local rank 0), with ``op="sum"``;
-3. broadcasts the leader's result inside the node (a shared region, or a
-   binomial tree on the node group: its non-zeros as (index, value) pairs -- at most k per
-   tensor for the exact selectors -- or the dense vector when that is
-   smaller) and divides by the WHOLE world size P (``op="average"``).
-
-**Leader, not shards** (a reduce-scatter so each local rank runs the
-exchange for a shard would cut tensors at shard boundaries -- per-tensor k
-would follow the cut --, needs a partner for every shard on every node --
-no uneven nodes --, and moves no fewer bytes over a node's one inter-node
-link): the leader variant is the flat method with nodes as workers, every
-method and hyper-parameter unchanged, nodes of any size.
-
-**Error feedback.**  The residual (and DGC velocity) lives on the leader
-only: ``acc = node_sum + residual``, less what reached the global result
-under the inner aggregation's "reached" rule (docs/design.md §2).  Mass
-conservation (``op="sum"``, g' a rank's gradient after its clipping and
-weight decay): Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual --
-the node sums add up to Σ_ranks g' (to the rounding of the intra-node sum),
-and the inner reducer conserves mass over its workers, the node sums.
-
-**Compensation features** (docs/hierarchical.md has the table): clipping
-(``clip_norm · P^-1/2``, P the whole world) and an optimizer's weight decay
-are applied per worker BEFORE the node sum, exactly as flat workers do;
-momentum, warm-up, ``dense_below``, wire dtypes and the loss scale's
-rescaling are the leader's inner reducer's, on node sums.  One consistency
-check over the WHOLE group runs first, so bad input, layout mismatches and
-non-finite gradients raise / skip / propagate on every rank; a node sum
-that overflows (fp16) is caught by the leaders' own check and its outcome
-rides the node broadcast.
-
-Accounting (``last_stats``): the inner reducer's ``ReduceStats`` (zero
-bytes on non-leaders) plus ``intra_bytes_sent/received``,
-``inter_bytes_sent/received`` (gTop-k on a power-of-two number of nodes:
-``log2(nodes)·k·8`` sent per node per step, against ``log2(P)·k·8`` flat)
-and ``seconds["intra"]``, ``seconds["inter"]``.
+One consistency check over the whole group runs first, so every rank
+raises, skips or propagates alike.  Mass is conserved with leader
+residuals: Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual.
+``last_stats`` adds ``intra_*``/``inter_*`` bytes and seconds to the inner
+reducer's.  Semantics table, bytes and why a leader rather than shards:
+docs/hierarchical.md.
 """
 from __future__ import annotations
 
@@ -106,7 +72,7 @@ class _SpecsOnly:
 
 
 class HierarchicalReducer:
-    """Two-level reduction (see the module docstring).
+    """Two-level reduction (see the module docstring and docs/hierarchical.md).
 
     Example::
 
@@ -115,29 +81,24 @@ class HierarchicalReducer:
 
     Args:
         method, density and every other :class:`GradientReducer` keyword
-            but ``transport``: as there (``op`` "average" divides by the
-            whole world size P).
-        local_size: ranks per node, rank r on node r // local_size
-            (torchrun's contiguous layout).
-        node_of_rank: instead, one node id per rank (nodes of different
-            sizes allowed; :mod:`gtopk_plugin.two_level.topology` states the rules).
-            Neither: ``LOCAL_WORLD_SIZE`` (torchrun) when the configuration
-            reads it, else a ``ValueError``.
+            but ``transport``: as there (``op`` "average" divides by P).
+        local_size: ranks per node, rank r on node r // local_size.
+        node_of_rank: instead, one node id per rank (uneven nodes allowed;
+            rules in :mod:`gtopk_plugin.two_level.topology`).  Neither:
+            ``LOCAL_WORLD_SIZE`` when the configuration reads it, else
+            ``ValueError``.
         group: the ``torch.distributed`` group to split (default: WORLD).
         timeout: seconds one exchange may take (default ``GTOPK_TIMEOUT``).
-        engine: a framework's maker of the two levels' transports (an
-            object with ``world()`` and ``split(topology)``, as
-            :class:`gtopk_plugin.two_level.topology.TorchEngine`); replaces ``group``.
-        own_node: this rank's node id, when the engine knows it (Horovod's
-            ``cross_rank``): the ranks' ids are gathered into the topology.
-        intra_fabric: how a node's ranks move the dense node sum:
-            ``"auto"`` (shared memory for CPU tensors when the node's ranks
-            share a host, else the engine), ``"shared_memory"`` or
-            ``"engine"`` (:mod:`gtopk_plugin.two_level.node_fabric`).
+        engine: a maker of the two levels' transports (``world()`` and
+            ``split(topology)``, as :class:`~gtopk_plugin.two_level.topology.TorchEngine`);
+            replaces ``group``.
+        own_node: this rank's node id, when the engine knows it.
+        intra_fabric: ``"auto"``, ``"shared_memory"`` or ``"engine"``
+            (:mod:`gtopk_plugin.two_level.node_fabric`).
 
-    The topology is agreed, and the groups made, at the first
-    :meth:`reduce` (or an explicit :meth:`setup`): a collective; invalid or
-    disagreeing topologies raise the same ``ValueError`` on every rank.
+    The topology is agreed at the first :meth:`reduce` (or :meth:`setup`), a
+    collective; invalid or disagreeing topologies raise the same
+    ``ValueError`` on every rank.
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, *, local_size=None,

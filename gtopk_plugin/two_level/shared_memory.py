@@ -1,50 +1,23 @@
 """A shared-memory fabric for the ranks of one node.
 
-The two-level reduction (:mod:`gtopk_plugin.two_level.hierarchical_reducer`) sums the
-workers' gradients densely inside a node.  On a real cluster that sum runs
-on the node's fast fabric (NVLink, PCIe); CPU workers of one host have one
-too -- their common memory -- but a gloo group reaches a node-mate through
-TCP (loopback, or a veth pair when the workers sit in network namespaces),
-copying every byte through the kernel several times.  This module moves the
-node's dense data through one file mapped by every rank of the node
-(``MAP_SHARED`` on tmpfs, ``/dev/shm``), as NCCL's and Gloo's shared-memory
-transports do; the node group (a :class:`Transport`) only carries the small
-synchronisation messages, so its timeouts and error reporting still apply.
+The node's dense data for the two-level reduction moves through one file
+mapped ``MAP_SHARED`` by every rank of the node (tmpfs, ``/dev/shm``)
+instead of TCP; the node group (a :class:`Transport`) carries only the
+small synchronisation messages, so its timeouts and errors still apply.
 
-Data movement per step (L ranks, N entries):
+Per step: every rank writes its vector into its own slot; after a barrier
+local rank j adds shard j of every slot into slot 0 in local-rank order
+(deterministic), a barrier; the leader writes its result blob into its own
+region and the others copy it out (not reused before the next reduce has
+passed, so a slow reader never sees it overwritten).  Bytes crossing
+processes count as payload on the node group, barriers as control.
 
-- every rank writes its vector into its own slot (the caller concatenates
-  its gradients straight into it: no extra copy);
-- **reduce to the leader**: a barrier, then local rank j sums shard j of
-  all slots into slot 0 (``slot0 += slot1 + ... + slot(L-1)``, in local
-  rank order, so the sum is deterministic and the same whichever rank adds
-  a shard), a barrier; slot 0 is then the node sum.  Each rank reads
-  (L-1)/L of the others' data and the work is spread over the node's cores;
-- **broadcast from the leader**: the leader writes the blob into a region
-  of its own, and a barrier carries its size; the others copy it out.  The
-  region is not reused before every rank has passed the next step's reduce,
-  so a slow reader never sees it overwritten.
-
-Accounting (the node group's counters): bytes that cross from one process
-to another through the mapping count as payload -- a reduce-scatter of the
-slots ((L-1)/L of the vector sent and received per rank), the shards summed
-for the leader (1/L sent by each other rank, (L-1)/L received by the
-leader) and the blob (sent once per receiver by the leader); barriers are
-control bytes.
-
-Opening is collective: the leader creates a file (unlinked once every rank
-has mapped it, so a crash during training leaves nothing behind), the
-ranks open it without creating it and check a random token -- ranks on
-different hosts (a topology that is not really one host per node) fail
-that -- and all agree: the fabric
-is used only when every rank of the node mapped it, otherwise the caller
-falls back to the engine's group.  A leader killed outright (SIGKILL, an
-out-of-memory kill) between the creation and the unlink -- during the
-set-up's two agreements -- leaves its file behind, memory that tmpfs holds
-until someone deletes it; the file's name carries the creator's pid
-(``gtopk-node-<pid>-*``), and every later set-up on the host removes such
-files whose creator is gone once they are older than any set-up
-(:func:`sweep_stale`).
+Opening is collective: the leader creates the file, the ranks map it and
+check a random token (ranks on different hosts fail), and the fabric is
+used only if every rank mapped it, else the caller falls back to the
+engine.  The file is unlinked once all mapped it; files of a leader killed
+during set-up (named ``gtopk-node-<pid>-*``) are removed by later set-ups
+(:func:`sweep_stale`).  See docs/hierarchical.md.
 """
 from __future__ import annotations
 

@@ -1,29 +1,19 @@
-"""Node topology of a job for the two-level (hierarchical) reduction of
-which node every rank is on, agreed by every rank, and the
-transports of the two levels.
+"""Node topology for the two-level reduction (which node every rank is on,
+agreed by every rank) and the transports of the two levels.
 
-A topology is ``node_of_rank``: one node id per rank of the group (ranks
-numbered as in the group that is split).  Rules, checked on every rank:
-
-- node ids are ``0 .. nodes-1``, numbered in order of first appearance
-  (rank 0 is on node 0, the first rank not on node 0 is on node 1, ...), so
-  node ``n`` is rank ``n`` of the cross-node group of leaders;
-- a node's ranks need not be contiguous, and nodes may differ in size
-  (``[0, 0, 0, 1, 1]``: 3 + 2);
-- the leader of a node is its lowest rank (local rank 0).
-
-``local_size=L`` is torchrun's contiguous layout: rank r on node r // L
-(``L`` must divide the world size).  Every rank must resolve the same list;
+A topology is ``node_of_rank``, one node id per rank of the group: ids
+``0 .. nodes-1`` in order of first appearance (so node n is rank n of the
+cross-node group of leaders); a node's ranks need not be contiguous and
+nodes may differ in size; a node's leader is its lowest rank.
+``local_size=L`` means rank r on node r // L (L divides the world size).
 :func:`agree` gathers every rank's request and raises the same
-``ValueError`` on every rank when they disagree or one is invalid -- a
-collective, so no rank is left waiting in an exchange its peers skipped.
+``ValueError`` on every rank when they disagree or one is invalid.
 
-An *engine* makes the transports of the two levels once the topology is
-agreed: :class:`TorchEngine` (``torch.distributed`` groups, cached per
-group and topology); the Horovod layer has its own.  The node-level
-broadcast of the leader's result (:func:`node_broadcast`, a binomial tree
-of counted ``Transport.phase`` steps, so it runs on any engine) and its
-blob format live here too.
+:class:`TorchEngine` makes the two levels' transports once the topology
+is agreed (``torch.distributed`` groups, cached); the Horovod layer has
+its own.  :func:`node_broadcast` (the leader's result, a binomial tree of
+counted ``Transport.phase`` steps) and its blob format live here too.
+See docs/hierarchical.md.
 """
 from __future__ import annotations
 
