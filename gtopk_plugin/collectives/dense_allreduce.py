@@ -1,26 +1,14 @@
 """Dense allreduce (the S-SGD baseline) and the value-only allreduce of
 random-k, whose indices every rank already knows.
 
-With values on the wire in the gradients' dtype this is the engine's own
-allreduce.  With a narrower wire (fp16/bf16 ``value_dtype``) an engine would
-add in the wire dtype -- overflowing to ±inf, and rounding every partial sum
-into nobody's residual -- so the sum is taken as a reduce-scatter with
-accumulation in float32 (or the gradients' wider dtype) at the shard's
-owner, in rank order, followed by an allgather of the owner's shard rounded
-(and clamped) to the wire dtype (docs/design.md §3, precision).  The owner's
-rounding error is returned in ``Aggregated.residual_add``: every entry of a
-dense sum reaches the result, so mass is conserved to the accumulation
-dtype's rounding, and every rank gets the owner's bits.  The bytes are those
-of a ring allreduce of the wire dtype: (P−1)/P of the vector each way per
-phase (exactly so when P divides its length; otherwise a rank's count is its
-real traffic, within one element per phase of that).
-
-int8 wire: every piece is a message with its own exponent byte
-(+1 byte per message: 2·(P−1) per rank and step); a sender's piece is its
-own quantized vector re-encoded with the piece's exponent, which is
-lossless (values on the grid q·2^e with |q| <= 127 lie on the grid of any
-smaller exponent that still covers their maximum), and the owner quantizes
-its shard's float32 sum (nearest, or stochastic with ``draws``).
+With the gradients' dtype on the wire this is the engine's own allreduce.
+With a narrower wire (fp16/bf16/int8 ``value_dtype``) it is a
+reduce-scatter summed in float32 (or the gradients' wider dtype) at each
+shard's owner, in rank order, then an allgather of the shard rounded and
+clamped to the wire; the owner's rounding error is returned in
+``Aggregated.residual_add``.  Bytes: those of a ring allreduce of the wire
+dtype (int8: plus one exponent byte per message).  Details:
+docs/design.md §3.
 """
 from __future__ import annotations
 

@@ -1,35 +1,19 @@
 """gTopKAllReduce: the butterfly merge of Shi et al. 2019 (arXiv 1901.04359,
 Algorithm 1), generalised to any P (docs/design.md §2).
 
-Let P' = 2^⌊log2 P⌋.  Ranks r ≥ P' first send their set to r − P', which
-merges it; then for j = 0 .. log2 P' − 1 rank r swaps its current set with
-r XOR 2^j and both compute the same merge (sum on equal indices, per-segment
-top-k of the union); finally ranks r < P − P' send the result to r + P'.
-Every rank ends with the same ≤ k (index, value) pairs, bit for bit.
+With P' = 2^⌊log2 P⌋: ranks r ≥ P' fold their set into r − P'; for j = 0
+.. log2 P' − 1 rank r swaps its set with r XOR 2^j and both compute the
+same merge (sum on equal indices, per-segment top-k); ranks r < P − P'
+send the result to r + P'.  Every rank ends with the same ≤ k pairs, bit
+for bit.  An own entry reached the result iff its index stayed in the
+rank's set after every round (a folded rank learns this from a ⌈k/8⌉-byte
+bitmask on the final message).
 
-Exact error feedback needs to know which of a worker's own entries reached
-the result: entry i did iff index i stayed in the worker's current set after
-every round (a dropped index takes every contribution of the group with it;
-a later reappearance of i carries other workers' values only).  A folded-in
-rank learns its survivors from its partner as a bitmask over its own set
-(⌈k/8⌉ bytes, appended to the final message).
-
-Reduced-precision wire (fp16/bf16 values for wider gradients, docs/design.md §2):
-merges add in float32 (at least) the exact wire values both partners
-exchanged, so sums agree bit for bit and cannot overflow; a merged set is
-rounded (and clamped: never ±inf) to the wire dtype before each send and
-once at the end.  Each such rounding is charged to one rank -- the lowest
-of the group that holds the set -- at the indices that go on to reach the
-result, through ``Aggregated.residual_add``; so mass is conserved to
-float32 rounding with no extra bytes on the wire.
-
-int8 wire: the same scheme with :func:`wire.quantize` as the
-rounding -- each message (a rank's own set, a group's merged set before
-each round, the result) is quantized with its own power-of-two scale (one
-exponent byte per message), merges add the exactly decoded values in
-float32, and the owner's residual gets the exact rounding error.  With
-stochastic rounding every member of a group draws the same numbers (keyed
-by the group's lowest rank and the round), so they still agree bit for bit.
+Narrower wires (fp16/bf16, int8 via :func:`wire.quantize`): merges add in
+float32 the exact wire values both partners exchanged; a merged set is
+rounded to the wire before each send and once at the end, and each
+rounding is charged to the group's lowest rank via
+``Aggregated.residual_add`` (docs/design.md §3).
 """
 from __future__ import annotations
 
@@ -97,25 +81,16 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
                     draws: Optional[Callable[[str, Tensor], Tensor]] = None) -> ButterflyResult:
     """Run the butterfly on this rank's sparse set ``(idx, vals)``.
 
-    ``static_count``: every set in flight has exactly ``sum(k)`` entries (exact
-    top-k selection: a union of two sets with k_s entries per segment keeps
-    exactly k_s), so message sizes are known and no header travels.
-
-    ``sum_dtype`` (the gradients' dtype; default ``vals.dtype``): when the
-    wire dtype ``vals.dtype`` differs, merges add in
-    :func:`wire.accumulation_dtype` (float32 at least) operands that are
-    exactly the wire values both partners exchanged, so the sums are
-    bit-identical on both sides and cannot overflow; a merged set is rounded
-    (clamped, never ±inf) to the wire before each send and once at the end,
-    and the rounding errors that reach the result are returned in
-    ``residual_add`` of the group's lowest rank (see :class:`_Charges`).
-    Messages keep the wire dtype: the bytes are those of a plain wire.
-
-    int8 wire (``vals`` an int8 wire tensor from :func:`wire.quantize`):
-    every rounding is a quantization with the message's own exponent;
-    ``draws(stream, idx)`` (uniforms per index, keyed like every random draw) makes it
-    stochastic, ``None`` rounds to nearest.  Messages are ``n·(b_idx + 1) + 1``
-    bytes; the result's values come back decoded (float32 at least).
+    ``static_count``: every set in flight has exactly ``sum(k)`` entries
+    (exact top-k selection), so no size header travels.
+    ``sum_dtype`` (default ``vals.dtype``): when the wire dtype differs,
+    merges add in :func:`wire.accumulation_dtype` the exact wire values, sets
+    are rounded (clamped) to the wire before each send and at the end, and the
+    rounding errors that reach the result come back in ``residual_add`` of the
+    group's lowest rank (:class:`_Charges`).
+    int8 wire (``vals`` from :func:`wire.quantize`): ``draws(stream, idx)``
+    makes the roundings stochastic, ``None`` rounds to nearest; messages are
+    ``n·(b_idx + 1) + 1`` bytes and the result comes back decoded.
     """
     P, r = transport.size, transport.rank
     dev = vals.device

@@ -1,38 +1,21 @@
-"""Allgather of codec payloads: every worker's encoded payload
-(1-bit signs and scales, say) travels to every other worker in one ring of
-P−1 neighbour exchanges, and each rank decodes all P payloads and sums them
-in rank order -- the same bytes decoded by the same code, so every rank gets
-the same bits (docs/design.md §2).  For payloads that do not sum in encoded form
-(quantizers with per-worker scales); traffic per worker (P−1)·payload bytes
-each way, no size headers (payload sizes depend only on the layout).
+"""Codec payload aggregations (docs/design.md §2).
 
-``reduce_scatter_payloads``, the two-phase variant: a
-reduce-scatter of payload shards, a re-compression of each shard sum by its
-owner (with a server-side error-feedback residual), and an allgather of the
-compressed sums -- the compressed allreduce of 1-bit Adam (Tang et al. 2021,
-arXiv 2102.02888, §4.1; DeepSpeed), with error feedback on both sides as in
-EF-signSGD (Karimireddy et al. 2019, arXiv 1901.09847).
+``"allgather_payloads"``: every worker's encoded payload travels to every
+other worker in one ring of P−1 neighbour exchanges; each rank decodes the
+P payloads and sums them in rank order, so every rank gets the same bits.
+For payloads that do not sum in encoded form; (P−1)·payload bytes each
+way, no size headers.
 
-Aggregation name ``"reduce_scatter_payloads"``; ``onebit`` offers it as
-``merge="reduce_scatter_payloads"`` (compress/onebit.py holds the
-semantics: the shard plan, decode and re-compression of a shard, and the
-server residuals, which are the codec's state).  This module only moves the
-bytes, through the Transport protocol:
-
-1. phase 1 (reduce-scatter): in steps s = 1..P−1 rank r sends shard
-   (r+s) mod P of its payload to that rank while receiving shard r of rank
-   (r−s) mod P's (one sendrecv per step, sizes known from the layout: no
-   headers); it sums the P decoded contributions of shard r in rank order,
-   adds its server residual and re-compresses;
-2. phase 2: a ring allgather of the P compressed shards; every rank decodes
-   them into the dense result (identical bits everywhere: the same bytes
-   decoded by the same code; the owner uses its own decode).
-
-Bytes per rank (``traffic.onebit_reduce_scatter_bytes``): phase 1 sends
-every other shard's message once and receives P−1 messages of its own
-shard; phase 2 is the ring allgather of messages of the same sizes.  The
-worker's own error feedback is unchanged (residual = acc − its payload
-decoded): ``sel.vals`` is that decode.
+``"reduce_scatter_payloads"`` (onebit's ``merge=``; the compressed
+allreduce of 1-bit Adam, Tang et al. 2021, arXiv 2102.02888): phase 1, in
+steps s = 1..P−1 rank r sends shard (r+s) mod P of its payload to its owner
+and receives shard r of rank (r−s) mod P, sums the P decoded pieces in
+rank order with its server residual and re-compresses; phase 2, a ring
+allgather of the compressed shards, decoded by every rank.  The codec
+(compress/onebit.py) holds the semantics and the server residuals; this
+module only moves bytes through the Transport protocol
+(``traffic.onebit_reduce_scatter_bytes``).  The worker's own residual is
+``acc`` less its payload decoded (``sel.vals``).
 """
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
 """The gTop-k butterfly's communication schedule for any P, as plain Python
 (no torch, no framework): who sends to whom in which phase, and which rank
-owns each wire rounding.  The butterfly (:mod:`.gtopk`) runs it for every
-front end: torch.distributed, Horovod-PyTorch and Horovod-TensorFlow (whose
-exchange calls the core through ``tf.numpy_function``).
+owns each wire rounding.  :mod:`.gtopk` runs it for every front end.
 
-Shi et al. 2019 (arXiv 1901.04359, Algorithm 1) describe the butterfly for
-P a power of two; docs/design.md §2 extends it to any P.  Let P' = 2^⌊log2 P⌋:
+With P' = 2^⌊log2 P⌋ (Shi et al. 2019, extended in docs/design.md §2):
+fold-in (P > P' only: r ≥ P' sends to r − P'), rounds j = 0 .. log2 P' − 1
+(r < P' swaps with r XOR 2^j), fold-out (r < P − P' sends the result and a
+survivor bitmask to r + P').  Before round j the rounding of a group's set
+is owned by its lowest rank (r with its low j bits clear); the final
+rounding by rank 0 (docs/design.md §3).
 
-1. *fold-in* (only when P > P'): rank r ≥ P' sends its set to r − P',
-   which merges it;
-2. *rounds* j = 0 .. log2 P' − 1: rank r < P' swaps its current set with
-   r XOR 2^j and both compute the same merge;
-3. *fold-out* (only when P > P'): rank r < P − P' sends the result (and a
-   bitmask of which of r + P''s entries survived) to r + P'.
-
-Ownership of wire roundings (docs/design.md §3, precision): before round j the
-group of r is the 2^j ranks < P' that agree with r above bit j (plus their
-folded partners); its lowest rank -- r with its low j bits clear -- owns
-the rounding of the group's set before the send.  The final rounding of the
-result is owned by rank 0, the lowest rank of the final group.
-
-Every rank takes part in every phase (Horovod's collectives need all ranks,
-so an idle rank still joins with nothing to send): a phase says ``None``
-where this rank neither sends nor receives.
+Every rank takes part in every phase (Horovod's collectives need all
+ranks); a phase says ``None`` where this rank neither sends nor receives.
 """
 from __future__ import annotations
 

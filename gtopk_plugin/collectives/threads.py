@@ -2,45 +2,22 @@
 
 ``ThreadGroup(P)`` holds P endpoints (``group.transports[r]``); each rank's
 ``GradientReducer(transport=group.transports[r], ...)`` runs on its own
-thread (``group.map(fn)`` calls ``fn(rank)`` on P threads at once and
-returns the P results in rank order).  The reducers run *unchanged* -- the
-same compressors, error feedback, aggregations and byte counters as on a
-real process group -- so an in-process simulation of a codec (onebit,
-qsgd, powersgd: aggregations written against the Transport protocol only)
-is the real algorithm, not a model of it.  The convergence study uses it
-for the codecs (lab/convergence/sim.py), which
-:class:`gtopk_plugin.testing.Oracle` does not model.
+thread (``group.map(fn)`` calls ``fn(rank)`` on P threads and returns the
+results in rank order).  The reducers run unchanged, so a simulation of a
+codec is the real algorithm (:class:`gtopk_plugin.testing.Oracle` does
+not model codecs).
 
-Exactness with respect to ``torch.distributed`` gloo (what the tests hold it
-to, tests/distributed/test_threads_vs_gloo.py):
+Exactness against gloo (tests/distributed/test_threads_vs_gloo.py):
+point-to-point messages are copied bytes; max and integer sums are exact;
+a float sum follows gloo's CPU ring order (:func:`gloo_ring_sum`: 2P
+segments of ⌈bytes/2P⌉ bytes, segment j owned by rank j // 2, the sum for
+owner o being ``x[o] + (x[o+1] + (… + x[o−1]))``, indices mod P), valid
+below gloo's maximum segment size.
 
-- point-to-point messages are copied bytes (mailbox per ordered pair of
-  ranks), so every exchange, ring allgather and butterfly round carries
-  exactly what gloo would carry;
-- max and integer sums are exact whatever the order;
-- a floating-point sum depends on the order of the additions, and gloo's
-  CPU allreduce has one: its ring algorithm (gloo/allreduce.cc, ``ring``)
-  cuts the buffer into ``2P`` segments of ``⌈bytes / 2P⌉`` bytes
-  (rounded up to whole elements; segment ``j`` belongs to rank ``j // 2``),
-  and the partial sum of a segment owned by rank ``o`` starts at rank
-  ``o − 1`` and travels backwards round the ring, each rank adding its own
-  value, so the sum is ``x[o] + (x[o+1] + (… + (x[o−2] + x[o−1])))``
-  (indices mod P).  :func:`gloo_ring_sum` reproduces that order; it was
-  checked bit for bit against real gloo (torch 2.13) at P = 2, 3, 4 for
-  1 to 1,000,003 float32 entries.  (Buffers big enough for gloo to use
-  more than 2P segments -- past its maximum segment size -- would change
-  the boundaries; the study's messages are far below that.)
-
-Failures: a rank that raises aborts the group's barrier, so the others
-stop at their next collective instead of waiting for ever; every wait --
-the error path's ``allgather_object`` included -- is bounded by the
-group's ``timeout``.  A group whose barrier was aborted cannot be used
-again.
-
-Threads: each endpoint is a Transport like any other, used by one thread
-at a time (:class:`~.transport.UseGuard`); ``map`` may run a rank on a
-different pool thread from one call to the next, which is sequential use
-and allowed.
+A rank that raises aborts the group's barrier, so the others stop at
+their next collective; every wait is bounded by the group's ``timeout``;
+an aborted group cannot be used again.  Each endpoint is used by one
+thread at a time (:class:`~.transport.UseGuard`).
 """
 from __future__ import annotations
 

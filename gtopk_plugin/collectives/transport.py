@@ -1,37 +1,20 @@
 """The Transport protocol: the only way collectives talk to other workers.
 
-Collectives are framework-neutral (docs/design.md §1): they receive a Transport
-and call its few primitives.  Each framework layer (torch.distributed,
-Horovod, BytePS) implements the ``_raw_*`` primitives; this base class adds
-the exact byte / message / round accounting that benchmarks and tests read.
+Collectives are framework-neutral (docs/design.md §1): each framework
+layer implements the ``_raw_*`` primitives, and this base class adds the
+exact byte / message / round accounting: ``payload`` bytes (index/value
+messages), ``header`` bytes (size headers, only where the receiver cannot
+know a size), ``control`` bytes (the per-call consistency check and
+error-path metadata, apart so payload figures match docs/design.md §2),
+and a dense allreduce counted with the ring model 2·(P−1)/P·nbytes.
 
-Accounting rules:
-- ``payload`` bytes are the bytes of index/value messages;
-- ``header`` bytes are size headers, sent only when a message's size cannot
-  be known in advance by the receiver (variable-count selectors);
-- ``control`` bytes are the per-call consistency check (layout hash and
-  non-finite flag) and error-path metadata; they are reported apart so that
-  payload figures match the formulas of docs/design.md §2 exactly;
-- a dense allreduce is counted with the ring model, 2·(P−1)/P·nbytes sent
-  and received per worker (the engine's internals are not observable).
-
-Threads: a Transport is not thread-safe, and neither are the engines under
-it -- collectives of one group must be issued in the same order on every
-rank, which two threads of one process cannot guarantee (gloo aborts the
-process on a mismatched pair, or the bytes of two calls cross).  Every
-public primitive therefore holds the transport's :class:`UseGuard` while it
-runs: a second thread that calls in meanwhile gets a
-:class:`ConcurrentUseError` at once, before anything is sent, while the
-first thread's call goes on untouched.  Use from different threads one
-after the other (a worker thread per step, the autograd thread of a
-backward hook) is fine.  :meth:`Transport.exclusive` holds the guard over a
-sequence of calls (one ``reduce()``).  Transports on one torch.distributed
-process group share one guard (:mod:`.torch_distributed`).
-
-Timeouts: every wait of every primitive -- the error path's
-:meth:`Transport.allgather_object` included -- is bounded by the
-transport's own timeout, so a peer that stopped answering is reported
-within it on every rank that waits for it.
+Threads: a Transport is not thread-safe; every public primitive holds its
+:class:`UseGuard`, so a concurrent second thread gets
+:class:`ConcurrentUseError` before anything is sent; sequential use from
+different threads is fine; :meth:`Transport.exclusive` holds the guard
+over a sequence of calls.  Timeouts: every wait, the error path's
+:meth:`Transport.allgather_object` included, is bounded by the
+transport's timeout (docs/design.md §7).
 """
 from __future__ import annotations
 

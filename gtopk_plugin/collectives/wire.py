@@ -137,26 +137,14 @@ def quantize(v: Tensor, draws: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]
     """``(w, err)``: ``v`` as an int8 wire tensor ``[q_0 .. q_{n-1}, e]`` and
     the rounding error ``err = v − q·2^e``, exactly, in ``v``'s dtype.
 
-    Scale: a power of two per message, ``2^e`` with e from :func:`exponent`
-    (max|v| <= 127·2^e).  ``x = v·2^-e`` is exact in float64 (a power-of-two
-    scaling of a float32 number).  Rounding: ``q = round(x)`` to nearest
-    (ties to even), or with ``draws`` (uniforms in [0, 1), one per entry)
-    stochastic: ``q = ⌊x⌋ + [u < x − ⌊x⌋]``, unbiased, except in the dead
-    zone |x| < 1/2 where q = 0 (nearest) -- see below.  |q| <= 127, and
-    never so large that ``q·2^e`` overflows ``v``'s dtype (float32 near its
-    maximum), so nothing on the wire decodes to ±inf.
-
-    Exactness (the residual owns the error exactly): ``d = q·2^e`` is a
-    float32 number (7 significant bits, exponent within range, subnormals
-    included since e >= -128 > -149).  If q = 0, err = v.  Otherwise
-    |x − q| <= 1/2 (nearest) and |q| >= 1, so d/2 <= v <= 2d (same sign):
-    by Sterbenz's lemma v − d is exact.  Stochastic rounding rounds x in
-    [1/2, 1) up to 1 or down to 0, and x >= 1 to ⌊x⌋ or ⌊x⌋ + 1 -- in every
-    case d/2 <= v <= 2d again; only x < 1/2 rounded up to 1 could break
-    it (v far below d = 2^e), which is why the dead zone rounds those to 0:
-    they stay in the residual whole, and error feedback sends them later.
-    Float64 gradients beyond 127·2^127 (≈2e40) saturate at q = ±127; their
-    remainder stays in the residual (exact below 2^179)."""
+    The scale is ``2^e`` with e from :func:`exponent` (max|v| <= 127·2^e).
+    ``q`` rounds ``v·2^-e`` to nearest (ties to even), or with ``draws`` (one
+    uniform in [0, 1) per entry) stochastically, with a dead zone |x| < 1/2
+    → 0 that keeps ``err`` exact (Sterbenz; docs/design.md §3).  |q| <= 127
+    and ``q·2^e`` never overflows ``v``'s dtype, so nothing decodes to ±inf;
+    float64 values beyond 127·2^127 saturate, the remainder staying in
+    ``err``.
+    """
     n = v.numel()
     e = exponent(float(v.abs().max()) if n else 0.0, v.dtype)
     # x in v's own dtype (float32/64; fp16/bf16 via an exact float32 copy):
