@@ -1,36 +1,21 @@
 """The dense method's step with one pass of local work.
 
-S-SGD's allreduce needs the gradients in one flat buffer, and the update
-is that buffer's sum divided by P.  The general path writes the gradients
-into the scratch accumulator (with the finiteness check), sums there, and
-divides into an update buffer: two passes over N.  Here the gradients are
-written straight into the update buffer -- already divided by P where P is
-a power of two, and with their nonzeros counted -- which the engine then
-sums in place: one pass, plus a read that counts the sum's nonzeros for
-the stats where P > 1 (at P = 1 the copy is the update).
+The gradients are written straight into the update buffer -- prescaled by
+1/P where P is a power of two, nonzeros counted -- and the engine sums in
+place: one pass instead of the general path's copy, sum and divide.  Bit
+for bit the general path's result: ``kernels.prescale_copy`` checks per
+entry that prescaling is exact, and the consistency check's flag makes
+every rank redo the copy unscaled (dividing after the sum) where any rank
+fails it.  float16 and a P that is not a power of two are never prescaled.
+The argument: docs/design.md §9, "The dense method in one pass".
 
-Bit for bit the general path's result.  A sum of values prescaled by 2^-s
-equals the sum divided by 2^s afterwards when every value lies in a range
-where no partial sum is denormal or overflows (``kernels.prescale_copy``
-checks it per entry in the same pass; docs/kernels.md states the
-argument); the consistency check's flag makes every rank agree.  Where any
-rank's values fail it, or a rank copied unscaled (it cannot take this path
-this call, or it is backing off, below), every rank redoes the copy
-unscaled and divides after the sum.  float16 and a P that is not a power
-of two are never prescaled (float16's exact range is too narrow to hold
-gradients).
-
-Three stages of a reducer running the ``dense`` method with its dense
-aggregation: :class:`DensePath` (the copy, before the cross-rank check),
-:class:`RedoCopy` (the redo, after it) and :class:`DirectUpdate`.  A call
-takes the path when it needs nothing else of the accumulator: values sent
-in the gradients' dtype, no momentum, clipping, optimizer binding or
-loss-scale change, a zero residual (always so after a dense step; a
-residual loaded from a sparse method takes the general path once), no
-``out=`` tensors (the DDP and Horovod layers pass them, so they keep the
-two-pass path), on CPU (the CUDA back end keeps its own compensation and
-division kernels).  Like the general path, a redo reads
-the gradients again after the check: they must not change during the call.
+Stages of a reducer running ``dense`` with its dense aggregation:
+:class:`DensePath` (the copy, before the check), :class:`RedoCopy` (the
+redo, after it) and :class:`DirectUpdate`.  A call takes this path only
+when it needs nothing else of the accumulator: values in the gradients'
+dtype, no momentum, clipping, optimizer binding or loss-scale change, a
+zero residual, no ``out=`` tensors, on CPU.  The gradients must not change
+during the call (a redo reads them again).
 """
 from __future__ import annotations
 

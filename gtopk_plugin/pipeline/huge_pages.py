@@ -1,24 +1,14 @@
 """Persistent CPU buffers backed by transparent huge pages.
 
-The reducer's long-lived N-sized buffers -- the residual and the scratch
-accumulator of error feedback, the update buffer, the momentum buffers --
-are read in full every step and written at k scattered positions.  With 4 KB
-pages a 100 MB buffer spans 25,600 pages, far more than the TLB holds, so
-every scattered write of a sparse step (250 k of them at 1 % of 25 M) costs
-a page walk on top of its cache miss, and in a virtual machine a nested
-one.  With 2 MB pages the buffer spans 50.
-
-Linux grants such pages to private anonymous memory that asks for them
-(``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hugepage/
-enabled`` is ``madvise`` -- the default of most distributions -- or
-``always``.  The advice must come before the pages are first touched: an
-N-sized ``torch.empty`` is usually a fresh, untouched ``mmap`` of glibc's,
-so the buffer is allocated empty, advised on its 2 MB-aligned interior, and
-only then filled.  Where the allocator serves it from memory the process
-touched before (glibc's heap, in a long-running process), those pages stay
-on 4 KB pages and only the rest is backed.  The advice is a hint: where the
-kernel refuses it (another OS, THP ``never``, no ``libc``), the buffer is an
-ordinary one and nothing else changes.  ``GTOPK_HUGE_PAGES=0`` turns it off.
+The reducer's long-lived N-sized buffers (residual, scratch accumulator,
+update and momentum buffers) are read in full every step and written at k
+scattered positions; with 2 MB pages each scattered write avoids most TLB
+misses.  The buffer is allocated empty, its 2 MB-aligned interior advised
+with ``madvise(MADV_HUGEPAGE)`` before the pages are first touched, then
+filled (pages the process touched before stay on 4 KB pages).  The advice
+is a hint: where the kernel refuses it (another OS, THP ``never``, no
+``libc``) the buffer is an ordinary one.  ``GTOPK_HUGE_PAGES=0`` turns it
+off (docs/design.md §9, "Persistent buffers").
 """
 from __future__ import annotations
 

@@ -1,29 +1,20 @@
 """Small tensors go dense: ``GradientReducer(dense_below=N)``.
 
-Tensors with fewer than ``N`` entries (biases, norm scales: little traffic,
-much per-tensor overhead, and a large relative error when compressed) are
-summed exactly by the dense aggregation in the same ``reduce()`` call, the
-rest by the reducer's method as without them -- the practice of PyTorch
-DDP's PowerSGD hook (``min_compression_rate`` / tensors of rank <= 1 go
-uncompressed) and BytePS (``BYTEPS_MIN_COMPRESS_BYTES``).
+Tensors with fewer than ``N`` entries (biases, norm scales) are summed
+exactly by the dense aggregation in the same ``reduce()`` call, the rest by
+the reducer's method as without them (as PyTorch's PowerSGD hook and
+BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` do).  Per call, on every rank:
 
-Semantics, per call (every rank the same, since shapes are checked):
+- small tensors: the allreduced sum (or sum / P), as ``method="dense"``
+  gives it; no residual; DGC momentum and clipping apply as to dense;
+- the others: exactly the method's result without the small tensors (with
+  ``granularity="global"``, k counts the large ones only);
+- one consistency check covers both parts (a NaN anywhere raises / skips
+  the whole step on every rank); the dense part's own check always passes;
+- bytes: the dense ring allreduce plus the method's; ``last_stats.parts``
+  = {"dense": ..., "method": ...}.
 
-- small tensors: the update is the allreduced sum (``op="sum"``) or that sum
-  divided by P (``op="average"``), exactly as ``method="dense"`` gives it;
-  no residual (everything is sent), so they hold no error-feedback state;
-  DGC momentum and clipping apply to them as to a dense method;
-- the other tensors: exactly what the reducer's method gives on a call
-  without the small tensors (with ``granularity="global"`` the small
-  tensors leave the global segment: k counts the large ones only);
-- one consistency check: the method's check covers the small tensors too
-  (their shapes in the fingerprint, their non-finite values in the flag),
-  so a NaN anywhere raises / skips the whole step on every rank before
-  anything is applied.  The dense part then runs its own check as well (a
-  redundant 32-byte control allreduce that always passes).
-- bytes: the dense part's ring allreduce plus the method's, exactly;
-  ``last_stats`` is the sum of both, with ``last_stats.parts`` = {"dense":
-  stats of the small tensors, "method": stats of the rest}.
+See docs/recipes.md, "Small tensors dense", and docs/design.md §2.
 """
 from __future__ import annotations
 

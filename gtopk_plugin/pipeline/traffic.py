@@ -1,25 +1,16 @@
 """One record of what a worker moved in one training step.
 
-Every framework layer reports its last step's bytes the same way (the
-``last_step_traffic`` dict of the Horovod optimizers and of the DDP hook's
-state): a :class:`StepTraffic` summed over the buckets of the step, handed
-out as a plain dict by :meth:`StepTraffic.as_dict`.
-
-Where the numbers come from (every collective counts the bytes it sends
-and receives; docs/design.md §4):
-
-* the transport fields (``payload_``/``header_`` bytes, ``control_bytes``,
-  ``messages_sent``) are the counters of
-  :class:`~gtopk_plugin.collectives.transport.TrafficCounters`, or the same
-  fields of each bucket's :class:`~gtopk_plugin.pipeline.reduce_stats.ReduceStats`;
-* ``bytes_sent`` / ``bytes_received`` are always payload + headers (the data
-  path); the consistency check stays apart in ``control_bytes`` so payload
-  figures match the formulas of docs/design.md §4 exactly;
-* the selection fields (``numel``, ``k``, ``sent_entries``, ``rounds``,
-  ``dense_bytes``, ``skipped``) come from the buckets' ``ReduceStats``;
-* a dense allreduce whose engine is not observable (Horovod's, DDP's) is
-  counted with the ring model, 2·(P−1)/P·bytes per worker
-  (:meth:`StepTraffic.ring_allreduce`).
+Every framework layer reports its last step's bytes the same way
+(``last_step_traffic`` of the Horovod optimizers and the DDP hook's state):
+a :class:`StepTraffic` summed over the step's buckets, as a dict via
+:meth:`StepTraffic.as_dict`.  Transport fields come from
+:class:`~gtopk_plugin.collectives.transport.TrafficCounters` or each
+bucket's :class:`~gtopk_plugin.pipeline.reduce_stats.ReduceStats`;
+``bytes_sent``/``bytes_received`` are payload + headers, the consistency
+check stays apart in ``control_bytes``; selection fields come from the
+``ReduceStats``; a dense allreduce whose engine is not observable (Horovod's,
+DDP's) is counted with the ring model, 2·(P−1)/P·bytes
+(:meth:`StepTraffic.ring_allreduce`).  Formulas: docs/design.md §4.
 
 Framework-neutral: imports no framework and no torch.
 """

@@ -84,26 +84,17 @@ def _check_bucket(item: BucketItem) -> None:
 
 def _result_views(state, items: Sequence[BucketItem], keep):
     """``(out, out_reuse)``: name -> view of the bucket's persistent result
-    buffer for the parameters in use, laid out as the bucket buffer (each
-    gradient at its own offset), and whether the reducer may clear only
-    what it wrote there last.
+    buffer for the parameters in use (each gradient at its bucket offset), and
+    whether the reducer may clear only what it wrote there last.
 
-    The future's value need not be the bucket buffer: DDP views whatever
-    tensor the future holds at the bucket's offsets and copies from there
-    into ``.grad`` (as it does from its own allreduce's buffer), and it
-    never writes into it.  So each bucket gets a buffer of its own, kept
-    across steps: the reducer writes the sparse update there with
-    ``out_reuse`` -- clearing only the previous step's entries, O(k) --
-    instead of zero-filling the bucket buffer (N) or copying an update
-    into it (N).  Buffers of an old bucket layout (DDP rebuilds its
-    buckets after the first iteration) are dropped.
-
-    ``out_reuse`` holds only if every buffer was last written by a call
-    over the same parameters: the reducer tracks its last result per set
-    of names, so after a step with a parameter left out (unused) the next
-    call over another set clears its tensors in full.  A parameter left
-    out has its part zeroed (once, when it drops out), so a part DDP does
-    apply is never stale."""
+    DDP copies from whatever tensor the future holds at the bucket's offsets
+    and never writes into it, so each bucket keeps a buffer of its own across
+    steps and the reducer writes the sparse update there with ``out_reuse``
+    (clearing the previous entries, O(k), instead of an N-sized fill or copy).
+    Buffers of an old bucket layout are dropped.  ``out_reuse`` holds only if
+    every buffer was last written by a call over the same parameters; a
+    parameter left out (unused) has its part zeroed once, when it drops out.
+    """
     out, reuse = {}, True
     for it, k in zip(items, keep):
         key = tuple(it.names)

@@ -1,25 +1,20 @@
 """PyTorch DDP communication hook: sparse gradient reduction for
-``DistributedDataParallel``.
-
-Modelled on ``torch/distributed/algorithms/ddp_comm_hooks``: one state object
-holds every setting and all memory, and a plain function ``hook(state,
-bucket) -> Future`` does the work::
-
-    import gtopk_plugin as gp
+``DistributedDataParallel``, modelled on ``ddp_comm_hooks`` (one state
+object holds every setting and all memory, ``hook(state, bucket) -> Future``
+does the work)::
 
     ddp = DistributedDataParallel(model)
     state = gp.torch_ddp.SparseState(method="gtopk", density=0.01,
                                      named_parameters=model.named_parameters())
     ddp.register_comm_hook(state, gp.torch_ddp.sparse_hook)
 
-The state wraps ONE :class:`gtopk_plugin.GradientReducer`, so error-feedback
-residuals, the step counter (density warm-up, random-k seeds) and the RNG live
-in one place and are checkpointed together (``state_dict()`` or pickle).
+The state wraps ONE :class:`gtopk_plugin.GradientReducer`: residuals, step
+counter and RNG live in one place and are checkpointed together.  See
+docs/ddp.md.
 
-Note: this module deliberately does not use ``from __future__ import
-annotations``: DDP's ``register_comm_hook`` compares the hook's annotations
-with the real ``dist.GradBucket`` / ``Future[Tensor]`` objects, and string
-annotations would fail that check.
+No ``from __future__ import annotations`` here: ``register_comm_hook``
+compares the hook's annotations with the real ``dist.GradBucket`` /
+``Future[Tensor]`` objects, and string annotations fail that check.
 """
 import inspect
 import logging
@@ -52,37 +47,25 @@ _STATE_VERSION = 1
 
 
 class SparseState(ParameterNaming):
-    r"""State of :func:`sparse_hook`: the reducer's settings and memory
-    (usage and details: docs/ddp.md).
+    r"""State of :func:`sparse_hook`: the reducer's settings and memory.
 
     Args:
         method, density, ...: every :class:`~gtopk_plugin.GradientReducer`
             keyword except ``transport``; validated here (``ValueError``).
         process_group: the group DDP reduces over (``None``: the default).
-        named_parameters: ``model.named_parameters()``: residuals and
-            checkpoints are keyed by these names (else ``"param0"``, ... in
-            the order of DDP's first step, the same on every rank).
-        timeout: seconds one exchange may take (default ``GTOPK_TIMEOUT``
-            or 300).
-        momentum_correction, optimizer: DGC momentum correction with the
-            SGD ``optimizer``'s own momentum and weight decay, which its
-            ``step()`` then no longer applies (docs/recipes.md).
-        grad_scaler: a ``torch.amp.GradScaler``: state follows its loss
-            scale; a non-finite gradient anywhere makes every rank skip.
-        coalesce_buckets: reduce all DDP buckets of a step in one call when
-            the last is ready (default True: the hook runs on the backward
-            thread, so per-bucket reduction overlaps nothing and multiplies
-            fixed costs).
+        named_parameters: ``model.named_parameters()``: names key residuals
+            and checkpoints (else ``"param0"``, ... in DDP's first-step order).
+        timeout: seconds one exchange may take (``GTOPK_TIMEOUT`` or 300).
+        momentum_correction, optimizer: DGC momentum correction with the SGD
+            ``optimizer``'s own momentum and weight decay (docs/recipes.md).
+        grad_scaler: a ``torch.amp.GradScaler``: state follows its loss scale.
+        coalesce_buckets: one reduction per step over all DDP buckets
+            (default True) or one per bucket.
         hierarchical, local_size, node_of_rank, intra_fabric: two-level
             reduction (docs/hierarchical.md).
 
     The result equals one ``GradientReducer.reduce`` over all parameters,
-    whatever DDP's bucket layout (except granularity "global" with
-    ``coalesce_buckets=False``, which selects per bucket).  Parameters no rank used in a step
-    (``find_unused_parameters`` / ``static_graph``) are left out: their
-    state is untouched and nothing counts as sent.  ``last_step_traffic``
-    holds the last step's byte counts.  :meth:`state_dict` (and pickling)
-    checkpoint the residuals, step counter and parameter names.
+    whatever DDP's buckets; unused parameters are left out (docs/ddp.md).
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,

@@ -2,24 +2,18 @@
 ``find_unused_parameters=True`` and ``static_graph=True``.
 
 DDP leaves the ``.grad`` of a parameter that no rank used in a step
-untouched, and so discards whatever a communication hook returned for it:
-its reducer marks a parameter used when the parameter's gradient
-accumulator runs (in any backward pass since the last synchronised step,
-``no_sync()`` micro-batches included, as of torch 2.13; older releases
-counted the synchronising pass only, pytorch#69031), takes the OR of that
-map over the ranks when the step's last bucket is ready, and copies the
-hook's result into ``.grad`` only where the OR is set (with
-``static_graph=True`` the map of the first iteration holds for the run).  A hook that fed such a
-parameter to its reducer would count the parameter's selected entries as
-sent although they are never applied -- the residual drains into nothing.
+untouched, discarding what a hook returned for it: it marks a parameter
+used when its gradient accumulator runs (any backward since the last
+synchronised step, as of torch 2.13; older releases: the synchronising pass
+only, pytorch#69031) and takes the OR over the ranks (with
+``static_graph=True`` the first iteration's map holds for the run).
 
-So the hook observes the same event, with a post-accumulate-grad hook per
-parameter (:class:`UsageTracker`), agrees on the OR across ranks itself
-(:func:`agree`, one small MAX collective of one byte per parameter), and
-leaves the parameters no rank used out of the step's reduction: their
-residuals and velocities stay as they are, and nothing counts as sent that
-DDP does not apply.  This relies on no private DDP state: DDP's own map is
-reduced only after the last bucket's hook has run, too late to be read.
+The hook observes the same event with a post-accumulate-grad hook per
+parameter (:class:`UsageTracker`), agrees on the OR itself (:func:`agree`,
+one MAX collective of one byte per parameter) and leaves the unused
+parameters out of the step's reduction: their residuals and velocities stay
+as they are and nothing counts as sent that DDP does not apply.  No private
+DDP state is read (DDP's own map is reduced too late).  See docs/ddp.md.
 """
 from __future__ import annotations
 
