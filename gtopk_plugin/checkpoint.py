@@ -1,35 +1,21 @@
 """Whole-job checkpoints of a :class:`~gtopk_plugin.GradientReducer`, and
 moving one to another world size.
 
-A reducer's state is per rank: its residuals (and DGC velocities) are that
-worker's share of the gradient mass not yet applied, and mass conservation
-(docs/design.md §3) reads Σ_ranks Σ_steps grad = Σ_steps result + Σ_ranks
-residual.  Every rank must therefore save its own state and load its own
-state back -- or, on another world size, a share of the old states that
-keeps Σ_ranks residual.  This module does both::
+A reducer's state is per rank (its residuals and velocities are that
+worker's share of the unapplied gradient mass, docs/design.md §7), so
+every rank saves and loads its own::
 
     gp.checkpoint.save_job(red, "ckpt/reducer")      # every rank: ckpt/reducer/rank{r}.pt, job.pt
     gp.checkpoint.load_job(red, "ckpt/reducer", named_parameters=model.named_parameters())
 
-``load_job`` on a job of P' ranks reading a checkpoint of P ranks gives new
-rank j the sum of the residuals of old ranks i with i mod P' == j, added in
-increasing i (velocities the same way; :func:`redistribute` is the same rule
-on states in memory).  Σ_ranks residual is conserved: exactly (bit for bit)
-where a new rank takes one old rank's state (P' >= P, or the old ranks
-i >= P' all map to ranks that had none), and otherwise up to one rounding
-of the state's dtype per added state and entry, the rounding of any float
-sum (a relative 2^-24 per addition in float32).  Velocities summed the same
-way keep Σ_ranks velocity, which is what the job's momentum is: every
-worker's next velocity m·u + g sums to m·Σu + Σg, as before the move.
-
-Horovod elastic resizes use the same rule on the live states
-(:func:`exchange_live`, called from the elastic state handler).
-
-Not movable: compressor state that differs between ranks (onebit's server
-residuals with ``merge="reduce_scatter_payloads"``, sharded by P) -- a clear
-error; state every rank holds identically (PowerSGD's warm-start factors)
-is kept as it is.  :class:`gtopk_plugin.HierarchicalReducer` states are per
-topology (docs/hierarchical.md): not handled here.
+On P' ranks reading a checkpoint of P ranks, new rank j gets the sum of the
+states of old ranks i ≡ j (mod P'), added in increasing i
+(:func:`redistribute` does the same in memory; :func:`exchange_live` on the
+live states for Horovod elastic resizes): Σ_ranks residual and Σ_ranks
+velocity are kept, bit for bit where no sum is needed.  Compressor state
+that differs between ranks (onebit's server residuals) cannot move: an
+error.  :class:`gtopk_plugin.HierarchicalReducer` states are not handled
+here.  Details: docs/checkpointing.md.
 """
 from __future__ import annotations
 

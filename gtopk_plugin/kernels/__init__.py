@@ -1,23 +1,16 @@
 """Selection / merge / scatter kernels behind one interface.
 
-``reference`` (pure torch) is the oracle and the last fallback; fast back ends
-(``csrc/cpu`` as a torch C++ extension, ``csrc/cuda`` through CuPy) register
-themselves here with the same signatures.  Callers never pick a back end:
-they call the functions below, which dispatch on the tensor's device and the
+``reference`` (pure torch) is the oracle and the last fallback; fast back
+ends (``csrc/cpu`` as a torch C++ extension, ``csrc/cuda`` through CuPy)
+register here with the same signatures.  Callers call the functions below
+(``select_topk``, ``select_threshold``, ``merge_select``,
+``scatter_update``, ``compensate``, ``compensate_select_topk``,
+``div_count_``, ``prescale_copy``, ``subtract_at_``, ``scatter_reset_``,
+``backend(device)``), which dispatch on the tensor's device and the
 ``kernels`` setting (``GTOPK_KERNELS``, read in :mod:`gtopk_plugin.config`).
-
-Fixed public names: ``select_topk(x, offsets, k)``,
-``select_threshold(x, offsets, k)``, ``merge_select(...)``,
-``scatter_update(...)``, ``compensate(out, grad, residual)``,
-``compensate_select_topk(acc, grads, residual, offsets, k)``, ``div_count_(x, divisor)``, ``prescale_copy(out, grad, shift)``, ``subtract_at_(acc, idx, sent)``, ``scatter_reset_(out, prev, idx, vals, divisor)``,
-``backend(device)``.
-
-On CPU the ``cpu`` back end (``csrc/cpu``, see :mod:`.cpu` and
-docs/kernels.md) is used automatically once it loads; it is compiled at
-install or on first use, and without a compiler the reference serves.  On
-CUDA the ``cuda`` back end (``csrc/cuda`` through CuPy, see :mod:`.cuda`)
-is used when CuPy imports; without it the reference serves, after one
-warning naming ``pip install gtopk-plugin[cuda]``.
+A back end that does not load leaves the reference serving (CUDA: after
+one warning naming ``pip install gtopk-plugin[cuda]``).  What each kernel
+computes: docs/design.md §9; building and loading: docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -2,34 +2,20 @@
 ``compensate``, ``compensate_select_topk``, ``subtract_at_``,
 ``scatter_reset_`` and ``div_count_`` on ``csrc/cuda/compensate.cu``.
 
-Same signatures and results as :mod:`gtopk_plugin.kernels.reference` run on
-the same CUDA tensors, bit for bit: one IEEE addition/subtraction per element
-in the opmath type, the division by the number of workers as torch does it
-on CUDA (a multiplication by the reciprocal), the finiteness flags of the
-CPU kernel (a gradient entry that is Inf or NaN; the residual is not
-checked).
+Same signatures and results as :mod:`gtopk_plugin.kernels.reference` on
+the same CUDA tensors, bit for bit (one IEEE operation per element in the
+opmath type; division by the worker count as torch does it on CUDA; the
+non-finite flags cover the gradients, not the residual).  Every function
+takes ``rt``, the launching module (:mod:`.cuda`), as its first argument,
+so this module imports nothing of it and the tests' emulation of
+``cuda``'s launching serves these kernels too.
 
-Every function takes ``rt``, the launching module (:mod:`.cuda`: ``_launch``,
-``_p``, ``_On``, layouts and the radix passes), as its first argument, so
-that this module imports nothing of it (no import cycle) and the tests'
-emulation, which patches ``cuda``'s launching, serves these kernels too.
-
-``compensate_select_topk`` is fused as far as the radix select allows
-(docs/design.md §9; docs/kernels.md):
-
-1. ``gtopk_comp_sample_*``: the sampled start's threshold sample, its keys
-   computed from grad + residual on the fly (4096 entries per large segment);
-2. ``gtopk_comp_collect_*``: ONE pass over the gradients and the residual
-   that writes ``acc``, sets a per-gradient non-finite flag and puts the
-   positions at or above the sampled bound into the candidate buffer;
-3. ``gtopk_bound_decide`` and the radix passes of select.cu: a segment whose
-   bound held starts from the candidates and ``acc`` is not read again;
-   otherwise (small segments, heavy ties, a failed bound) the passes read
-   ``acc`` as :func:`.cuda.select_topk` reads ``x``.
-
-The flags are read back once (the reducer needs them on the host to decide
-"raise"/"skip" anyway), so ``finite`` is a CPU bool tensor, as the
-reference returns it.  Inputs the kernels do not take go to the reference.
+``compensate_select_topk`` writes ``acc`` and the flags in one pass that
+also collects the candidates at or above a sampled bound; segments whose
+bound held finish from the candidates, the others run the radix passes on
+``acc`` (docs/design.md §9, docs/kernels.md).  ``finite`` comes back as a
+CPU bool tensor, as the reference returns it.  Inputs the kernels do not
+take go to the reference.
 """
 from __future__ import annotations
 

@@ -1,34 +1,20 @@
 """CUDA back end: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
 
-Same signatures and results as :mod:`gtopk_plugin.kernels.reference` run on
-the same CUDA tensors (bit for bit; ``gtopk-bench gpu-check`` (gtopk_plugin/bench/gpu_check.py) and
-``tests/unit/test_kernels_cuda.py`` compare the two on a GPU).
+Same signatures and results as :mod:`gtopk_plugin.kernels.reference` on
+the same CUDA tensors, bit for bit (``gtopk-bench gpu-check`` and
+``tests/unit/test_kernels_cuda.py`` compare them on a GPU).
 
-Loading.  :func:`load` (called once, on the first kernel call on a CUDA
-tensor, by the dispatcher in ``kernels/__init__.py``) imports CuPy and
-compiles the ``.cu`` files shipped as package data (``gtopk_plugin/csrc/cuda``,
-or ``csrc/cuda`` next to the package in a checkout) with ``cupy.RawModule``
-(NVRTC).  The sources are self-contained; their ``#include "..."`` lines are
-pasted in here, so CuPy's compile cache (``~/.cupy/kernel_cache``), keyed by
-the source text, is never stale.  Without CuPy -- or if NVRTC fails -- it
-warns once (naming ``pip install gtopk-plugin[cuda]``) and returns ``None``:
-CUDA tensors then use the pure-torch reference kernels.
-
-Launching.  Kernels receive the tensors' raw device pointers (the address
-``__cuda_array_interface__`` / DLPack would export: no copy, no CuPy array)
-and run on the tensor's device, on torch's *current* stream
-(``cupy.cuda.ExternalStream``), so they order with the surrounding torch
-work.  Every temporary is a torch tensor (torch's caching allocator, same
-stream).  The selected positions come out of the kernels unordered and are
-sorted here with ``torch.sort`` (segments occupy ascending index ranges, so
-one sort orders every segment); values are gathered with ``index_select``
-(the stored bits, NaN payloads and -0.0 included).
-
-The reducer's kernels (compensate.cu) have their host code in
-:mod:`._cuda_fused`, which launches through this module.
-
-Inputs the kernels do not take (other dtypes, unsorted merge operands,
-non-integer divisors, non-1-D buffers, CPU tensors) go to the reference.
+:func:`load` (once, on the first kernel call on a CUDA tensor) imports
+CuPy and compiles the shipped ``.cu`` files with ``cupy.RawModule``
+(NVRTC), includes pasted in so CuPy's source-keyed cache is never stale.
+Without CuPy, or if NVRTC fails, it warns once and returns ``None``: CUDA
+tensors then use the reference kernels.  Kernels get the tensors' raw
+device pointers and run on torch's current stream; temporaries are torch
+tensors; selected positions are sorted with ``torch.sort`` and values
+gathered with ``index_select`` (stored bits kept).  The reducer's fused
+kernels have their host code in :mod:`._cuda_fused`.  Inputs the kernels
+do not take (other dtypes, unsorted merge operands, non-integer divisors,
+non-1-D buffers, CPU tensors) go to the reference.  See docs/kernels.md.
 """
 from __future__ import annotations
 
