@@ -1,5 +1,5 @@
 """``import gtopk_plugin.byteps``: the elastic consistency scheduler on BytePS,
-configured the BytePS way — environment variables, overridden by keyword
+configured the BytePS way -- environment variables, overridden by keyword
 arguments::
 
     import byteps.torch as bps
@@ -7,19 +7,13 @@ arguments::
 
     bps.init()
     sched = ElasticScheduler(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    # BYTEPS_ELASTIC_POLICY=norm BYTEPS_ELASTIC_BETA=0.5 BYTEPS_ELASTIC_MAX_STALENESS=1
 
-Variables (read in :mod:`gtopk_plugin.config`, validated there):
-``BYTEPS_ELASTIC_POLICY`` (barrier | norm | variance),
-``BYTEPS_ELASTIC_BETA`` (in [0, 1]), ``BYTEPS_ELASTIC_MAX_STALENESS`` (int ≥ 0).
-Precedence: a keyword argument, then the variable, then the scheduler's
-default (norm, 0.5, 1).
-
-This module imports without BytePS (``import gtopk_plugin`` never needs it);
-building a scheduler without BytePS raises an ``ImportError`` naming the
-install command.  BytePS 0.2.5 needs a CUDA GPU at start-up, so the adapter
-has not run against a real BytePS here: see docs/byteps.md for exactly what
-was and was not run.
+``BYTEPS_ELASTIC_POLICY``, ``BYTEPS_ELASTIC_BETA``,
+``BYTEPS_ELASTIC_MAX_STALENESS`` (validated in :mod:`gtopk_plugin.config`):
+a keyword wins over the variable, the variable over the default.  Imports
+without BytePS; building a scheduler without it raises an ``ImportError``
+naming the install command.  Not yet run against a real BytePS (0.2.5 needs
+a CUDA GPU at start-up): see docs/byteps.md.
 """
 from __future__ import annotations
 

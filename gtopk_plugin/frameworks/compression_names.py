@@ -3,23 +3,18 @@ PyTorch (:mod:`gtopk_plugin.horovod`) and TensorFlow
 (:mod:`gtopk_plugin.tensorflow`), so a job switches framework without
 renaming anything.
 
-Horovod's own ``Compression`` has ``none`` and ``fp16``; ours adds every
-compressor of the registry (:mod:`gtopk_plugin.registry`): the
-built-in sparse methods (``topk``, ``gtopk``, ``rtopk``, ``randomk``,
-``threshold``), the codecs (``onebit``), the core's ``dense`` reducer, and
-any compressor a user registers from their own code -- generated on
-attribute access, so nothing here lists a method:
+Besides Horovod's ``none`` and ``fp16`` it offers every compressor of the
+registry (:mod:`gtopk_plugin.registry`), built-in or user-registered,
+generated on attribute access::
 
     Compression.<name>(density, **kwargs)   # a method that selects k entries
     Compression.<name>(**kwargs)            # one that ignores the density (codecs, dense)
 
-``kwargs`` are the method's own hyper-parameters (``describe(name)``) and the
-keywords of the framework's sparse compression (``seed``, ``warmup``, ...).
-Each framework subclasses :class:`CompressionNames` and sets ``none``/``fp16``
-(Horovod's compressors), ``_sparse`` (its sparse compression class, called
-as ``_sparse(method, density, **kwargs)``; :func:`split_hyper` separates the
-method's hyper-parameters from the rest) and ``_public_name``.
-Framework-neutral: imports only the registry.
+``kwargs``: the method's hyper-parameters (``describe(name)``) and the
+framework's sparse-compression keywords.  Each framework subclasses
+:class:`CompressionNames`, setting ``none``/``fp16``, ``_sparse`` (called as
+``_sparse(method, density, **kwargs)``; :func:`split_hyper` separates the
+method's hyper-parameters) and ``_public_name``.  Imports only the registry.
 """
 from typing import Optional
 

@@ -1,31 +1,19 @@
 """The gloo side channel both Horovod layers use: a plain
-``ProcessGroupGloo`` of a process set's ranks on its own ``TCPStore``,
-made inside the ``horovodrun`` job.
+``ProcessGroupGloo`` of a process set's ranks on its own ``TCPStore``, made
+inside the ``horovodrun`` job.  Horovod has no send/recv and every Horovod
+op waits for its background loop's negotiation, so the sparse exchange
+(butterfly steps, allgathers, control allreduces) runs here; Horovod keeps
+what needs its view of the job (docs/horovod.md, "What happens in a step").
 
-Why a side channel at all: Horovod has no send/recv, and every Horovod op
-goes through its background loop (a negotiation among all ranks, then the
-data): tens of milliseconds per op on a loaded loopback job, against a
-fraction of one for a gloo send/recv of the same bytes.  The sparse
-exchange (butterfly steps, allgathers, the tiny control allreduces) moves
-here; Horovod keeps what needs its view of the job.
-
-Framework-neutral apart from Horovod's common exception type: the PyTorch
-layer (:mod:`.horovod.side_channel`) and the TensorFlow layer
-(:mod:`.horovod_tf.tf_transport`) pass in how rank 0's store address reaches the
-other ranks (one ``broadcast`` of their framework), so neither imports the
-other's Horovod module -- importing ``horovod.torch`` into a TensorFlow job
-rebinds the process sets' shared back end to the uninitialised torch one.
-
-The group never touches ``torch.distributed``'s default group, so a user's
-own ``init_process_group`` is unaffected.  Errors are raised as Horovod's
-``HorovodInternalError`` so ``hvd.elastic`` resets the job as it does for a
-failed Horovod op; the caller then drops the channel and makes a new one.
-
-Every wait is bounded by the ``GTOPK_TIMEOUT`` seconds the group was made
-with (the group's own timeout, and each ``wait``'s), so a stalled peer is
-reported within it.  Not thread-safe: one thread at a time (a second
-thread calling in meanwhile gets ``ConcurrentUseError``, see
-:mod:`gtopk_plugin.collectives.transport`).
+The PyTorch (:mod:`.horovod.side_channel`) and TensorFlow
+(:mod:`.horovod_tf.tf_transport`) layers pass in how rank 0's store address
+reaches the others, so neither imports the other's Horovod module
+(importing ``horovod.torch`` into a TensorFlow job rebinds the process
+sets' back end).  ``torch.distributed``'s default group is never touched.
+Errors are raised as ``HorovodInternalError`` (``hvd.elastic`` resets the
+job; the caller makes a new channel).  Every wait is bounded by
+``GTOPK_TIMEOUT``.  Not thread-safe: a second thread gets
+``ConcurrentUseError`` (:mod:`gtopk_plugin.collectives.transport`).
 """
 from __future__ import annotations
 

@@ -3,24 +3,17 @@
 collectives and a drop-in ``DistributedOptimizer`` whose ``compression=``
 picks Horovod's dense allreduce or a sparse method of the core.
 
-Cut as Horovod cuts ``horovod/torch/``, one concern per module:
+One concern per module, as in ``horovod/torch/``: ``hvd_transport``
+(:class:`HorovodTransport`), ``hvd_compression`` (:class:`SparseCompression`,
+:class:`Compression`), ``hvd_optimizer`` (:func:`DistributedOptimizer`),
+``hvd_sparse`` / ``hvd_dense`` (the two steps), ``hvd_resize_state``
+(``hvd.elastic`` state handler), ``hvd_scheduler_backend`` (the elastic
+scheduler's back end), ``side_channel`` and ``waiting``.  Imports go one
+way (optimizer → sparse/dense → compression/transport); no module imports
+this package's namespace.
 
-=================  ==========================================================
-``transport``      :class:`HorovodTransport` (butterfly steps as ``alltoall``)
-``compression``    :class:`SparseCompression`, :class:`Compression`
-``optimizer``      :func:`DistributedOptimizer` and the shared optimizer body
-``sparse``         the sparse step (buckets reduced by ``GradientReducer``)
-``dense``          the dense step Horovod cannot do (bfloat16), ring traffic
-``elastic``        ``hvd.elastic`` state handler, elastic scheduler back end
-=================  ==========================================================
-
-Framework-neutral pieces live in the core: naming and bucketing in
-:mod:`gtopk_plugin.pipeline.param_buckets`, the traffic record in :mod:`gtopk_plugin.pipeline.traffic`.
-Imports go one way (``elastic`` → ``optimizer`` → ``sparse``/``dense`` →
-``compression``/``transport``); no module imports this package's namespace.
-
-This package (with :mod:`..elastic_horovod`) is the only place that imports
-Horovod for PyTorch (docs/design.md §1); ``import gtopk_plugin`` never needs it.
+This package is the only place that imports Horovod for PyTorch
+(docs/design.md §1); ``import gtopk_plugin`` never needs it.
 """
 try:
     import horovod.torch  # noqa: F401  (the submodules import it again, now known to work)

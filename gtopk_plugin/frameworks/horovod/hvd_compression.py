@@ -9,7 +9,7 @@ names and factory methods are shared with the TensorFlow layer
 framework without renaming anything.
 
 Like Horovod's ``horovod/torch/compression.py``, this module only describes
-a compression; :mod:`.optimizer` runs it.
+a compression; :mod:`.hvd_optimizer` runs it.
 """
 from __future__ import annotations
 

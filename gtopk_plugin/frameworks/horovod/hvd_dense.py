@@ -1,24 +1,17 @@
 """The dense step of the PyTorch Horovod optimizer, for the two cases where
 Horovod's own ``horovod.torch.DistributedOptimizer`` would fail or hang:
 
-* gradients in ``torch.bfloat16``: Horovod 0.28.1 has no bfloat16 kernels;
-  here they travel as fp32 and come back as bfloat16;
-* ``groups``: when a group is incomplete at ``step()`` (a parameter got no
-  gradient on this rank), Horovod reduces its members one by one while a
-  rank whose group completed runs one grouped op under another name, and
-  the ranks wait for each other forever; here an incomplete group is
-  reduced as a whole, under the same name on every rank.
+* ``torch.bfloat16`` gradients (no bfloat16 kernels in Horovod 0.28.1):
+  they travel as fp32 and come back as bfloat16;
+* ``groups`` with a group incomplete at ``step()`` on some rank (Horovod
+  would reduce its members one by one there and hang): here it is reduced
+  as a whole, under the same name on every rank.
 
-Everything else dense is handed to Horovod's own optimizer
-(:func:`~.optimizer.DistributedOptimizer`), which does exactly what this
-step would.
-
-Either way the step's bytes are reported in ``last_step_traffic`` with the
-ring model (Horovod's engine is not observable), so dense figures compare
-with the sparse paths' exact counts (:class:`gtopk_plugin.pipeline.traffic.StepTraffic`).
-
-Methods of :class:`_DensePath` are copied into the optimizer class that
-:func:`~.optimizer.DistributedOptimizer` builds (see :mod:`.optimizer`).
+Everything else dense is Horovod's own optimizer.  Either way
+``last_step_traffic`` counts the step with the ring model
+(:class:`gtopk_plugin.pipeline.traffic.StepTraffic`).  Methods of
+:class:`_DensePath` are copied into the optimizer class that
+:func:`~.hvd_optimizer.DistributedOptimizer` builds.
 """
 from __future__ import annotations
 

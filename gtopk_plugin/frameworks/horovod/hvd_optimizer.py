@@ -4,11 +4,11 @@
                                named_parameters=model.named_parameters(),
                                compression=Compression.gtopk(0.01))
 
-A sparse compression gives ours, whose step is :class:`~.sparse._SparsePath`
+A sparse compression gives ours, whose step is :class:`~.hvd_sparse._SparsePath`
 (the core's ``GradientReducer`` per bucket, overlapping backward); a dense
 one gives Horovod's own optimizer (plus ``last_step_traffic`` and a
 non-spinning ``synchronize()``, :mod:`.waiting`), or ours with
-:class:`~.dense._DensePath` where Horovod would fail or hang (bfloat16
+:class:`~.hvd_dense._DensePath` where Horovod would fail or hang (bfloat16
 parameters, ``groups``); ``op=hvd.Adasum`` gives Horovod's Adasum optimizer.
 As in Horovod, the class derives from the user's optimizer class, with
 methods copied from :class:`_OptimizerBody` plus one path class.
@@ -51,7 +51,7 @@ _HVD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
 
 class _GtopkHorovodOptimizer:
     """Marker base of every optimizer class made here (the elastic state
-    handler in :mod:`.elastic` finds them by it)."""
+    handler in :mod:`.hvd_resize_state` finds them by it)."""
 
 
 # id(parameter) -> the optimizer of ours whose hooks are on it.  An entry

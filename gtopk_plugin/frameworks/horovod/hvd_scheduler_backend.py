@@ -1,24 +1,17 @@
-"""The Horovod back end of the elastic consistency scheduler (Nadiradze et
-al. 2020, :mod:`gtopk_plugin.elastic`):
-:class:`HorovodDenseReduction` is registered as the native dense reduction
-of :class:`HorovodTransport`, so ``ElasticScheduler(model, opt,
+"""The Horovod back end of the elastic consistency scheduler
+(:mod:`gtopk_plugin.elastic`; not Horovod's elastic mode, which is
+:mod:`.hvd_resize_state`).
+
+:class:`HorovodDenseReduction` is registered, on import, as the native
+dense reduction of :class:`HorovodTransport`: ``ElasticScheduler(model, opt,
 transport=HorovodTransport())`` averages with ``hvd.allreduce_async_`` per
-(layer, step), polled with ``hvd.poll``.  A sparse reducer,
-``ElasticScheduler(model, opt, reducer=GradientReducer("gtopk", 0.01,
-transport=HorovodTransport()))``, runs the core's exchange (the butterfly as
-``hvd.alltoall`` steps) on the scheduler's background thread, each reduction
-under its own op-name scope.
+(layer, step), polled with ``hvd.poll``.  A sparse reducer on a
+``HorovodTransport`` runs the core's exchange on the scheduler's thread,
+each reduction under its own op-name scope.
 
-Not to be confused with Horovod's elastic mode (``hvd.elastic``), handled in
-:mod:`gtopk_plugin.frameworks.horovod.hvd_resize_state`.
-
-Scheduler op names are ``{prefix}.u{layer}.s{step mod slots}``: the same on
-every rank (Horovod's coordinator pairs ops by name, so hook order may
-differ between ranks) and stable across steps (Horovod's response cache
-recognises them); ``slots`` exceeds the number of reductions of one layer
+Op names are ``{prefix}.u{layer}.s{step mod slots}``: the same on every
+rank and stable across steps; ``slots`` exceeds the reductions of one layer
 that can be in flight.
-
-The registration runs once, on import.
 """
 from __future__ import annotations
 

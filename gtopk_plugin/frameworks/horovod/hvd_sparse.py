@@ -15,8 +15,8 @@ thread as soon as all its gradients are ready (overlapping backward).
   optimizers or an abandoned step never reuse an in-flight op name;
 * reductions run on one daemon thread per optimizer, in submission order.
 
-See docs/horovod.md, "What happens in a step".  Methods of
-:class:`_SparsePath` are copied into the optimizer class (:mod:`.optimizer`).
+See docs/horovod.md, "What happens in a step".  :class:`_SparsePath`'s
+methods are copied into the optimizer class (:mod:`.hvd_optimizer`).
 """
 from __future__ import annotations
 

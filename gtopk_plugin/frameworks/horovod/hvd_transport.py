@@ -35,29 +35,20 @@ _HEADER = 8  # bytes of one int64 size header (as Transport counts them)
 class HorovodTransport(Transport):
     """Transport on Horovod collectives over ``process_set``.
 
-    Horovod has no point-to-point send/recv.  The butterfly is written as a
-    schedule every rank walks (:meth:`Transport.phase`), so each step is one
-    ``hvd.alltoall`` with ``splits``: a rank's split is non-zero only for its
-    partner, and ranks idle in that step send nothing but still take part.
-    Sparse allgather is one ``hvd.allgather`` (sizes ride in an 8-byte
-    prefix when they are not known in advance).  Byte, message and round
-    counts follow the base class's rules exactly (ring model for allreduce
-    and allgather), so statistics equal those of the torch.distributed
-    transport for the same run.
+    Horovod has no send/recv: each butterfly step (:meth:`Transport.phase`) is
+    one ``hvd.alltoall`` whose splits are non-zero only for the partner (idle
+    ranks send nothing but take part); a sparse allgather is one
+    ``hvd.allgather`` (sizes in an 8-byte prefix when not known in advance).
+    Byte, message and round counts follow the base class's rules, so
+    statistics equal the torch.distributed transport's for the same run.
 
-    Op names are ``{prefix}.{scope}.{kind}.{n}``: ``scope`` is set by the
-    caller per unit of work (a bucket) and ``n`` counts ops within it, so the
-    same op has the same name on every rank and on every step (which also
-    lets Horovod's response cache recognise it).
+    Op names are ``{prefix}.{scope}.{kind}.{n}`` (``scope`` set by the caller
+    per bucket, ``n`` counting ops within it): the same on every rank and step.
 
-    With ``side_channel=True`` the data moves on a gloo group of the set's
-    ranks instead (:class:`~.side_channel.SideChannel`, created at the first
-    op; CPU tensors, i.e. Horovod without NCCL): a gloo send/recv costs a
-    fraction of a millisecond where a Horovod op costs a cycle of its
-    background loop and a negotiation.  The caller must then detect joined
-    ranks itself before each call (a rank inside ``hvd.join()`` answers only
-    Horovod ops; :mod:`.sparse` does).  ``collectives`` counts the ops this
-    transport issued, on either engine.
+    ``side_channel=True`` moves the data on a gloo group of the set's ranks
+    (:class:`~.side_channel.SideChannel`, made at the first op; CPU tensors);
+    the caller must then detect joined ranks itself before each call
+    (:mod:`.hvd_sparse` does).  ``collectives`` counts the ops issued.
     """
 
     def __init__(self, process_set=None, prefix: str = "gtopk", side_channel: bool = False):

@@ -1,26 +1,18 @@
 """A point-to-point side channel for the Horovod transport: a gloo process
-group of the process set's ranks, created inside the ``horovodrun`` job
-.
+group of the process set's ranks, created inside the ``horovodrun`` job.
 
-Why: Horovod has no send/recv, so each butterfly round of gTop-k (Shi et al.
-2019) is a collective ``alltoall`` that goes through Horovod's background
-loop -- a negotiation among all ranks, then the data, each op one cycle or
-more.  On a loaded 4-rank loopback job that was ~40-60 ms per op against
-~0.2 ms for a gloo send/recv of the same 85 kB, so the fixed cost per step
-was Horovod's op latency, not bytes.  The side channel moves only the data
-of the sparse exchange (butterfly steps, allgathers, the tiny control
-allreduces); Horovod itself keeps everything that needs its view of the
-job: the rendezvous of this channel (one ``broadcast`` of the store's
-port) and the per-step join detection (:mod:`.sparse`; a rank inside
-``hvd.join()`` answers only Horovod ops).
+Horovod has no send/recv, so each butterfly round would be an ``alltoall``
+through Horovod's background loop (a negotiation, then the data); the side
+channel moves only the sparse exchange's data (butterfly steps,
+allgathers, control allreduces).  Horovod keeps what needs its view of the
+job: this channel's rendezvous (one ``broadcast`` of the store's port) and
+the per-step join detection (:mod:`.hvd_sparse`).
 
-The group (:class:`..gloo_channel.GlooChannel`, shared with the TensorFlow
-layer) is a plain ``ProcessGroupGloo`` on its own ``TCPStore`` hosted by
-the set's rank 0; it never touches ``torch.distributed``'s default group,
-so a user's own ``init_process_group`` is unaffected.  Errors are raised
-as Horovod's ``HorovodInternalError`` so ``hvd.elastic`` resets the job as
-it does for a failed Horovod op; the caller then drops the channel and a
-new one is made at the next step.
+The group is :class:`gtopk_plugin.frameworks.gloo_channel.GlooChannel`
+(shared with the TensorFlow layer): it never touches ``torch.distributed``'s
+default group, and raises ``HorovodInternalError`` so ``hvd.elastic``
+resets the job; a new channel is made at the next step.
+See docs/horovod.md, "What happens in a step".
 """
 
 from __future__ import annotations
