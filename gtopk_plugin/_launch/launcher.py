@@ -1,43 +1,23 @@
 """The one process launcher: P worker processes on this machine joined in a
 gloo group, supervised, their results collected.
 
-Every program of the project that runs real ranks goes through
-:func:`run`: ``gtopk-demo``, the benchmarks (``gtopk_plugin/bench/bench_launch.py`` adds
-Horovod and network namespaces on top), the convergence study's gloo run and
-the distributed tests (``tests/support/dist_utils.py``).
-
     results = run(4, train, cfg, timeout=600)   # train(ctx, cfg) on ranks 0..3
 
-What it does:
-
-* **Spawn.** One fresh interpreter per rank (``subprocess``, like torchrun;
-  not ``fork``: torch and gloo threads do not survive a fork), optionally
-  behind a command prefix (``ip netns exec NS``).  The target and its
-  arguments travel pickled in a spec file; the child gets the parent's
-  ``sys.path``, so a target may live in any module the parent can import
-  (a test's support module, a benchmark run with ``python -m``).
-* **Rendezvous.** Engine ``"torch"``: ``torch.distributed`` gloo over a file
-  store in a fresh temporary directory (no fixed port), or over TCP at
-  ``master_addr:master_port`` when given (ranks in separate network
-  namespaces).  ``"none"``: nothing.  Anything else names an engine class
-  (``"module:Class"``) with ``init(ctx)``, ``barrier()``, ``transport()`` and
-  ``shutdown()`` -- how ``gtopk_plugin/bench/bench_launch.py`` adds Horovod without this
-  package importing a framework (docs/design.md §1).
-* **Supervision.** A rank that raises or dies ends the job at once by
-  default (``fail_fast``): its peers would otherwise wait in a collective
-  until the transport's own timeout.  Every rank is killed, and the error
-  names the rank, its exception and traceback (and, with ``output=
-  "capture"``, every rank's last lines of output).  ``timeout`` bounds the
-  whole job.  No worker outlives the call: each runs in its own session, is
-  killed on any exit path, and dies with its parent (``PR_SET_PDEATHSIG``).
-* **Results.** Each rank's return value comes back pickled; :func:`run`
-  returns them by rank (``raise_errors=False``: ``("ok", value)`` or
-  ``("error", (type name, message, traceback))`` per rank, a rank that died
-  without a word as ``("error", ("Died", "exit code N", ""))``).
-
-Environment: the launcher only *sets* variables for its children
-(``env=``, applied in the child before torch initialises anything); the
-library's own settings are read in :mod:`gtopk_plugin.config` alone.
+Every program that runs real ranks goes through :func:`run` (``gtopk-demo``,
+the benchmarks via ``gtopk_plugin/bench/bench_launch.py``, the distributed
+tests).  One fresh interpreter per rank (``subprocess``, not ``fork``),
+optionally behind a command prefix; the target travels pickled and the
+child gets the parent's ``sys.path``.  Engine ``"torch"``: a gloo group
+over a file store in a fresh temporary directory, or TCP at
+``master_addr:master_port``; ``"none"``: nothing; ``"module:Class"``: an
+engine class with ``init(ctx)``, ``barrier()``, ``transport()`` and
+``shutdown()`` (so this package imports no framework, docs/design.md §1).
+A rank that raises or dies ends the job by default (``fail_fast``), every
+rank killed and the error naming the rank and its traceback; ``timeout``
+bounds the whole job, and no worker outlives the call (own session,
+killed on every exit path, ``PR_SET_PDEATHSIG``).  The launcher only sets
+variables for its children (``env=``); the library's own settings are read
+in :mod:`gtopk_plugin.config` alone.
 """
 from __future__ import annotations
 
@@ -129,10 +109,8 @@ def run(P: int, target: Union[str, Callable], *args: Any, engine: str = "torch",
 
     Args:
         target: a module-level function (or ``"module:function"``); ``ctx`` is
-            a :class:`WorkerContext` (rank, size, barrier, transport,
-            progress).
-        engine: ``"torch"`` (gloo process group), ``"none"``, or
-            ``"module:Class"`` (see the module docstring).
+            a :class:`WorkerContext` (rank, size, barrier, transport, progress).
+        engine: ``"torch"``, ``"none"`` or ``"module:Class"`` (module docstring).
         timeout: seconds for the whole job; past it every worker is killed
             and :class:`LaunchTimeout` raised.
         pg_timeout: the process group's collective timeout (default: ``timeout``).
@@ -140,13 +118,12 @@ def run(P: int, target: Union[str, Callable], *args: Any, engine: str = "torch",
         ifname: the interface gloo binds to (``GLOO_SOCKET_IFNAME``).
         prefix: rank -> command prefix, e.g. ``["ip", "netns", "exec", ns]``.
         env: rank -> environment variables set in that worker.
-        output: ``"inherit"`` (workers write to this process's stdout and
-            stderr) or ``"capture"`` (piped: kept for the error report,
-            ``ctx.progress`` forwarded to ``progress``, copied to stderr
-            with ``echo``).
+        output: ``"inherit"`` or ``"capture"`` (piped, kept for the error
+            report, ``ctx.progress`` forwarded to ``progress``, echoed with ``echo``).
         fail_fast: stop every worker as soon as one fails (else wait for all).
-        raise_errors: raise :class:`WorkerError` for a failed rank (else
-            return per-rank ``("ok", value)`` / ``("error", info)``).
+        raise_errors: raise :class:`WorkerError` for a failed rank, else return
+            per rank ``("ok", value)`` or ``("error", (type, message,
+            traceback))`` (a silent death: ``("Died", "exit code N", "")``).
     """
     if P < 1:
         raise ValueError(f"P must be >= 1; got {P}")

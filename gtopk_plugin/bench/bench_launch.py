@@ -1,23 +1,14 @@
 """Start P benchmark workers, one process per rank, and collect what each
-returns: the project's one launcher (:func:`gtopk_plugin._launch.launcher.run`) with
-what only benchmarks need on top.
+returns: :func:`gtopk_plugin._launch.launcher.run` with what only
+benchmarks need on top.
 
-Shared by the benchmarks that run real process groups
-(``gtopk_plugin/bench/bytes_per_step.py`` on loopback, the repository's lab
-in network namespaces).  :func:`run_workers` runs ``target(ctx, payload)`` on
-every rank with the workers' output captured (progress lines become
-callbacks, the last lines of every rank go into the error), after
-
-- engine ``torch``: a torch.distributed gloo group (file store on loopback,
-  or TCP at ``master_addr:master_port`` across namespaces);
-- engine ``none``: nothing;
-- any other engine the launcher takes, as ``"module:Class"`` (the lab's
-  emulated cluster passes its Horovod engines so).
-
-A worker's result travels as JSON (what the benchmarks write), so every rank
-returns plain lists and dicts.  On any failure, timeout or Ctrl-C every
-worker's process group is killed before :class:`WorkerFailed` is raised.
-Also here: :func:`horovodrun` for the Horovod benchmarks and
+:func:`run_workers` runs ``target(ctx, payload)`` on every rank with the
+output captured (progress lines become callbacks, every rank's last lines
+go into the error), after setting up the engine: ``torch`` (a gloo group:
+file store on loopback, or TCP at ``master_addr:master_port``), ``none``,
+or any ``"module:Class"`` the launcher takes.  Results travel as JSON.  On
+any failure, timeout or Ctrl-C every worker's process group is killed
+before :class:`WorkerFailed` is raised.  Also here: :func:`horovodrun` and
 :func:`merge_max` for per-rank timings.
 """
 from __future__ import annotations

@@ -3,36 +3,22 @@
     gtopk-bench gpu-check                 # on a machine with a GPU (< 5 minutes)
     gtopk-bench gpu-check --device cpu --quick   # smoke test of this script, no GPU
 
-Needs torch with CUDA and CuPy *already installed* (``pip install
-gtopk-plugin[cuda]``, i.e. cupy-cuda12x; cupy-cuda13x for CUDA 13): the
-script installs nothing, and a GPU machine without internet needs CuPy
-preinstalled or a wheel carried along (``pip install --no-index
-cupy_cuda12x-*.whl``).
+Needs torch with CUDA and CuPy already installed (``pip install
+gtopk-plugin[cuda]``); the script installs nothing.
 
-1. **Build**: loads the ``cuda`` back end (NVRTC compile of csrc/cuda via
-   CuPy; the time is printed).  If it cannot load, the checks are skipped and
-   the timing table still reports torch.topk and the floor.
-2. **Checks**: every kernel (select_topk, select_threshold, merge_select,
-   scatter_update, and the reducer's compensate, compensate_select_topk,
-   subtract_at_, scatter_reset_, div_count_) against the
-   reference run on the same GPU, bit for bit (any NaN equals any NaN), on
-   fresh random data (the seed is printed) with ties, -0.0, NaN/Inf,
-   denormals, k = 0, 1, n, tiny/empty segments, all four dtypes and both index
-   dtypes; before every call the caching allocator's free blocks are
-   *poisoned* (filled with 0xFF bytes), so an output slot a kernel forgot to
-   write shows up as garbage instead of a lucky zero.  A failing check is
-   printed with its name and the script goes on.
-3. **Timing** (CUDA events, warm-up, median of many repetitions, rotating
-   through several input tensors so no run finds its input in L2): our
-   segmented exact top-k and threshold selection vs a torch.topk (of |x|)
-   loop vs the one-read floor (x.sum()) for N in {2^24, 25M, 100M} x density
-   in {0.1%, 1%}, and the ResNet-50 layout (161 tensors, 25.6M elements, one
-   call vs a per-layer torch.topk loop); for single tensors also the
-   reducer's fused compensation + exact top-k (compensate_select_topk, one
-   gradient plus a residual) against the reference's unfused torch ops.
+1. **Build**: loads the ``cuda`` back end (NVRTC compile; time printed);
+   if it cannot load, the checks are skipped and timing still runs.
+2. **Checks**: every kernel against the reference on the same GPU, bit for
+   bit, on random data with ties, -0.0, NaN/Inf, denormals, edge k and
+   segments, all dtypes; the allocator's free blocks are poisoned with 0xFF
+   before every call so an unwritten output shows.  Failures are printed
+   and the script goes on.
+3. **Timing** (CUDA events, medians): exact and threshold selection
+   against a torch.topk loop and the one-read floor, for several N and
+   densities and the ResNet-50 layout, plus the fused compensation.
 
 Prints the table last and writes gtopk-bench-results/gpu_check.json
-(``--out``).
+(``--out``).  See docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -4,52 +4,22 @@ conservation checked against float64 sums.
 
     gtopk-bench half-precision [--workers 4] [--steps 2000] [--methods gtopk topk randomk]
 
-For each method (gTop-k, Top-k, random-k at ``--density`` 0.01) and each
-gradient dtype, P gloo workers (:mod:`gtopk_plugin._launch.launcher`) train the CNN of
-``gtopk-demo`` (:mod:`gtopk_plugin.demo.train`: its data, model and batch
-order) for ``--steps`` steps from the same seed:
+For each method (at ``--density``) and gradient dtype, P gloo workers train
+the CNN of ``gtopk-demo`` (:mod:`gtopk_plugin.demo.train`) from the same
+seed: fp32 (reference); bf16 (model, activations and gradients in
+bfloat16); fp16 (``--fp16 model``, the default, as bf16; ``--fp16 grads``:
+an fp32 model whose gradients are cast to float16 for the reduction).  SGD
+(no momentum unless ``--momentum``) applies the reduced update, so the
+plain invariant holds (docs/design.md §3):
+``Σ_ranks Σ_steps grad = Σ_steps P · update + Σ_ranks residual``.
+Every ``--check-every`` steps the ranks check it in float64 and record the
+relative error; they also check finite state and identical updates.
 
-- **fp32**: the reference run;
-- **bf16**: the model's parameters, activations and gradients in bfloat16
-  (pure bf16 training, no fp32 master weights), updates applied in bf16;
-- **fp16**: ``--fp16 model`` (default): the model in float16 as bf16 above
-  (no loss scaling: this small CNN trains without it); ``--fp16 grads``: an
-  fp32 model whose gradients are cast to float16 before the reduction and
-  whose fp16 update is widened into ``p.grad`` (fp16 gradient compression,
-  as DDP's ``fp16_compress_hook`` or Horovod's ``Compression.fp16``).
-
-The optimizer is SGD with a cosine learning rate, applied to the reduced
-update, so that the reducer's input is the gradient itself and the plain
-invariant holds (op="average", divisor P; docs/design.md, Precision):
-
-    Σ_ranks Σ_steps grad = Σ_steps P · update + Σ_ranks residual.
-
-No momentum by default (``--momentum``): with momentum 0.9 in the optimizer
-random-k does not train on this model (10%) and
-its fp16 run diverges until the model's own gradients are non-finite.
-
-Every rank keeps, in float64 numpy, the sum of the gradients it fed in and
-of the updates it was handed (exact widenings of what went in and came out).
-Every step it checks that the update and its residual are finite; every
-``--check-every`` steps the ranks sum ``fed − residual`` and ``fed`` in
-float64, and the relative conservation error
-
-    max_i |Σ fed − P·Σ update − Σ residual|_i / max_i |Σ fed|_i
-
-is recorded (the curve of the plot); the ranks also check that they were
-handed the same updates (bit for bit) and, at the end, that their models
-agree.  Reported per (method, dtype): the final relative conservation error,
-the first step with a non-finite update or residual (or none), the first
-step whose own gradient was non-finite (a diverging model; the reducer
-then raises on every rank, as it should), the error a reducer raised (or
-none), the residuals' dtype, the final test accuracy (360 held-out digits:
-0.28 pp each), and per method the bf16 − fp32 and fp16 − fp32 accuracy
-gaps.  One seed: a gap of a test image or two is what another seed moves.
-
-Writes gtopk-bench-results/half_precision.json (``--json``) and a PNG beside it.
-Exit status 1 when an invariant fails (non-finite state, a raised error,
-conservation above ``--tolerance``, replicas that disagree); the accuracy
-gap is reported, not gated.
+Reports per (method, dtype) the conservation error, the first non-finite
+step, any raised error, the residuals' dtype and the test accuracy; writes
+gtopk-bench-results/half_precision.json (``--json``) and a PNG.  Exit
+status 1 when an invariant fails (accuracy gaps are reported, not gated).
+Results: docs/results.md.
 """
 from __future__ import annotations
 

@@ -3,24 +3,13 @@
     gtopk-bench selection                # the full grid (a few minutes)
     gtopk-bench selection --sizes 1000000 10000000 --threads 1
 
-For every N x density x thread count, in one process and interleaved (each
-repetition times every method once, in turn, on the same tensor):
-
-- ``floor``:     ``x.sum()``, one streaming read of the tensor;
-- ``torch.topk``: ``torch.topk(x.abs(), k, sorted=False)``, what selection by
-  magnitude costs without the kernels (abs included);
-- ``exact``:     ``gtopk_plugin.kernels.select_topk`` (exact top-k, tie rule);
-- ``threshold``: ``gtopk_plugin.kernels.select_threshold`` (sampled threshold
-  with correction), with its recall of the exact top-k set and its count / k.
-
-Plus the "ResNet-50 layout": the 161 parameter tensors of ResNet-50 (25.6M
-elements, shapes listed below) selected per layer with one kernel call vs a
-Python loop of torch.topk over the layers.
-
-Prints a table of medians and ratios and writes JSON (medians, and the
-fastest repetition of each method as ``min_ms``) + PNG to gtopk-bench-results/.
-Timings depend on the machine and on whatever else runs on it (the load
-average is recorded); the ratios are what to compare.
+For every N x density x thread count, interleaved on the same tensor:
+``floor`` (``x.sum()``), ``torch.topk`` (of ``x.abs()``), ``exact``
+(``kernels.select_topk``) and ``threshold`` (``kernels.select_threshold``,
+with its recall and count / k); plus ResNet-50's 161 tensors in one kernel
+call against a loop of torch.topk.  Prints medians and ratios and writes
+JSON + PNG to gtopk-bench-results/.  Compare ratios, not milliseconds;
+results: docs/results.md.
 """
 from __future__ import annotations
 

@@ -4,43 +4,19 @@ time, beside what the passes it must make cost.
     gtopk-bench step                          # the full grid
     gtopk-bench step --sizes 1000000 --threads 1 --workers 1 --reps 3
 
-For every layout (N fp32 elements in 4 equal tensors, N in --sizes, and the
-161 tensors of ResNet-50), thread count (--threads) and world size
-(--workers: P = 1 on the in-process transport, P = 2 on loopback gloo, one
-process per rank), in one process per P and interleaved (each repetition
-times every entry once, in turn, on the same data):
+For every layout (N fp32 elements in 4 tensors, and ResNet-50's 161),
+thread count and world size (P = 1 in process, P = 2 on loopback gloo),
+interleaved on the same data, it times: ``floor`` (``x.sum()``, one
+streaming read; ``floor huge`` the same on 2 MB pages, as the reducer's
+buffers are); ``kernel`` (``kernels.select_topk`` alone); ``merge``
+(``kernels.merge_select``, one butterfly round's merge); and ``reduce()``
+per method, its ``last_stats.seconds`` phases and the *local compute* =
+total minus the time inside the transport's primitives.  ``--pin`` pins
+rank r's compute thread to CPU r.
 
-- ``floor``:  ``x.sum()`` over a flat buffer of N: one streaming read, the
-  cost of the cheapest pass any method must make (at P = 2 every entry
-  starts on both ranks at once, after a barrier, so the floor shares the
-  memory bus with the other rank as reduce()'s passes do);
-- ``floor huge``: the same read of a copy on 2 MB pages, as the reducer's
-  persistent buffers are (gtopk_plugin.pipeline.huge_pages); the gradients and the
-  ``floor`` buffer are ordinary 4 KB pages, as a caller's tensors are;
-- ``kernel``: ``kernels.select_topk`` alone on that buffer at the density
-  (what selection costs without compensation, check or update);
-- ``merge``: ``kernels.merge_select`` alone, one butterfly round's merge of
-  that selection with a partner's set of the same size and value
-  distribution (random distinct indices per segment, the values permuted):
-  the local work inside gTop-k's "communicate" phase at P = 2;
-- ``reduce()`` per method (gtopk 0.1 %, gtopk 1 %, topk 0.1 %, dense): the
-  phases of ``last_stats.seconds`` (check / select incl. compensation /
-  communicate / update / total / wait) and the *local compute* = total
-  minus wait, the time spent inside the transport's primitives (waiting on
-  peers and the link, at the consistency check and in the exchange; merges
-  and copies around them are local work and count).
-
-``--pin`` pins rank r's compute thread to CPU r (for ``--threads 1``: one
-core per worker, no two ranks on one core, no migration mid-pass); the
-floor and every entry are then measured pinned alike.
-
-Prints medians and the ratios local / floor and kernel / floor (and
-local / floor paired: the median over repetitions of each repetition's
-local time over its own floor read); writes JSON
-(gtopk-bench-results/step.json, via gtopk_plugin.bench.bench_record) and a
-PNG.  The goals at 25M fp32, one thread: local / floor <= 6 for gtopk/topk at 0.1 %
-and 1 %, <= 3 for dense.  Timings depend on the machine and its load (the
-load average is recorded beside them); compare ratios, not milliseconds.
+Prints medians and the ratios local / floor and kernel / floor; writes
+gtopk-bench-results/step.json and a PNG.  Timings depend on the machine
+and its load (recorded); compare ratios.  Results: docs/results.md.
 """
 from __future__ import annotations
 
