@@ -15,9 +15,8 @@ engine class with ``init(ctx)``, ``barrier()``, ``transport()`` and
 A rank that raises or dies ends the job by default (``fail_fast``), every
 rank killed and the error naming the rank and its traceback; ``timeout``
 bounds the whole job, and no worker outlives the call (own session,
-killed on every exit path, ``PR_SET_PDEATHSIG``).  The launcher only sets
-variables for its children (``env=``); the library's own settings are read
-in :mod:`gtopk_plugin.config` alone.
+killed on every exit path, ``PR_SET_PDEATHSIG``).  ``env=`` only sets
+variables for the children; the library reads its settings in config.py.
 """
 from __future__ import annotations
 

@@ -3,16 +3,14 @@
     gtopk-bench gpu-check                 # on a machine with a GPU (< 5 minutes)
     gtopk-bench gpu-check --device cpu --quick   # smoke test of this script, no GPU
 
-Needs torch with CUDA and CuPy already installed (``pip install
-gtopk-plugin[cuda]``); the script installs nothing.
+Needs torch with CUDA and CuPy already installed (``gtopk-plugin[cuda]``).
 
 1. **Build**: loads the ``cuda`` back end (NVRTC compile; time printed);
    if it cannot load, the checks are skipped and timing still runs.
 2. **Checks**: every kernel against the reference on the same GPU, bit for
-   bit, on random data with ties, -0.0, NaN/Inf, denormals, edge k and
-   segments, all dtypes; the allocator's free blocks are poisoned with 0xFF
-   before every call so an unwritten output shows.  Failures are printed
-   and the script goes on.
+   bit, on data with ties, -0.0, NaN/Inf, denormals, edge k and segments,
+   all dtypes; free allocator blocks are poisoned (0xFF) before every call
+   so an unwritten output shows; failures are printed and it goes on.
 3. **Timing** (CUDA events, medians): exact and threshold selection
    against a torch.topk loop and the one-read floor, for several N and
    densities and the ResNet-50 layout, plus the fused compensation.

@@ -4,22 +4,19 @@ conservation checked against float64 sums.
 
     gtopk-bench half-precision [--workers 4] [--steps 2000] [--methods gtopk topk randomk]
 
-For each method (at ``--density``) and gradient dtype, P gloo workers train
-the CNN of ``gtopk-demo`` (:mod:`gtopk_plugin.demo.train`) from the same
-seed: fp32 (reference); bf16 (model, activations and gradients in
-bfloat16); fp16 (``--fp16 model``, the default, as bf16; ``--fp16 grads``:
-an fp32 model whose gradients are cast to float16 for the reduction).  SGD
-(no momentum unless ``--momentum``) applies the reduced update, so the
-plain invariant holds (docs/design.md §3):
+For each method (at ``--density``) and gradient dtype, P gloo workers
+train ``gtopk-demo``'s CNN from one seed: fp32 (reference); bf16 (model,
+activations and gradients in bfloat16); fp16 (``--fp16 model``, default,
+as bf16; ``--fp16 grads``: fp32 model, gradients cast to float16 for the
+reduction).  SGD (no momentum unless ``--momentum``) applies the reduced
+update, so the plain invariant holds (docs/design.md §3):
 ``Σ_ranks Σ_steps grad = Σ_steps P · update + Σ_ranks residual``.
-Every ``--check-every`` steps the ranks check it in float64 and record the
-relative error; they also check finite state and identical updates.
+The ranks check it in float64 every ``--check-every`` steps.
 
-Reports per (method, dtype) the conservation error, the first non-finite
-step, any raised error, the residuals' dtype and the test accuracy; writes
-gtopk-bench-results/half_precision.json (``--json``) and a PNG.  Exit
-status 1 when an invariant fails (accuracy gaps are reported, not gated).
-Results: docs/results.md.
+Reports per (method, dtype) the conservation error, first non-finite step,
+any error raised, the residuals' dtype and test accuracy, as
+gtopk-bench-results/half_precision.json (``--json``) and a PNG
+(docs/results.md).  Exit status 1 when an invariant fails.
 """
 from __future__ import annotations
 

@@ -14,10 +14,9 @@ segments of ⌈bytes/2P⌉ bytes, segment j owned by rank j // 2, the sum for
 owner o being ``x[o] + (x[o+1] + (… + x[o−1]))``, indices mod P), valid
 below gloo's maximum segment size.
 
-A rank that raises aborts the group's barrier, so the others stop at
-their next collective; every wait is bounded by the group's ``timeout``;
-an aborted group cannot be used again.  Each endpoint is used by one
-thread at a time (:class:`~.transport.UseGuard`).
+A rank that raises aborts the group (unusable after), so the others stop
+at their next collective; every wait is bounded by ``timeout``.  Each
+endpoint is used by one thread at a time (:class:`~.transport.UseGuard`).
 """
 from __future__ import annotations
 

@@ -1,26 +1,22 @@
 """The compressor interface: selectors and codecs.
 
-A compressor turns one worker's accumulator ``acc = grad + residual`` (one
-flat tensor per call, cut into segments) into that worker's contribution
-and declares how contributions combine; it is pure torch and never
-communicates (docs/design.md §1).
+A compressor turns a worker's ``acc = grad + residual`` (flat, in segments)
+into its contribution; pure torch, it never communicates (docs/design.md §1).
 
-* **selector**: ``select(acc, offsets, k, ctx) -> (idx, vals)`` (global
-  indices ascending, or ``None`` for all of acc).
+* **selector**: ``select(acc, offsets, k, ctx) -> (idx, vals)`` (ascending).
 * **codec**: ``encode(acc, offsets, ctx) -> [payload tensors]`` (shapes and
   dtypes depend only on the layout) and ``decode(payload, offsets, numel,
   dtype) -> dense``; or, with ``aggregation = "allreduce_rounds"``, a
   generator ``rounds(acc, offsets, ctx, world_size)`` that yields messages
-  to be summed (``s = yield msg``) and returns ``(result, contribution)``
-  (driven by ``collectives/rounds.py``).  A codec offering
-  ``merge="reduce_scatter_payloads"`` supplies ``shard_plan``,
+  to be summed (``s = yield msg``) and returns ``(result, contribution)``.
+  With ``merge="reduce_scatter_payloads"`` it supplies ``shard_plan``,
   ``shard_payload``, ``decode_shard``, ``encode_shard`` and the server
-  residual accessors (driven by ``collectives/payloads.py``).
+  residual accessors (``collectives/payloads.py``).
 
-Error feedback wraps either kind (``compress/error_feedback.py``).  The
-declared metadata (``kind``, ``aggregation``, ``merges``, ``hyperparams``,
+Error feedback wraps either kind (``compress/error_feedback.py``); the
+metadata (``kind``, ``aggregation``, ``merges``, ``hyperparams``,
 ``uses_density``, ``exact_count``, ``shared_indices``) is read by the
-registry; semantics and how to add one: docs/compressors.md, docs/design.md §2.
+registry.  Semantics, adding one: docs/compressors.md, docs/design.md §2.
 """
 from __future__ import annotations
 

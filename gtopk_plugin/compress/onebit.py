@@ -7,8 +7,7 @@ Per segment (or per ``chunk`` entries from the segment's start when
 ``chunk`` > 0) the worker sends the sign of every entry of ``acc`` (bit 1
 for ``acc >= 0``, 8 per byte, little-endian within a byte) and one float32
 scale ``‖acc‖₁ / n``; it decodes to ``scale · sign(acc)`` (sign(0) = +1)
-and error feedback keeps ``acc − scale · sign(acc)``.  Payload bytes:
-``traffic.onebit_payload_bytes``.
+and error feedback keeps ``acc − scale · sign(acc)``.
 
 ``merge=``: ``"allgather_payloads"`` (default; every rank decodes and adds
 the P payloads in rank order) or ``"reduce_scatter_payloads"``, the
@@ -16,8 +15,8 @@ two-phase compressed allreduce of 1-bit Adam (Tang et al. 2021, arXiv
 2102.02888): rank j owns shard j of the sign bytes, sums the P pieces plus
 its *server residual*, re-compresses (e_j ← t_j − decode) and the shards
 are allgathered.  Mass is conserved counting server residuals; they are
-the codec's state (``state_dict``), keyed by segment names and P.  Buckets
-of fewer than 8·P entries take the allgather.  Details: docs/compressors.md.
+codec state (``state_dict``), keyed by segment names and P.  Buckets of
+< 8·P entries take the allgather (docs/compressors.md).
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ step, segment name, rank), so a resume is bit-exact.
 Wire format: the codes ``level + s`` as ``bits = ⌈log2(2s+1)⌉``-bit
 unsigned integers packed LSB first into one bit stream (bit t is bit
 ``t mod 8`` of byte ``t div 8``; zero padded): ``⌈N·bits/8⌉`` bytes; then
-one float32 norm per bucket.  Payloads travel by an allgather, decoded and
-summed in rank order.
+one float32 norm per bucket.  Payloads are allgathered and summed in rank order.
 
 Error feedback needs a contractive compressor: keep ``levels² >
 bucket_size`` (else use ``error_feedback=False``); see docs/compressors.md.

@@ -15,9 +15,8 @@ The default recipe (docs/recipes.md): DGC momentum correction via
 learning rate; ``--warmup-epochs`` turns on DGC's density warm-up,
 ``--no-momentum-correction`` leaves momentum to the optimizer.  Exit status
 is non-zero if any worker raises, dies or exceeds ``--timeout``.
-Layout: :mod:`.demo_cli` (arguments, the run on
-:mod:`gtopk_plugin._launch.launcher`, the report), :mod:`.train`,
-:mod:`.report`.  ``--method`` takes any registered compressor.
+Layout: :mod:`.demo_cli` (arguments, the run on the launcher),
+:mod:`.train`, :mod:`.report`.  ``--method``: any registered compressor.
 """
 from gtopk_plugin.demo.demo_cli import DEFAULTS, DemoError, build_parser, main, parse_args, run_workers  # noqa: F401
 from gtopk_plugin.demo.report import format_table  # noqa: F401

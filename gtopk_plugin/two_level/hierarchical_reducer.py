@@ -15,9 +15,8 @@ dense inside a node, the sparse exchange between nodes only.
 One consistency check over the whole group runs first, so every rank
 raises, skips or propagates alike.  Mass is conserved with leader
 residuals: Σ_ranks Σ_steps g' = Σ_steps result + Σ_leaders residual.
-``last_stats`` adds ``intra_*``/``inter_*`` bytes and seconds to the inner
-reducer's.  Semantics table, bytes and why a leader rather than shards:
-docs/hierarchical.md.
+``last_stats`` adds ``intra_*``/``inter_*`` bytes and seconds.  Semantics
+table, bytes, why a leader and not shards: docs/hierarchical.md.
 """
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ processes count as payload on the node group, barriers as control.
 Opening is collective: the leader creates the file, the ranks map it and
 check a random token (ranks on different hosts fail), and the fabric is
 used only if every rank mapped it, else the caller falls back to the
-engine.  The file is unlinked once all mapped it; files of a leader killed
-during set-up (named ``gtopk-node-<pid>-*``) are removed by later set-ups
-(:func:`sweep_stale`).  See docs/hierarchical.md.
+engine.  The file is unlinked once all mapped it; later set-ups remove
+those of a leader killed before that (:func:`sweep_stale`).
 """
 from __future__ import annotations
 
