@@ -1,27 +1,17 @@
 """Applying one layer's reduced gradient with the user's optimizer, without
 changing the optimizer's mathematics.
 
-A ``torch.optim`` optimizer updates each parameter from its gradient and
-its own per-parameter state (momentum buffer, Adam moments and step count,
-...), with hyper-parameters from the parameter's group.  So the step of a
-subset of the parameters is the ordinary ``optimizer.step()`` run with
-``param_groups`` temporarily narrowed to that subset: the same code path
-(the optimizer's own for-loop / foreach choice), the same per-parameter
-state.  Under the barrier policy every layer's update is applied exactly
-once per step, in step order, so training is bit-identical to calling
+A layer's step is the ordinary ``optimizer.step()`` run with
+``param_groups`` temporarily narrowed to that layer's parameters: the same
+code path, the same per-parameter state.  The reduced gradient is swapped
+into ``p.grad`` (the loop's own ``p.grad`` restored after), and a step's
+hyper-parameters (lr, betas, weight decay, ...) are those captured at
+``ElasticScheduler.step()``, not whatever an LR scheduler has set since.
+So under the barrier policy training is bit-identical to
 ``optimizer.step()`` after a synchronous reduction.
 
-Two details keep that exact:
-- the gradient the optimizer reads is swapped in (``p.grad = update``) and
-  the training loop's own ``p.grad`` restored afterwards, so the local
-  gradient of the step in progress is never touched;
-- a step's hyper-parameters (lr, betas, weight decay, ...) are captured when
-  ``ElasticScheduler.step()`` is called, where ``optimizer.step()`` would
-  run, and a late update is applied with those — not with whatever a
-  learning-rate scheduler has set since.
-
 Optimizers whose step couples parameters (LBFGS, which needs a closure over
-the whole model) cannot be applied per layer and are refused.
+the whole model) are refused.  See docs/elastic.md, "Optimizers".
 """
 from __future__ import annotations
 

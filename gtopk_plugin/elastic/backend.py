@@ -1,26 +1,20 @@
 """The asynchronous-reduction interface the elastic scheduler talks to, and
 how a user's ``transport=`` / ``reducer=`` turns into one.
 
-The scheduler launches one reduction per (layer, step) while backward runs,
-polls the handles during the next forward pass and waits for a handle only
-when its policy says so.  Everything framework-specific — torch.distributed
-work handles, Horovod's ``allreduce_async_``/``poll``/``synchronize``,
-BytePS's ``push_pull_async`` — sits behind :class:`AsyncReduction`, in the
-framework layers (docs/design.md §1: this package never imports a framework).
-Those layers register their native dense reduction for their Transport class
-with :func:`register_transport`; any other Transport gets a dense allreduce
-run through the Transport on a worker thread (:mod:`.resolution` picks one;
-this module imports no back end, so the back ends may import it).
+Everything framework-specific (torch.distributed work handles, Horovod's
+``allreduce_async_``/``poll``, BytePS's ``push_pull_async``) sits behind
+:class:`AsyncReduction` in the framework layers (docs/design.md §1), which
+register their native dense reduction with :func:`register_transport`; any
+other Transport gets a dense allreduce on a worker thread
+(:mod:`.resolution` picks one; this module imports no back end).
 
 Contract of a back end (all ranks):
-- ``launch`` is called in the same order on every rank (the scheduler
-  launches layers in one fixed order), with the same shapes and dtypes;
+- ``launch`` is called in the same order on every rank, with the same
+  shapes and dtypes;
 - the result of ``wait`` is the same on every rank, bit for bit;
-- at most ``max_in_flight`` reductions of one layer are outstanding (not
-  yet waited for) at a time, so per-layer op names may cycle through that
-  many slots;
-- ``wait`` raises instead of hanging forever (a dead peer is an error
-  within ``timeout`` seconds).
+- at most ``max_in_flight`` reductions of one layer are outstanding, so
+  per-layer op names may cycle through that many slots;
+- ``wait`` raises instead of hanging (a dead peer within ``timeout``).
 """
 from __future__ import annotations
 

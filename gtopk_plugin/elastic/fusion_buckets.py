@@ -1,25 +1,19 @@
 """Tensor fusion for the elastic scheduler: consecutive layers' reductions
 launched as one (``ElasticScheduler(..., bucket_cap_mb=...)``).
 
-The scheduler reduces one layer at a time (the paper's granularity,
-Nadiradze et al. 2020 §6).  On a link where every message pays a fixed
-latency, that costs layers × rounds × latency per step whatever the bytes:
-19 layers of a small ResNet at P = 4 spend 19 · 2(P−1) · 5 ms = 570 ms of a
-step waiting on 5 ms rounds (docs/results.md).  Horovod's
-fusion buffer and DDP's gradient buckets answer the same problem; this
-wrapper does it for any :class:`~.backend.AsyncReduction`: layers are
-collected in launch order until their gradients reach the cap (or the step's
-last layer launched), then reduced by the wrapped back end in one launch;
-every layer still gets its own handle, ready when its bucket is, so the
-policies keep deciding layer by layer.
+One reduction per layer pays layers × rounds × latency per step; like
+Horovod's fusion buffer and DDP's buckets, this wraps any
+:class:`~.backend.AsyncReduction`: layers are collected in launch order
+until their gradients reach the cap (or the step's last layer launched),
+then reduced in one launch; every layer still gets its own handle, ready
+when its bucket is, so the policies decide layer by layer.
 
-Buckets are cut by sizes and launch order alone, which are the same on every
-rank, so every rank issues the same collectives.  Semantics are the wrapped
-back end's on the concatenated layers: a dense allreduce sums the same
-values (gloo may add a bucket's elements in another ring order than one
-layer's: equal up to rounding at P >= 3, bit for bit at P = 2); a
-:class:`~gtopk_plugin.GradientReducer` selects per tensor as before (layer
-granularity), now with one consistency check and one exchange per bucket.
+Buckets are cut by sizes and launch order alone, the same on every rank.
+Semantics are the wrapped back end's on the concatenated layers: a dense
+allreduce sums the same values (equal up to rounding at P >= 3, the ring
+order may differ; bit for bit at P = 2); a
+:class:`~gtopk_plugin.GradientReducer` selects per tensor as before, with
+one check and one exchange per bucket.  See docs/elastic.md.
 """
 from __future__ import annotations
 

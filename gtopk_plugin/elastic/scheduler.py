@@ -40,31 +40,23 @@ _STATE_VERSION = 1
 class ElasticScheduler:
     """Elastic consistency scheduler (one state object, DDP comm-hook style).
 
-    Args (validated before any communication; ``ValueError`` on the bad rank,
-    ``PeerInputError`` on the others):
+    Args (bad values: ``ValueError`` on that rank, ``PeerInputError`` on others):
         policy: ``"barrier"``, ``"norm"`` (default) or ``"variance"``.
-        beta: the norm policy's β in [0, 1]: step t's barrier breaks once
-            ‖applied part of its update‖₂ ≥ β·‖whole update‖₂.
-        variance_factor: (≥ 0) the variance policy breaks once ‖missing‖₂² ≤
-            variance_factor × the running gradient-variance estimate.
-        max_staleness: int ≥ 0 (default 1): no parameter is used more than
-            this many steps behind, whatever the policy.
-        bucket_cap_mb: fuse consecutive layers' reductions into buckets of at
-            least this many MiB; 0 (default): one reduction per layer.
-        momentum_correction: with a sparse ``reducer``, DGC momentum correction
-            with the SGD optimizer's own momentum and weight decay.
-        reducer: ``None`` (dense average) or a
-            :class:`~gtopk_plugin.GradientReducer` run per layer on a
-            background thread (moved off torch.distributed's default group).
+        beta: (norm, in [0, 1]) step t's barrier breaks once ‖applied part of
+            its update‖₂ ≥ β·‖whole update‖₂.
+        variance_factor: (variance, ≥ 0) breaks once ‖missing‖₂² ≤ factor × the
+            running gradient-variance estimate.
+        max_staleness: int ≥ 0 (default 1): no parameter lags more steps.
+        bucket_cap_mb: fuse consecutive layers' reductions up to this MiB (0: off).
+        momentum_correction: DGC momentum correction through a sparse ``reducer``.
+        reducer: ``None`` (dense average) or a :class:`~gtopk_plugin.GradientReducer`
+            run per layer on a background thread.
         transport: ``None`` (torch.distributed), a Transport, or an
-            :class:`~.backend.AsyncReduction` (e.g. BytePS's); leave it None
-            with a ``reducer``.
+            :class:`~.backend.AsyncReduction`; leave it None with a ``reducer``.
 
-    State (``state_dict()``): ``stats``, the step counter, the variance
-    estimate, the reducer's residuals.  Requirements: parameters read inside
-    their modules' ``forward``, one backward per ``step()``, dense gradients,
-    the same number of ``step()`` calls on every rank.  Semantics, limits and
-    back ends: docs/elastic.md.
+    ``state_dict()``: step counter, variance estimate, reducer state, ``stats``.
+    Parameters are read inside their modules' ``forward``; one backward per
+    ``step()``; equal ``step()`` counts on every rank.  See docs/elastic.md.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,

@@ -32,31 +32,25 @@ DENSE_METHOD = "dense"
 
 
 class SparseCompression:
-    """A compressor of the core's registry (:mod:`gtopk_plugin.registry`),
-    selected as a Horovod ``compression=``; made by ``Compression.<name>(density,
-    ...)`` for any registered method and validated at construction
-    (``ValueError`` naming the bad keyword).  Works only with
-    ``gtopk_plugin.horovod.DistributedOptimizer``.
+    """A compressor of the core's registry (:mod:`gtopk_plugin.registry`) as a
+    Horovod ``compression=``, for ``gtopk_plugin.horovod.DistributedOptimizer``
+    only; made by ``Compression.<name>(density, ...)`` and validated at
+    construction (``ValueError`` naming the bad keyword).
 
     Args:
-        method, density, r_factor, merge, granularity, seed, error_feedback,
-        kernels, momentum, nesterov, momentum_masking, dense_below, warmup:
-            as :class:`~gtopk_plugin.GradientReducer` (``granularity="global"``
-            selects per bucket); ``**hyper``: the method's own hyper-parameters.
-        value_dtype, wire_rounding: values on the wire (fp16, bf16, int8) and
-            the int8 rounding (docs/api.md, docs/design.md §2).
-        nonfinite: ``"raise"`` (every rank raises), ``"skip"`` (every rank
-            applies zero) or ``"propagate"`` (as skip, gradients set to NaN so a
-            ``GradScaler`` sees the overflow); docs/design.md §6.
-        fusion_threshold: bucket size in bytes (``GTOPK_FUSION_THRESHOLD`` or
-            64 MiB).
+        method, density, ``**hyper``, r_factor, value_dtype, wire_rounding,
+        warmup, merge, granularity, seed, error_feedback, kernels, momentum,
+        nesterov, momentum_masking, dense_below: as ``GradientReducer``.
+        nonfinite: ``"raise"``, ``"skip"`` or ``"propagate"`` (as skip, with
+            the gradients set to NaN so a ``GradScaler`` sees the overflow).
+        fusion_threshold: bucket bytes (``GTOPK_FUSION_THRESHOLD`` or 64 MiB).
         momentum_correction: DGC momentum correction using the wrapped SGD's own
             momentum settings (Adam/AdamW: ``ValueError``); docs/recipes.md.
-        clip_norm: DGC local clipping over all buckets of the step (buckets are
-            then reduced in ``synchronize()``); docs/recipes.md.
-        exchange: ``"gloo"`` (side channel, default) or ``"horovod"`` (every
-            exchange step a Horovod op; always with NCCL Horovod); same results.
-            Must match on every rank: a mismatch is not detected (Horovod stalls).
+        clip_norm: DGC local clipping over the step (buckets then reduced in
+            ``synchronize()``).
+        exchange: ``"gloo"`` (side channel, default) or ``"horovod"`` (always
+            with NCCL Horovod); same results.  A mismatch across ranks is not
+            detected (Horovod stalls).
     """
 
     def __init__(self, method: str, density: float, *, r_factor: float = 4.0,

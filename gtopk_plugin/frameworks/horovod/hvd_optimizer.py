@@ -287,26 +287,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     same signature and behaviour, plus sparse ``compression=`` choices.
 
     Args:
-        optimizer: the torch optimizer to wrap.
         named_parameters: ``model.named_parameters()``; every parameter of the
             optimizer must be named (``ValueError`` naming the missing one).
         compression: ``Compression.none`` / ``fp16`` (Horovod's dense
-            allreduce) or a sparse ``Compression.topk/gtopk/rtopk/randomk/
-            threshold(density, ...)``.
-        backward_passes_per_step, op, gradient_predivide_factor, num_groups,
-        groups, sparse_as_dense, process_set: as in Horovod (``op=hvd.Adasum``
-            with dense compression returns Horovod's Adasum optimizer).
-        grad_scaler: (sparse) the AMP ``GradScaler``; residuals, velocities and
-            the clipping threshold follow its loss scale (docs/recipes.md).
-        hierarchical, local_size, node_of_rank, intra_fabric: (sparse)
-            two-level reduction, :class:`gtopk_plugin.HierarchicalReducer`;
-            needs the gloo side channel (docs/hierarchical.md).
+            allreduce) or a sparse ``Compression.<method>(density, ...)``.
+        optimizer, backward_passes_per_step, op, gradient_predivide_factor,
+        num_groups, groups, sparse_as_dense, process_set: as in Horovod.
+        grad_scaler: (sparse) the AMP ``GradScaler`` (docs/recipes.md).
+        hierarchical, local_size, node_of_rank, intra_fabric: (sparse) two-level
+            reduction over the gloo side channel (docs/hierarchical.md).
 
-    Dense compression returns Horovod's own optimizer plus
-    ``last_step_traffic``; our dense path only for bfloat16 parameters and
-    ``groups`` (docs/horovod.md, "What happens in a step").  Sparse compression
-    adds ``reducer``, ``last_stats``, ``last_step_traffic`` and ``buckets``;
-    ``state_dict()`` holds residuals and step counter under ``"gtopk_plugin"``.
+    Dense compression returns Horovod's own optimizer (Adasum's for
+    ``op=hvd.Adasum``) plus ``last_step_traffic``, or ours for bfloat16
+    parameters and ``groups``.  Sparse adds ``reducer``, ``last_stats``,
+    ``last_step_traffic``, ``buckets`` and residuals in ``state_dict()``.
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
