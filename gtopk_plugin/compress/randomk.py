@@ -26,8 +26,8 @@ from gtopk_plugin.compress.compressor import Selector, seeded_generator
 from gtopk_plugin.registry import register
 
 Tensor = torch.Tensor
-# up to this many entries a keyed randperm(n) is cheaper than the fixed
-# cost of the stream path (~50 µs): measured on this machine, one thread
+# up to this many entries a keyed randperm(n) is cheaper than the stream
+# path's fixed cost (tens of µs on one thread)
 _SMALL = 8192
 
 
