@@ -221,7 +221,7 @@ class ReducerConfig:
     @property
     def aggregation(self) -> str:
         """How results combine: the compressor's default, or ``merge`` when set
-        (``merge="gtopk"`` puts any sparse selector on the butterfly)."""
+        (``merge="butterfly"`` puts any sparse selector on the gTop-k butterfly)."""
         return self.merge or registry.get(self.method).aggregation
 
     @property

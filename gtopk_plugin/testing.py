@@ -126,7 +126,7 @@ class Oracle:
         acc_dt = None if wire == dtype else torch.promote_types(dtype, torch.float32)
         charges: List[List[Tensor]] = [[] for _ in range(P)]
         reached = [torch.ones(i.numel(), dtype=torch.bool) for i in sel_idx]
-        if self.aggregation == "gtopk":
+        if self.aggregation == "butterfly":
             result = self._butterfly(sel_idx, sel_wire, reached, offs, ks, N, to_wire, acc_dt,
                                      charges).to(dtype)
         elif acc_dt is not None and self.aggregation in ("dense", "allreduce_values") and P > 1:

@@ -206,7 +206,7 @@ def gtopk_allreduce(idx: Tensor, vals: Tensor, offsets: Tensor, k: Tensor, trans
     return ButterflyResult(cur_idx, cur_val, alive, message_rounds(P), residual_add)
 
 
-@register("gtopk")
+@register("butterfly")
 class GTopKAllReduce(Aggregation):
     """The butterfly as an aggregation: the result is the ≤ k global set.
     ``draws``: the int8 wire's stochastic-rounding key of the current call

@@ -36,7 +36,7 @@ class PayloadAllGather(Aggregation):
         enc = sel.payload
         if enc is None:
             raise ValueError("allgather_payloads aggregates codec payloads; this method selects "
-                             "entries (pick merge='allgather' or 'gtopk')")
+                             "entries (pick merge='allgather' or 'butterfly')")
         P, me = transport.size, transport.rank
         dev = sel.vals.device
         blob = wire.pack_tensors(enc.tensors)

@@ -71,7 +71,7 @@ class Compressor:
     ``kind``: "selector" or "codec".
     ``aggregation``: how contributions combine by default: "dense" (allreduce
     of the whole accumulator), "allreduce_values" (values at indices every
-    rank shares), "allgather" (sparse allgather), "gtopk" (butterfly merge),
+    rank shares), "allgather" (sparse allgather), "butterfly" (the gTop-k merge),
     "allgather_payloads" (codecs: allgather of payloads, decode and sum),
     "allreduce_rounds" (codecs whose messages sum: PowerSGD),
     "reduce_scatter_payloads" (the two-phase compressed allreduce).

@@ -18,7 +18,7 @@ class RTopKSelector(Selector):
     """k random entries of each rank's top r·k, sparse allgather (Barnes et al. 2020)."""
 
     aggregation = "allgather"
-    merges = ("allgather", "gtopk")
+    merges = ("allgather", "butterfly")
     hyperparams = (HyperParam("r_factor", 4.0, "rTop-k keeps k random entries of the top r*k",
                               float, low=1.0),)
 

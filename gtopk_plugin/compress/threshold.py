@@ -14,7 +14,7 @@ class ThresholdSelector(Selector):
 
     exact_count = False
     aggregation = "allgather"
-    merges = ("allgather", "gtopk")
+    merges = ("allgather", "butterfly")
 
     def select(self, acc, offsets, k, ctx):
         return kernels.select_threshold(acc, offsets, k, kernels=ctx.kernels)

@@ -13,7 +13,7 @@ class TopKSelector(Selector):
     smaller index (docs/design.md §2)."""
 
     aggregation = "allgather"
-    merges = ("allgather", "gtopk")
+    merges = ("allgather", "butterfly")
 
     def select(self, acc, offsets, k, ctx):
         return kernels.select_topk(acc, offsets, k, kernels=ctx.kernels)
@@ -23,4 +23,4 @@ class TopKSelector(Selector):
 class GTopKSelector(TopKSelector):
     """Local exact top-k, merged by the gTop-k butterfly in log2 P rounds (Shi et al. 2019)."""
 
-    aggregation = "gtopk"
+    aggregation = "butterfly"

@@ -224,7 +224,7 @@ def bytes_per_worker(aggregation: str, P: int, numel: int, k_total: int,
         if counts is None:
             return float((P - 1) * ENTRY_BYTES * k_total)
         return (P - 1) / P * ENTRY_BYTES * sum(counts) + HEADER_BYTES * (P - 1)
-    if aggregation == "gtopk":
+    if aggregation == "butterfly":
         if P & (P - 1):
             raise ValueError("the butterfly byte formula here covers power-of-two P only")
         return float((P.bit_length() - 1) * ENTRY_BYTES * k_total)

@@ -58,7 +58,7 @@ def test_outputs_written(quick):
 
 
 def test_byte_formulas():
-    assert sim.bytes_per_worker("gtopk", 8, 10_000, 100) == 3 * 8 * 100
+    assert sim.bytes_per_worker("butterfly", 8, 10_000, 100) == 3 * 8 * 100
     assert sim.bytes_per_worker("allgather", 8, 10_000, 100) == 7 * 8 * 100
     assert sim.bytes_per_worker("allgather", 4, 10_000, 100, counts=[90, 100, 110, 100]) == 3 / 4 * 8 * 400 + 8 * 3
     assert sim.bytes_per_worker("allreduce_values", 4, 10_000, 1001) == 6006

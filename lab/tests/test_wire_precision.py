@@ -37,7 +37,7 @@ RUNS = {
     4: [(m, BF16) for m in SPARSE] + [(dict(method="gtopk"), FP16)],
     7: [(dict(method="gtopk"), FP16), (dict(method="gtopk"), BF16), (dict(method="dense"), FP16),
         (dict(method="dense"), BF16), (dict(method="randomk", seed=3), BF16),
-        (dict(method="threshold", merge="gtopk"), FP16)],
+        (dict(method="threshold", merge="butterfly"), FP16)],
 }
 
 

@@ -193,7 +193,7 @@ EQUIVALENCE = [
     (dict(method="topk", density=DENSITY, warmup=[0.3]), False),
     # rTop-k's per-rank draws are keyed by (seed, step, name, rank), so the
     # bucket layout does not change them.
-    (dict(method="rtopk", density=DENSITY, merge="gtopk", seed=4), True),
+    (dict(method="rtopk", density=DENSITY, merge="butterfly", seed=4), True),
     # each bucket reduced on its own (coalesce_buckets=False): granularity
     # "layer" still gives the one-call result
     (dict(method="gtopk", density=DENSITY, warmup=[0.5, 0.25], coalesce_buckets=False), True),
@@ -209,7 +209,7 @@ RESUME = [
     (dict(method="gtopk", density=DENSITY), True, 0.0015),
     # rTop-k on the butterfly over several buckets: its draws are keyed by
     # step and name, so a restart on the initial layout resumes bit-exactly.
-    (dict(method="rtopk", density=DENSITY, merge="gtopk", warmup=[0.5, 0.3, 0.3, 0.2]), False, 0.0015),
+    (dict(method="rtopk", density=DENSITY, merge="butterfly", warmup=[0.5, 0.3, 0.3, 0.2]), False, 0.0015),
 ]
 
 

@@ -33,7 +33,7 @@ G, GS = dict(method="gtopk"), dict(method="gtopk", wire_rounding="stochastic", s
 RUNS = {
     2: [G, GS, dict(method="topk"), dict(method="randomk", seed=3, wire_rounding="stochastic")],
     3: [G, GS, dict(method="topk", wire_rounding="stochastic", seed=2), dict(method="rtopk", r_factor=2.0, seed=5),
-        dict(method="threshold", merge="gtopk"), dict(method="dense")],
+        dict(method="threshold", merge="butterfly"), dict(method="dense")],
     4: [G, GS, dict(method="topk"), dict(method="randomk", seed=3), dict(method="threshold")],
 }
 
@@ -54,9 +54,9 @@ def _name(kw):
 
 def _expected_bytes(kw, P, r):
     """(sent, received) of rank r in one step, or None (variable counts)."""
-    agg = kw.get("merge") or {"gtopk": "gtopk", "topk": "allgather", "rtopk": "allgather",
+    agg = kw.get("merge") or {"gtopk": "butterfly", "topk": "allgather", "rtopk": "allgather",
                               "randomk": "values", "dense": "values"}.get(kw["method"])
-    if agg == "gtopk" and kw["method"] != "threshold":
+    if agg == "butterfly" and kw["method"] != "threshold":
         return traffic.gtopk_bytes(P, r, K, "int8")
     if agg == "allgather":
         return (traffic.allgather_bytes(P, K, "int8"),) * 2

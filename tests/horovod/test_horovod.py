@@ -144,7 +144,7 @@ SPARSE = {  # name in horovod_jobs -> (oracle kwargs, exact)
     "gtopk_int8wire": (dict(method="gtopk", density=0.1, value_dtype=torch.int8, wire_rounding="stochastic",
                             seed=4), True),
     "topk_warmup": (dict(method="topk", density=0.05, warmup=[0.5, 0.2]), True),
-    "threshold_butterfly": (dict(method="threshold", density=0.1, merge="gtopk"), True),
+    "threshold_butterfly": (dict(method="threshold", density=0.1, merge="butterfly"), True),
     "gtopk_average": (dict(method="gtopk", density=0.1, op="average"), True),
     "gtopk_bpps2": (dict(method="gtopk", density=0.1), True),
     "gtopk_skipsync": (dict(method="gtopk", density=0.1), True),

@@ -109,7 +109,7 @@ def test_codecs_match_the_codec_contract_bit_for_bit(name):
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("name,merge", [("firstk_user", None), ("firstk_user_butterfly_graph", "gtopk")])
+@pytest.mark.parametrize("name,merge", [("firstk_user", None), ("firstk_user_butterfly_graph", "butterfly")])
 def test_user_selector_matches_the_pytorch_oracle_bit_for_bit(name, merge):
     runs = [ok(res, name) for res in results()]
     names = [f"t{i:04d}" for i in range(len(runs[0]["raw"][0]))]

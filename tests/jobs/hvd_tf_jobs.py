@@ -44,7 +44,7 @@ SPARSE = {
     "randomk": (lambda: Compression.randomk(0.1, seed=3), hvd.Sum),
     "threshold": (lambda: Compression.threshold(0.1), hvd.Sum),
     "gtopk_fp16wire": (lambda: Compression.gtopk(0.1, value_dtype=tf.float16), hvd.Sum),
-    "threshold_butterfly": (lambda: Compression.threshold(0.1, merge="gtopk"), hvd.Sum),
+    "threshold_butterfly": (lambda: Compression.threshold(0.1, merge="butterfly"), hvd.Sum),
     "topk_global": (lambda: Compression.topk(0.05, granularity="global"), hvd.Sum),
     "gtopk_average": (lambda: Compression.gtopk(0.1), hvd.Average),
     # density warm-up (eager: k from the agreed step in Python)
@@ -54,7 +54,7 @@ SPARSE = {
 GRAPH = {
     # with P = 3 one rank idles in the butterfly's rounds (see _Ops.phase)
     "gtopk_graph": lambda: Compression.gtopk(0.1),
-    "threshold_butterfly_graph": lambda: Compression.threshold(0.1, merge="gtopk"),
+    "threshold_butterfly_graph": lambda: Compression.threshold(0.1, merge="butterfly"),
     "topk_graph": lambda: Compression.topk(0.1),
     # warm-up: run-time k in one graph for every step
     "gtopk_warmup_graph": lambda: Compression.gtopk(0.1, warmup=DensityWarmup(2, 0.5)),
@@ -90,7 +90,7 @@ WIRE = {
     "topk_fp16_overflow": (lambda: Compression.topk(0.1, value_dtype=tf.float16), False, "overflow"),
     "gtopk_bf16wire": (lambda: Compression.gtopk(0.1, value_dtype=tf.bfloat16), False, "fine"),
     "randomk_bf16wire_graph": (lambda: Compression.randomk(0.1, seed=8, value_dtype=tf.bfloat16), True, "fine"),
-    "threshold_butterfly_fp16wire": (lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.float16),
+    "threshold_butterfly_fp16wire": (lambda: Compression.threshold(0.1, merge="butterfly", value_dtype=tf.float16),
                                      False, "fine"),
     # int8 wire: codes + one exponent byte per message, on the core's aggregation
     "gtopk_int8": (lambda: Compression.gtopk(0.1, value_dtype=tf.int8), False, "overflow"),
@@ -110,7 +110,7 @@ def check_int8_errors():
     out = {}
     for key, make in (("horovod", lambda: Compression.gtopk(0.1, value_dtype=tf.int8, exchange="horovod")),
                       ("threshold", lambda: Compression.threshold(0.1, value_dtype=tf.int8)),
-                      ("threshold_butterfly", lambda: Compression.threshold(0.1, merge="gtopk", value_dtype=tf.int8)),
+                      ("threshold_butterfly", lambda: Compression.threshold(0.1, merge="butterfly", value_dtype=tf.int8)),
                       ("stochastic_fp16", lambda: Compression.topk(0.1, value_dtype=tf.float16,
                                                                    wire_rounding="stochastic")),
                       ("rounding", lambda: Compression.topk(0.1, value_dtype=tf.int8, wire_rounding="up")),

@@ -50,7 +50,7 @@ RUNS = {  # name -> (Compression factory, traced)
     "onebit_graph": (lambda: Compression.onebit(), True),
     "half_tf_user_graph": (lambda: Compression.half_tf_user(), True),
     "firstk_user": (lambda: Compression.firstk_user(0.1), False),
-    "firstk_user_butterfly_graph": (lambda: Compression.firstk_user(0.1, merge="gtopk"), True),
+    "firstk_user_butterfly_graph": (lambda: Compression.firstk_user(0.1, merge="butterfly"), True),
 }
 
 # codec dense warm-up (start_iter=2): name -> (TF factory, traced, torch reducer kwargs); 4 steps

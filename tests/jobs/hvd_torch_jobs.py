@@ -252,7 +252,7 @@ SPARSE_CONFIGS = {
     "gtopk_int8wire": lambda: Compression.gtopk(0.1, value_dtype=torch.int8, wire_rounding="stochastic", seed=4),
     "topk_warmup": lambda: Compression.topk(0.05, warmup=[0.5, 0.2], fusion_threshold=200),
     # variable-size sets through alltoall (sizes not known to receivers)
-    "threshold_butterfly": lambda: Compression.threshold(0.1, merge="gtopk", fusion_threshold=300),
+    "threshold_butterfly": lambda: Compression.threshold(0.1, merge="butterfly", fusion_threshold=300),
 }
 
 

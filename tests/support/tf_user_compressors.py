@@ -12,7 +12,7 @@ class FirstKSelector(Selector):
     pattern, so the oracle's bits are easy to predict); any merge."""
 
     aggregation = "allgather"
-    merges = ("allgather", "gtopk")
+    merges = ("allgather", "butterfly")
 
     def select(self, acc, offsets, k, ctx):
         idx = torch.cat([torch.arange(int(offsets[s]), int(offsets[s]) + int(k[s]))

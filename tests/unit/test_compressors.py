@@ -30,7 +30,7 @@ def test_builtins_registered_with_metadata():
     assert "onebit" not in gp.compress.available("selector")
     d = gp.compress.describe("rtopk")
     assert d["kind"] == "selector" and d["aggregation"] == "allgather"
-    assert d["merges"] == ("allgather", "gtopk") and d["uses_density"]
+    assert d["merges"] == ("allgather", "butterfly") and d["uses_density"]
     assert [p["name"] for p in d["hyperparams"]] == ["r_factor"]
     assert d["hyperparams"][0]["default"] == 4.0 and ">= 1" in d["hyperparams"][0]["range"]
     d = gp.compress.describe("onebit")
@@ -261,7 +261,7 @@ class StridedK(Selector):
     hyperparams = (HyperParam("stride", 2, "take every stride-th entry", int, low=1),
                    HyperParam("start", 0, "first index of each segment", int, low=0))
     aggregation = "allgather"
-    merges = ("allgather", "gtopk")
+    merges = ("allgather", "butterfly")
     exact_count = False
 
     def select(self, acc, offsets, k, ctx):
@@ -313,7 +313,7 @@ def test_user_selector_through_reducer(user_methods):
     with pytest.raises(ValueError, match="stride must be an integer >= 1"):
         make(method="strided_user", stride=0)
     # on the butterfly, too (merge= from its declared merges)
-    out = make(method="strided_user", density=0.5, merge="gtopk", stride=2).reduce(grads)
+    out = make(method="strided_user", density=0.5, merge="butterfly", stride=2).reduce(grads)
     assert int((out["w"] != 0).sum()) <= 5
 
 

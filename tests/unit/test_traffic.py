@@ -6,7 +6,7 @@ from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTr
 
 
 def _stats(i, skipped=False):
-    return ReduceStats(method="gtopk", aggregation="gtopk", step=0, world_size=4, numel=100 * i, k=10 * i,
+    return ReduceStats(method="gtopk", aggregation="butterfly", step=0, world_size=4, numel=100 * i, k=10 * i,
                        density=0.1, sent_entries=10 * i, bytes_sent=80 * i + 8, bytes_received=80 * i,
                        payload_bytes_sent=80 * i, payload_bytes_received=80 * i, header_bytes_sent=8,
                        header_bytes_received=0, control_bytes=16, messages_sent=2, rounds=2,

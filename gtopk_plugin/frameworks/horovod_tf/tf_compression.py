@@ -24,8 +24,8 @@ __all__ = ["SparseCompression", "TRAFFIC_FIELDS"]
 # last_step_traffic's int64 vector: the transport's fields, the statistics', skipped
 TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 # the core's aggregations this layer runs; the int8 wire: those of exact counts
-AGGREGATIONS = ("allgather", "gtopk", "allreduce_values", "allgather_payloads", "allreduce_rounds")
-_INT8_AGGREGATIONS = ("allgather", "gtopk", "allreduce_values")
+AGGREGATIONS = ("allgather", "butterfly", "allreduce_values", "allgather_payloads", "allreduce_rounds")
+_INT8_AGGREGATIONS = ("allgather", "butterfly", "allreduce_values")
 # the settings repr shows where they differ from ReducerConfig's defaults
 _SHOWN = ("r_factor", "merge", "granularity", "seed", "nonfinite", "momentum", "nesterov", "dampening",
           "momentum_masking", "clip_norm", "dense_below", "wire_rounding")
