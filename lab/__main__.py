@@ -3,9 +3,10 @@ probe of the lab (run from the repository root); dashes and underscores in
 NAME are interchangeable.  ``python -m lab`` lists them."""
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Optional, Sequence
+
+from gtopk_plugin.bench import bench_cli
 
 #: name -> (module, entry point, one-line description)
 STUDIES = {
@@ -29,23 +30,11 @@ STUDIES = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m lab NAME [options]   (NAME --help for its options)", ""]
-    lines += [f"  {n.replace('_', '-'):<17} {d}" for n, (_, _, d) in STUDIES.items()]
-    return "\n".join(lines)
+    return bench_cli.usage(STUDIES, "python -m lab")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0 if argv else 2
-    name = argv[0].replace("-", "_")
-    if name not in STUDIES:
-        print(f"python -m lab: unknown study {argv[0]!r}\n\n{usage()}", file=sys.stderr)
-        return 2
-    module, attr, _ = STUDIES[name]
-    rc = getattr(importlib.import_module(module), attr)(argv[1:])
-    return rc if isinstance(rc, int) else 0
+    return bench_cli.dispatch(STUDIES, "python -m lab", "study", argv)
 
 
 if __name__ == "__main__":

@@ -30,24 +30,31 @@ BENCHMARKS = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: gtopk-bench NAME [options]   (NAME --help for its options)", ""]
-    lines += [f"  {n.replace('_', '-'):<17} {d}" for n, (_, _, d) in BENCHMARKS.items()]
+def usage(table=None, prog: str = "gtopk-bench") -> str:
+    table = BENCHMARKS if table is None else table
+    lines = [f"usage: {prog} NAME [options]   (NAME --help for its options)", ""]
+    lines += [f"  {n.replace('_', '-'):<17} {d}" for n, (_, _, d) in table.items()]
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def dispatch(table, prog: str, noun: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``table[NAME]`` (module, function, description) on the remaining
+    arguments: the command line of ``gtopk-bench`` and of the lab's studies."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        print(usage(table, prog))
         return 0 if argv else 2
     name = argv[0].replace("-", "_")
-    if name not in BENCHMARKS:
-        print(f"gtopk-bench: unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+    if name not in table:
+        print(f"{prog}: unknown {noun} {argv[0]!r}\n\n{usage(table, prog)}", file=sys.stderr)
         return 2
-    module, attr, _ = BENCHMARKS[name]
+    module, attr, _ = table[name]
     rc = getattr(importlib.import_module(module), attr)(argv[1:])
     return rc if isinstance(rc, int) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return dispatch(BENCHMARKS, "gtopk-bench", "benchmark", argv)
 
 
 if __name__ == "__main__":
