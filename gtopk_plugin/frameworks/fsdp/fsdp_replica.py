@@ -1,0 +1,267 @@
+"""FSDP2 / HSDP: the cross-replica reduction of each gradient shard through
+a :class:`~gtopk_plugin.GradientReducer`::
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    reduction = gp.torch_fsdp.sparse_replica_reduction(model, method="gtopk", density=0.01)
+
+FSDP reduce-scatters each gradient over the shard dimension as usual (the
+fast links inside a node); the all-reduce over the replicate dimension is
+replaced by ONE ``reduce()`` per step of every local gradient shard across
+the replicas, at the end of backward.  Residuals and velocities are this
+rank's: one per (replica, shard).  See docs/fsdp.md.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from gtopk_plugin import registry
+from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
+from gtopk_plugin.frameworks.fsdp import fsdp_state
+from gtopk_plugin.frameworks.fsdp.fsdp_mesh import ReplicaTopology, find_topology, fsdp_units
+from gtopk_plugin.pipeline.input_check import NonFiniteGradientError
+from gtopk_plugin.pipeline.traffic import StepTraffic
+from gtopk_plugin.reducer import GradientReducer
+
+__all__ = ["SparseReplicaState", "sparse_replica_reduction"]
+
+_OWN = ("self", "transport", "optimizer", "named_parameters", "momentum_correction")
+_REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
+                        if n not in _OWN and p.kind is not p.VAR_KEYWORD)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def sparse_replica_reduction(model: torch.nn.Module, method: str = "gtopk", density: float = 0.01, *,
+                             mesh=None, replicate_group: Optional[dist.ProcessGroup] = None,
+                             timeout: Optional[float] = None, momentum_correction=None,
+                             optimizer: Optional[torch.optim.Optimizer] = None,
+                             **reducer_kwargs) -> "SparseReplicaState":
+    r"""Reduce ``model``'s gradient shards across replicas with ``method``.
+
+    Args:
+        model: the root module, sharded with ``fully_shard`` on a 2-D mesh
+            (replicate, shard), or on a 1-D shard mesh with the replicas
+            given by ``replicate_group`` or by a 2-D ``mesh``.
+        method, density, ...: every :class:`~gtopk_plugin.GradientReducer`
+            keyword except ``transport`` (``clip_norm=``, ``value_dtype=``,
+            ``warmup=``, the method's own hyper-parameters ...).
+            ``value_dtype`` defaults to the ``MixedPrecisionPolicy``'s
+            reduce dtype when that is float16/bfloat16.
+        timeout: seconds one exchange may take (``GTOPK_TIMEOUT`` or 300).
+        momentum_correction, optimizer: DGC momentum correction: ``True``
+            with the SGD ``optimizer``, or the momentum itself.
+
+    Returns the :class:`SparseReplicaState` (``remove()`` undoes the call).
+    ``ValueError`` for a model or mesh that does not fit, on every rank.
+    """
+    topo = find_topology(model, mesh, replicate_group)
+    return SparseReplicaState(model, topo, method, density, timeout, momentum_correction, optimizer,
+                              reducer_kwargs)
+
+
+class SparseReplicaState:
+    """The replica reduction of one FSDP model: its reducer (residuals, step,
+    settings), the hooks on the model, the last step's traffic.  A
+    ``torch.distributed.checkpoint`` ``Stateful``: save it beside the model
+    and optimizer (docs/fsdp.md)."""
+
+    def __init__(self, model, topology: ReplicaTopology, method, density, timeout, momentum_correction,
+                 optimizer, reducer_kwargs: dict):
+        if "transport" in reducer_kwargs:
+            raise ValueError("sparse_replica_reduction builds its own transport on the replicate "
+                             "dimension; do not pass transport=")
+        own = [h["name"] for h in registry.describe(method)["hyperparams"]]
+        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS) - set(own))
+        if unknown:
+            raise ValueError(f"unknown sparse_replica_reduction keyword(s) {', '.join(map(repr, unknown))}; "
+                             f"accepted: mesh, replicate_group, timeout, momentum_correction, optimizer, "
+                             f"{', '.join(_REDUCER_KWARGS)}" + (f"; {method!r} also takes {', '.join(own)}"
+                                                                if own else ""))
+        if reducer_kwargs.get("op", "average") != "average":
+            raise ValueError("the replica reduction averages over replicas, as HSDP does; op must be 'average'")
+        for g in topology.param_groups:
+            if g.gradient_divide_factor is not None:
+                raise ValueError("set_gradient_divide_factor() is not supported with the replica reduction "
+                                 "(it averages over the replicas as HSDP does by default)")
+        self.model, self.topology = model, topology
+        named = list(model.named_parameters())
+        self._names: Dict[int, str] = {id(p): n for n, p in named}
+        kwargs = dict(reducer_kwargs, method=method, density=density)
+        if "value_dtype" not in kwargs:
+            kwargs["value_dtype"] = _policy_wire(topology.param_groups)
+        self.reducer = GradientReducer(
+            transport=TorchDistributedTransport(group=topology.replicate_group, timeout=timeout),
+            momentum_correction=momentum_correction, optimizer=optimizer,
+            named_parameters=named if momentum_correction is True else None, **kwargs)
+        if self.reducer.binding is not None:
+            _bind_local_shards(self.reducer.binding)
+        self._timeout = timeout
+        self._reducing: list = []   # parameter groups FSDP reduce-scattered in this backward
+        self._stash: dict = {}      # param -> its gradient from earlier steps (already reduced)
+        self._local: set = set()    # ids of params whose .grad holds shards not yet reduced
+        self._queued = False
+        self.last_step_traffic: Optional[dict] = None
+        self._units = fsdp_units(model)
+        topology.detach()
+        for unit in self._units:
+            for g in unit._get_fsdp_state()._fsdp_param_groups:
+                unit.set_all_reduce_hook(lambda _out, g=g: self._on_reduce(g))
+
+    # ------------------------------------------------------------------ API
+    @property
+    def step(self) -> int:
+        """Training steps reduced so far."""
+        return self.reducer.step
+
+    @property
+    def last_stats(self):
+        """The reducer's :class:`~gtopk_plugin.ReduceStats` of the last step."""
+        return self.reducer.last_stats
+
+    def state_dict(self) -> dict:
+        """This rank's residuals and velocities as DTensors sharded like the
+        parameters (one entry per replica), and the reducer's step and
+        settings: the ``Stateful`` side of ``torch.distributed.checkpoint``."""
+        return fsdp_state.to_checkpoint(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load what :meth:`state_dict` gave, possibly saved with another
+        number of shards (the residuals are resharded exactly); another
+        number of replicas raises :class:`~gtopk_plugin.CheckpointError`."""
+        fsdp_state.from_checkpoint(self, sd)
+
+    def remove(self) -> None:
+        """Give the model back to FSDP's own replica all-reduce."""
+        for unit in self._units:
+            unit.set_all_reduce_hook(None)
+        self.topology.attach()
+        if self.reducer.binding is not None:
+            self.reducer.binding.remove()
+            self.reducer.binding = None
+
+    def __repr__(self):
+        cfg = self.reducer.config
+        return (f"SparseReplicaState(method={cfg.method!r}, density={cfg.density}, replicas="
+                f"{self.topology.replicas}, shards={self.topology.shards}, step={self.step})")
+
+    # ------------------------------------------------------------ internals
+    def _on_reduce(self, group) -> None:
+        """FSDP reduce-scattered ``group``'s gradients (its all-reduce hook,
+        before the shards reach ``.grad``)."""
+        params = [fp.sharded_param for fp in group.fsdp_params]
+        if not group.all_reduce_grads:  # set_requires_all_reduce(False): accumulate, reduce later
+            self._local.update(id(p) for p in params)
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        self._reducing.append(group)
+        for p in params:
+            if p.grad is not None and id(p) not in self._local:
+                # a gradient of earlier steps, reduced then: FSDP would add this
+                # step's shard to it; it is added back after the reduction
+                self._stash[p], p.grad = p.grad, None
+
+    def _finish(self) -> None:
+        """End of backward: one reduction of every shard FSDP produced."""
+        groups, stash = self._reducing, self._stash
+        self._reducing, self._stash, self._queued = [], {}, False
+        params = [fp.sharded_param for g in groups for fp in g.fsdp_params]
+        try:
+            grads = {}
+            for p in params:
+                if p.grad is not None:
+                    grads[self._name_of(p)] = p.grad.to_local()
+            self._reduce(grads)
+        finally:
+            with torch.no_grad():
+                for p, old in stash.items():
+                    if p.grad is not None:
+                        old.to_local().add_(p.grad.to_local())
+                    p.grad = old
+            self._local.difference_update(id(p) for p in params)
+
+    def _name_of(self, p) -> str:
+        name = self._names.get(id(p))
+        if name is None:  # FSDP replaced the parameter object (e.g. after to_empty)
+            self._names = {id(q): n for n, q in self.model.named_parameters()}
+            name = self._names.get(id(p))
+            if name is None:
+                raise RuntimeError("gtopk_plugin.torch_fsdp: a parameter FSDP reduced is not among "
+                                   "model.named_parameters()")
+        return name
+
+    def _reduce(self, grads: Dict[str, torch.Tensor]) -> None:
+        grads = {n: g for n, g in grads.items() if g.numel() > 0}  # uneven sharding: empty shards
+        norm, bad = self._agree(grads)
+        if bad:
+            self._nonfinite(grads)
+        elif grads:
+            out = {n: g if g.is_contiguous() else g.contiguous() for n, g in grads.items()}
+            self.reducer.reduce(grads, out=out, grad_norm=norm)
+            for n, g in grads.items():
+                if out[n] is not g:
+                    g.copy_(out[n])
+            self.last_step_traffic = _traffic(self.reducer.last_stats)
+            return
+        else:
+            self.reducer.step += 1
+        self.last_step_traffic = None
+
+    def _agree(self, grads):
+        """(this replica's gradient norm over all its shards, whether any rank
+        has a non-finite gradient): one float64 sum over the shard group, one
+        max over the replicas -- so that every rank takes the same path."""
+        sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads.values()),
+                 torch.zeros((), dtype=torch.float64))
+        dev = next(iter(grads.values())).device if grads else torch.device("cpu")
+        if dist.get_backend(self.topology.shard_group) == "gloo":
+            dev = torch.device("cpu")
+        v = sq.reshape(1).to(dev)
+        dist.all_reduce(v, group=self.topology.shard_group)
+        flag = torch.tensor([0 if bool(torch.isfinite(v).all()) else 1], dtype=torch.int64, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.replicate_group)
+        return float(v[0]) ** 0.5, bool(flag[0])
+
+    def _nonfinite(self, grads) -> None:
+        """Some rank's gradient holds NaN/Inf: the reducer's policy, applied
+        on every rank (docs/design.md §6); residuals stay as they were."""
+        policy = self.reducer.config.nonfinite
+        here = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
+        if policy == "raise":
+            where = f"this rank's shards of {here[:5]}" if here else "another rank's shards"
+            raise NonFiniteGradientError(
+                f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) in {where} (global rank "
+                f"{dist.get_rank()}); nothing was reduced.  nonfinite='skip' drops such steps on every "
+                "rank, 'propagate' hands infinite updates to an AMP scaler")
+        with torch.no_grad():
+            for g in grads.values():
+                g.fill_(0.0 if policy == "skip" else float("inf"))
+        self.reducer.step += 1
+
+
+def _policy_wire(groups) -> Optional[torch.dtype]:
+    """The MixedPrecisionPolicy's reduce dtype (default: its param dtype)
+    when it is float16/bfloat16 for every group: the wire HSDP would use."""
+    dts = {g.mp_policy.reduce_dtype or g.mp_policy.param_dtype for g in groups}
+    return dts.pop() if len(dts) == 1 and next(iter(dts)) in _HALF else None
+
+
+def _bind_local_shards(binding) -> None:
+    """Momentum correction's weight decay reads each parameter's local
+    shard (the binding maps the optimizer's DTensor parameters by identity)."""
+    binding.params = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in binding.params.items()}
+
+
+def _traffic(stats) -> Optional[dict]:
+    if stats is None:
+        return None
+    t = StepTraffic()
+    t.add(stats)
+    return t.as_dict()
