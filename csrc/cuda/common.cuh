@@ -83,14 +83,22 @@ struct F16 {
     return m < 0x7C00u ? m : 0x7C00u;
   }
   static __device__ __forceinline__ op_t to_op(bits_t b) {
+#ifdef CUDA_EXECUTOR_CPU  // the CPU executor (cuda_executor/): no PTX there
+    return __half2float(__ushort_as_half(b));
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
     return f;
+#endif
   }
   static __device__ __forceinline__ bits_t from_op(op_t v) {
+#ifdef CUDA_EXECUTOR_CPU
+    return __half_as_ushort(__float2half_rn(v));
+#else
     gtopk_u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     return h;
+#endif
   }
   static __device__ __forceinline__ op_t add(op_t a, op_t b) { return __fadd_rn(a, b); }
   static __device__ __forceinline__ op_t sub(op_t a, op_t b) { return __fsub_rn(a, b); }
