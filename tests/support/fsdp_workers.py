@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gtopk_plugin as gp
+import gtopk_plugin.torch_fsdp  # noqa: F401 - the layer under test
 
 IN, OUT = 9, 3
 
@@ -89,3 +90,164 @@ def record(state):
 
     state.reducer.reduce = recorded
     return log
+
+
+# ------------------------------------------------------------- the checks
+SPARSE = {  # name -> sparse_replica_reduction keywords (and the oracle's)
+    "gtopk": {"method": "gtopk", "density": 0.2},
+    "topk": {"method": "topk", "density": 0.2},
+    "randomk": {"method": "randomk", "density": 0.2},
+    "gtopk momentum": {"method": "gtopk", "density": 0.2, "momentum_correction": 0.9},
+}
+CODEC = {"method": "onebit"}  # the oracle simulates selectors; a codec is checked by conservation
+STEPS = 3
+
+
+def _coords(mesh):
+    c = mesh.get_coordinate()
+    return int(c[0]), int(c[1])
+
+
+def dense_vs_stock(rank, mesh):
+    """Stock HSDP and method='dense' from one initialisation and data."""
+    stock, ours = sharded(mesh), sharded(mesh)
+    gp.torch_fsdp.sparse_replica_reduction(ours, method="dense")
+    so, oo = torch.optim.SGD(stock.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    for step in range(STEPS):
+        train_step(stock, so, step, rank)
+        train_step(ours, oo, step, rank)
+    a, b = shards(stock), shards(ours)
+    return {n: (a[n][1], b[n][1]) for n in a}
+
+
+def sparse_run(rank, mesh, kw, mp=None, steps=STEPS, model=None):
+    """The reducer's inputs and outputs per step and its final residuals."""
+    model = model or sharded(mesh, mp)
+    state = gp.torch_fsdp.sparse_replica_reduction(model, **kw)
+    log = record(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        train_step(model, opt, step, rank)
+    sd = state.reducer.state_dict()
+    return {"log": log, "residuals": sd["residuals"], "params": shards(model),
+            "traffic": state.last_step_traffic}
+
+
+class App:
+    """The DCP tutorial's Stateful: model and optimizer through
+    get_state_dict / set_state_dict."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        m, o = get_state_dict(self.model, self.opt)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _make(mesh, kw):
+    model = sharded(mesh)
+    state = gp.torch_fsdp.sparse_replica_reduction(model, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    return model, state, opt
+
+
+def residual_shards(state):
+    """name -> (global offset, local residual) as the checkpoint holds them."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mine = state.state_dict()[f"replica{state.topology.replica}"]["residuals"]
+    out = {}
+    for n, d in mine.items():
+        _, off = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+        out[n] = (tuple(off), d.to_local().clone())
+    return out
+
+
+def dcp_resume(rank, mesh, path, kw):
+    """2 steps, save, 2 more; a fresh model loads and runs the same 2: the
+    parameters and residuals after them, both ways, and the saved residuals."""
+    import torch.distributed.checkpoint as dcp
+
+    model, state, opt = _make(mesh, kw)
+    for step in range(2):
+        train_step(model, opt, step, rank)
+    dcp.save({"app": App(model, opt), "reduction": state}, checkpoint_id=path)
+    saved = residual_shards(state)
+    for step in range(2, 4):
+        train_step(model, opt, step, rank)
+    model2, state2, opt2 = _make(mesh, kw)
+    dcp.load({"app": App(model2, opt2), "reduction": state2}, checkpoint_id=path)
+    for step in range(2, 4):
+        train_step(model2, opt2, step, rank)
+    return {"saved": saved, "params": (shards(model), shards(model2)),
+            "residuals": (residual_shards(state), residual_shards(state2)), "steps": (state.step, state2.step)}
+
+
+def dcp_load(rank, mesh, path, kw):
+    """Load ``path`` (saved on another mesh) into a fresh model: the loaded
+    residuals, or the error every rank raised."""
+    import torch.distributed.checkpoint as dcp
+
+    model, state, opt = _make(mesh, kw)
+    try:
+        dcp.load({"app": App(model, opt), "reduction": state}, checkpoint_id=path)
+    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"residuals": residual_shards(state), "step": state.step}
+
+
+def bad_inputs(mesh):
+    """The error each misuse raises (every rank runs the same)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
+
+    attempt("not sharded", lambda: gp.torch_fsdp.sparse_replica_reduction(Net()))
+    flat = init_device_mesh("cpu", (dist.get_world_size(),))
+    attempt("1-D mesh", lambda: gp.torch_fsdp.sparse_replica_reduction(fully_shard(Net(), mesh=flat)))
+    attempt("keyword", lambda: gp.torch_fsdp.sparse_replica_reduction(sharded(mesh), denisty=0.1))
+    attempt("replicate_group on 2-D", lambda: gp.torch_fsdp.sparse_replica_reduction(
+        sharded(mesh), replicate_group=mesh.get_group(0)))
+    return out
+
+
+def mesh_checks(rank, world, R, S, ckdir):
+    """Everything one (R, S) spawn checks; plain data for the test."""
+    mesh = mesh_of(R, S)
+    rep = {"coords": _coords(mesh), "dense": dense_vs_stock(rank, mesh)}
+    rep["sparse"] = {name: sparse_run(rank, mesh, kw) for name, kw in SPARSE.items()}
+    rep["codec"] = sparse_run(rank, mesh, CODEC)
+    gt = SPARSE["gtopk"]
+    if (R, S) == (2, 2):
+        rep["bf16"] = sparse_run(rank, mesh, gt, mp=torch.bfloat16)
+        rep["dcp"] = dcp_resume(rank, mesh, os.path.join(ckdir, "2x2"), gt)
+        rep["errors"] = bad_inputs(mesh)
+    elif (R, S) == (2, 3):
+        rep["reshard"] = dcp_load(rank, mesh, os.path.join(ckdir, "2x2"), gt)
+        # the same reduction on a 1-D shard mesh with the replicas given by the 2-D mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        flat = Net()
+        for m in (flat.a, flat.b, flat.c, flat):
+            fully_shard(m, mesh=mesh["shard"])
+        rep["one_d"] = sparse_run(rank, mesh, dict(gt, mesh=mesh), model=flat)
+    elif (R, S) == (3, 2):
+        rep["replicas changed"] = dcp_load(rank, mesh, os.path.join(ckdir, "2x2"), gt)
+    return rep
