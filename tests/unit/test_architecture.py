@@ -33,6 +33,7 @@ OPTIONAL = ("horovod", "tensorflow", "byteps", "keras")
 # the public entry points users import (gtopk_plugin.horovod etc.): thin
 # re-exports of frameworks/, which is their whole job
 PUBLIC_SHIMS = {"gtopk_plugin", "gtopk_plugin.horovod", "gtopk_plugin.tensorflow", "gtopk_plugin.torch_ddp",
+                "gtopk_plugin.torch_fsdp",
                 "gtopk_plugin.byteps"}
 # gtopk-bench measures the framework layers against the frameworks' own
 # reductions: a consumer of the layers (like the demo), never imported by them
