@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_workers
-from fsdp_workers import SPARSE, STEPS, mesh_checks
+from fsdp_workers import CLIP, SPARSE, STEPS, mesh_checks
 from gtopk_plugin.testing import Oracle
 
 SHAPES = [(2, 2), (2, 3), (3, 2)]
@@ -180,3 +180,51 @@ def test_bad_input_raises_a_clear_error_on_every_rank(reports):
     assert "without a replicate dimension" in e["1-D mesh"]
     assert "'denisty'" in e["keyword"]
     assert "do not pass replicate_group" in e["replicate_group on 2-D"]
+
+
+def test_gradient_accumulation_equals_stock_hsdp(reports):
+    for rep in reports(2, 2):
+        stock, ours = rep["accumulation"]
+        for n in stock:
+            assert torch.equal(stock[n], ours[n]), n
+
+
+def test_nonfinite_gradient_on_one_shard_is_handled_on_every_rank(reports):
+    reps = reports(2, 2)
+    for rep in reps:
+        assert "NonFiniteGradientError" in rep["nonfinite"]["raise"]
+        assert rep["nonfinite"]["skip"] == {"zero": True, "step": 1}
+    assert "this rank's shards" in reps[-1]["nonfinite"]["raise"]
+    assert "another rank's shards" in reps[0]["nonfinite"]["raise"]
+
+
+def test_momentum_correction_from_the_optimizer(reports):
+    for rep in reports(2, 2):
+        bound, explicit = rep["momentum"]
+        for n in bound:
+            assert torch.equal(bound[n][1], explicit[n][1]), n
+
+
+def test_clipping_uses_each_replicas_norm_over_all_its_shards(reports):
+    """DGC clipping of a replica's whole gradient (all its shards) to
+    clip_norm/sqrt(R): the oracle without clipping on inputs scaled by the
+    factor computed here from every shard's input."""
+    import math
+
+    R, S = 2, 2
+    by = _by_coords(reports(R, S))
+    thr = CLIP / math.sqrt(R)
+
+    def scale(j, t):
+        sq = sum(float(g.double().pow(2).sum()) for s in range(S) for g in by[(j, s)]["clip"]["log"][t][0].values())
+        norm = math.sqrt(sq)
+        assert norm > thr  # the test clips
+        return thr / (norm + 1e-6 * thr)
+
+    for s in range(S):
+        logs = [by[(j, s)]["clip"]["log"] for j in range(R)]
+        oracle = Oracle(R, **SPARSE["gtopk"])
+        for t in range(STEPS):
+            want = oracle.step([{n: g * scale(j, t) for n, g in logs[j][t][0].items()} for j in range(R)])
+            for n in want:
+                torch.testing.assert_close(logs[0][t][1][n], want[n], rtol=1e-5, atol=1e-7)

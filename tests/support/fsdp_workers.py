@@ -101,6 +101,7 @@ SPARSE = {  # name -> sparse_replica_reduction keywords (and the oracle's)
 }
 CODEC = {"method": "onebit"}  # the oracle simulates selectors; a codec is checked by conservation
 STEPS = 3
+CLIP = 0.05
 
 
 def _coords(mesh):
@@ -118,6 +119,55 @@ def dense_vs_stock(rank, mesh):
         train_step(ours, oo, step, rank)
     a, b = shards(stock), shards(ours)
     return {n: (a[n][1], b[n][1]) for n in a}
+
+
+def accumulation_vs_stock(rank, mesh):
+    """Two micro-batches per step, the first without the replica reduction
+    (set_requires_all_reduce(False)), then a step whose gradients add to
+    the last step's (no zero_grad): stock HSDP and method='dense'."""
+    out = []
+    for reduce_ours in (False, True):
+        model = sharded(mesh)
+        if reduce_ours:
+            gp.torch_fsdp.sparse_replica_reduction(model, method="dense")
+        for micro in range(2):
+            model.set_requires_all_reduce(micro == 1)
+            x, y = batch(10 + micro, rank)
+            ((model(x) - y) ** 2).mean().backward()
+        x, y = batch(12, rank)
+        ((model(x) - y) ** 2).mean().backward()
+        out.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def nonfinite(rank, mesh, policy):
+    """A NaN in one shard of one rank: what every rank does with it."""
+    model = sharded(mesh)
+    state = gp.torch_fsdp.sparse_replica_reduction(model, method="gtopk", density=0.2, nonfinite=policy)
+    grads = {n: torch.ones(p.to_local().shape) for n, p in model.named_parameters() if p.to_local().numel()}
+    if rank == dist.get_world_size() - 1:
+        next(iter(grads.values()))[0] = float("nan")
+    try:
+        state._reduce(grads)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return {"zero": all(bool((g == 0).all()) for g in grads.values()), "step": state.step}
+
+
+def momentum_from_optimizer(rank, mesh):
+    """momentum_correction=True with SGD(momentum=0.9) against the momentum
+    given explicitly with SGD without momentum: the same parameters."""
+    out = []
+    for from_optimizer in (True, False):
+        model = sharded(mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if from_optimizer else 0.0)
+        gp.torch_fsdp.sparse_replica_reduction(model, method="gtopk", density=0.2, optimizer=opt if
+                                               from_optimizer else None, momentum_correction=True if
+                                               from_optimizer else 0.9)
+        for step in range(STEPS):
+            train_step(model, opt, step, rank)
+        out.append(shards(model))
+    return out
 
 
 def sparse_run(rank, mesh, kw, mp=None, steps=STEPS, model=None):
@@ -238,6 +288,10 @@ def mesh_checks(rank, world, R, S, ckdir):
         rep["bf16"] = sparse_run(rank, mesh, gt, mp=torch.bfloat16)
         rep["dcp"] = dcp_resume(rank, mesh, os.path.join(ckdir, "2x2"), gt)
         rep["errors"] = bad_inputs(mesh)
+        rep["accumulation"] = accumulation_vs_stock(rank, mesh)
+        rep["nonfinite"] = {p: nonfinite(rank, mesh, p) for p in ("raise", "skip")}
+        rep["momentum"] = momentum_from_optimizer(rank, mesh)
+        rep["clip"] = sparse_run(rank, mesh, dict(SPARSE["gtopk"], clip_norm=CLIP))
     elif (R, S) == (2, 3):
         rep["reshard"] = dcp_load(rank, mesh, os.path.join(ckdir, "2x2"), gt)
         # the same reduction on a 1-D shard mesh with the replicas given by the 2-D mesh
