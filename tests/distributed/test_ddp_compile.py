@@ -2,14 +2,15 @@
 gloo group at P = 2, every configuration in one spawn
 (tests/support/compile_workers.py).
 
-- ``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))`` with
-  backend "aot_eager" (Dynamo graph split at DDP's buckets, or one graph)
-  train bit for bit like eager DDP with the hook: gradients applied,
-  parameters and residuals after every step.
-- Inductor computes tanh and mean in other orders, so its runs are not the
-  eager bits; checked instead on the gradients the compiled model fed: the
+- ``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))`` train bit
+  for bit like eager DDP with the hook (gradients applied, parameters and
+  residuals after every step) with backend "aot_eager" (Dynamo's graph
+  split at DDP's buckets, or one graph), and with Inductor (the default
+  backend) on a ReLU network, whose bits Inductor does not change.
+- With tanh, Inductor's kernel differs from ATen's in the last bits, so
+  those runs are checked on the gradients the compiled model fed: the
   update is the single-process Oracle's (gtopk_plugin.testing), bit for bit,
-  residuals too, mass conserved, every rank identical.
+  residuals too, mass conserved, every rank identical (as every run is).
 - Every run: the hook saw each parameter once per step, in several buckets,
   the last one last; the state's step and traffic count the whole model.
   (Gradients left unsynchronised would show as ranks that differ.)
@@ -24,10 +25,14 @@ from compile_workers import STEPS, Net, worker
 from dist_utils import run_workers
 
 P = 2
-# (what is compiled: the model inside DDP or the DDP module, backend,
-# Dynamo's optimize_ddp: True = graph split at DDP's buckets, its default)
-COMPILED = [("model", "aot_eager", True), ("ddp", "aot_eager", True), ("model", "aot_eager", False),
-            ("model", "inductor", True), ("ddp", "inductor", True)]
+# (the network's activation, what is compiled: the model inside DDP or the
+# DDP module, backend, Dynamo's optimize_ddp: True = graph split at DDP's
+# buckets, its default)
+COMPILED = [("tanh", "model", "aot_eager", True), ("tanh", "ddp", "aot_eager", True),
+            ("tanh", "model", "aot_eager", False), ("tanh", "model", "inductor", True),
+            ("tanh", "ddp", "inductor", True), ("relu", "model", "inductor", True),
+            ("relu", "ddp", "inductor", True)]
+BIT_IDENTICAL = [c for c in COMPILED if c[2] == "aot_eager" or c[0] == "relu"]
 REFUSED = ["compiled_autograd", "python_reducer"]
 NUMEL = sum(p.numel() for p in Net().parameters())
 
@@ -40,7 +45,8 @@ def reports():
 
 def _runs(reports):
     for r, rep in enumerate(reports):
-        yield f"rank {r} eager", rep["eager"]
+        for act, run in rep["eager"].items():
+            yield f"rank {r} eager {act}", run
         for cfg, run in zip(COMPILED, rep["compiled"]):
             yield f"rank {r} {cfg}", run
 
@@ -59,18 +65,17 @@ def test_every_run_reduces_every_bucket_like_the_oracle(reports):
         assert run["mass_rel_err"] <= 1e-6, f"{what}: mass not conserved ({run['mass_rel_err']:.3g})"
     # the buckets are DDP's (first step one bucket, then the rebuilt ones)
     # and Dynamo split the graph at them where optimize_ddp asks for it
-    eager = reports[0]["eager"]
     for cfg, run in zip(COMPILED, reports[0]["compiled"]):
-        assert run["buckets"] == eager["buckets"], cfg
-        assert (len(run["graph_splits"]) > 0 and min(run["graph_splits"]) > 1) == cfg[2], \
+        assert run["buckets"] == reports[0]["eager"][cfg[0]]["buckets"], cfg
+        assert (len(run["graph_splits"]) > 0 and min(run["graph_splits"]) > 1) == cfg[3], \
             f"{cfg}: DDPOptimizer splits {run['graph_splits']}"
 
 
 @pytest.mark.timeout(460)
-def test_aot_eager_trains_bit_identically_to_eager(reports):
+def test_compiled_trains_bit_identically_to_eager(reports):
     for rep in reports:
         for cfg, run in zip(COMPILED, rep["compiled"]):
-            if cfg[1] != "aot_eager":
+            if cfg not in BIT_IDENTICAL:
                 continue
             same = run["same_as_eager"]
             assert same["applied"] == [True] * STEPS, f"{cfg}: applied gradients {same['applied']}"
@@ -79,10 +84,10 @@ def test_aot_eager_trains_bit_identically_to_eager(reports):
 
 
 @pytest.mark.timeout(460)
-def test_inductor_stays_close_to_eager(reports):
-    # not the eager bits (tanh, mean); the reduction itself is checked above
+def test_inductor_with_tanh_stays_close_to_eager(reports):
+    # not the eager bits; the reduction itself is checked above
     for cfg, run in zip(COMPILED, reports[0]["compiled"]):
-        if cfg[1] == "inductor":
+        if cfg not in BIT_IDENTICAL:
             assert run["max_diff_vs_eager"] <= 1e-5, f"{cfg}: {run['max_diff_vs_eager']}"
 
 
