@@ -6,7 +6,7 @@ gloo group at P = 2, every configuration in one spawn
   for bit like eager DDP with the hook (gradients applied, parameters and
   residuals after every step) with backend "aot_eager" (Dynamo's graph
   split at DDP's buckets, or one graph), and with Inductor (the default
-  backend) on a ReLU network, whose bits Inductor does not change.
+  backend) on a ReLU network, where Inductor keeps ATen's bits.
 - With tanh, Inductor's kernel differs from ATen's in the last bits, so
   those runs are checked on the gradients the compiled model fed: the
   update is the single-process Oracle's (gtopk_plugin.testing), bit for bit,
