@@ -1,0 +1,222 @@
+"""HSDP training step on emulated nodes: FSDP2's own replica all-reduce
+(fp32, and with ``reduce_dtype=bfloat16``) against the sparse replica
+reduction (``gtopk_plugin.torch_fsdp``), side by side in one run.
+
+    gtopk-bench hsdp-step --nodes 2 4 --local 2 --rate 1gbit
+
+Each "node" is a network namespace holding ``--local`` ranks: they reach
+each other through the namespace's loopback (unshaped), and the other nodes
+through one veth into a bridge, shaped with ``tc tbf`` to ``--rate`` in both
+directions and shared by the node's ranks, as a node's one NIC is.  Needs
+root and iproute2; otherwise every rank runs on the host's loopback and the
+rows say ``unshaped``.  Every rank builds one copy of a ~10.5M-parameter
+MLP per variant, sharded with ``fully_shard`` on a (nodes, local) mesh, and
+the variants take turns round by round (the order rotates, so a change in
+load falls on all of them alike).  A step is forward + backward (with the
+reductions) + SGD step between barriers; reported: the median over ranks
+and rounds, its ratio to stock HSDP, and the replica reduction's bytes.
+The floor row shards inside the node only (no replica reduction at all).
+Writes ``gtopk-bench-results/hsdp_step.json``.  A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import time
+
+from gtopk_plugin.bench.bench_record import RESULTS, write_json
+
+WIDTHS = [1024, 2048, 2048, 2048, 10]  # 10,512,394 parameters
+BATCH = 16
+VARIANTS = {  # name -> how the model reduces across nodes
+    "HSDP (fp32 all-reduce)": {"kind": "stock"},
+    "HSDP reduce_dtype=bf16": {"kind": "stock", "reduce_dtype": "bfloat16"},
+    "gtopk 1%": {"kind": "ours", "method": "gtopk", "density": 0.01},
+    "gtopk 0.1%": {"kind": "ours", "method": "gtopk", "density": 0.001},
+    "no replica reduction (floor)": {"kind": "floor"},
+}
+BASELINE = "HSDP (fp32 all-reduce)"
+GOAL = 0.5  # gtopk 1% step <= 0.5 x stock HSDP's at 2 nodes
+
+
+class NodeLinks:
+    """``nodes`` network namespaces on one bridge (in a namespace of its own),
+    each node's link shaped to ``rate`` both ways; a context manager that
+    removes all of it, also on error."""
+
+    def __init__(self, nodes: int, rate: str, burst: str = "128kb", latency: str = "50ms"):
+        tag = f"gtkh-{os.getpid()}-{secrets.token_hex(2)}"
+        self.bridge, self.ns = f"{tag}-br", [f"{tag}-n{j}" for j in range(nodes)]
+        self.rate, self.burst, self.latency = rate, burst, latency
+        self._made: list = []
+
+    @staticmethod
+    def available():
+        """(True, "") or (False, why not)."""
+        if os.geteuid() != 0:
+            return False, "not root"
+        missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+        return (False, f"{missing[0]} (iproute2) not installed") if missing else (True, "")
+
+    def addr(self, node: int) -> str:
+        return f"10.214.0.{node + 1}"
+
+    def _run(self, *cmd):
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if p.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {p.stderr.strip()}")
+
+    def _shape(self, ns, dev):
+        self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                  "burst", self.burst, "latency", self.latency)
+
+    def __enter__(self):
+        try:
+            b = self.bridge
+            self._run("ip", "netns", "add", b)
+            self._made.append(b)
+            self._run("ip", "-n", b, "link", "add", "br0", "type", "bridge")
+            self._run("ip", "-n", b, "link", "set", "br0", "up")
+            for j, ns in enumerate(self.ns):
+                self._run("ip", "netns", "add", ns)
+                self._made.append(ns)
+                self._run("ip", "-n", b, "link", "add", f"p{j}", "type", "veth", "peer", "name", "eth0",
+                          "netns", ns)
+                self._run("ip", "-n", b, "link", "set", f"p{j}", "master", "br0", "up")
+                self._run("ip", "-n", ns, "addr", "add", f"{self.addr(j)}/24", "dev", "eth0")
+                self._run("ip", "-n", ns, "link", "set", "eth0", "up")
+                self._run("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape(ns, "eth0")  # what node j sends
+                self._shape(b, f"p{j}")  # what node j receives
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+        self._made = []
+
+
+def _mlp():
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _build(mesh, spec):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import gtopk_plugin.torch_fsdp as fsdp
+
+    model = _mlp()
+    where = mesh["shard"] if spec["kind"] == "floor" else mesh
+    mp = MixedPrecisionPolicy(reduce_dtype=getattr(torch, spec["reduce_dtype"])) if "reduce_dtype" in spec \
+        else MixedPrecisionPolicy()
+    for m in list(model)[::2] + [model]:
+        fully_shard(m, mesh=where, mp_policy=mp)
+    state = None
+    if spec["kind"] == "ours":
+        state = fsdp.sparse_replica_reduction(model, method=spec["method"], density=spec["density"])
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), state
+
+
+def worker(ctx, args):
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (args["nodes"], args["local"]), mesh_dim_names=("replicate", "shard"))
+    runs = {name: _build(mesh, spec) + ([],) for name, spec in VARIANTS.items()}
+    traffic = {}
+    g = torch.Generator().manual_seed(ctx.rank)
+    order = list(runs)
+    for rnd in range(args["warmup"] + args["rounds"]):
+        for name in order[rnd % len(order):] + order[:rnd % len(order)]:
+            model, opt, state, times = runs[name]
+            x = torch.randn(BATCH, WIDTHS[0], generator=g)
+            y = torch.randint(0, WIDTHS[-1], (BATCH,), generator=g)
+            ctx.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if rnd >= args["warmup"]:
+                times.append(time.perf_counter() - t0)
+            if state is not None:
+                traffic[name] = state.last_step_traffic
+    n_params = sum(p.numel() for p in _mlp().parameters())
+    return {"params": n_params, "times": {n: r[3] for n, r in runs.items()}, "traffic": traffic}
+
+
+def run_topology(nodes: int, local: int, args) -> dict:
+    """One launch of nodes x local ranks; per variant the median step (ms)."""
+    from gtopk_plugin.bench import bench_launch
+
+    payload = {"nodes": nodes, "local": local, "rounds": args.rounds, "warmup": args.warmup}
+    ok, why = NodeLinks.available()
+    link = f"{args.rate} between nodes (tc tbf), unshaped inside" if ok else f"unshaped loopback ({why})"
+    P = nodes * local
+    if ok:
+        with NodeLinks(nodes, args.rate) as net:
+            reps = bench_launch.run_workers(P, worker, payload, master_addr=net.addr(0), ifname="eth0",
+                                            prefix=lambda r: ["ip", "netns", "exec", net.ns[r // local]],
+                                            timeout=args.timeout)
+    else:
+        reps = bench_launch.run_workers(P, worker, payload, timeout=args.timeout)
+    med = {n: statistics.median(t for r in reps for t in r["times"][n]) * 1e3 for n in VARIANTS}
+    rows = {}
+    for n in VARIANTS:
+        tr = reps[0]["traffic"].get(n) or {}
+        rows[n] = {"median_ms": med[n], "vs_stock": med[n] / med[BASELINE],
+                   "replica_bytes_sent": tr.get("bytes_sent"), "replica_dense_bytes": tr.get("dense_bytes")}
+    return {"nodes": nodes, "local": local, "link": link, "params": reps[0]["params"], "rows": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--local", type=int, default=2, help="ranks per node (the shard dimension)")
+    ap.add_argument("--rate", default="1gbit", help="tc rate of each node's link")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "hsdp_step.json"))
+    args = ap.parse_args(argv)
+    results = []
+    for nodes in args.nodes:
+        res = run_topology(nodes, args.local, args)
+        results.append(res)
+        print(f"\nHSDP step, {nodes} nodes x {args.local} ranks, {res['link']}, {res['params'] / 1e6:.1f}M-parameter "
+              f"MLP, batch {BATCH} per rank, one thread per rank (median over ranks and {args.rounds} rounds)")
+        print(f"{'variant':<30} {'ms':>8} {'x stock':>8}   replica bytes sent per rank (dense)")
+        for n, r in res["rows"].items():
+            b = "" if r["replica_bytes_sent"] is None else \
+                f"{r['replica_bytes_sent']:,} ({r['replica_dense_bytes']:,})"
+            print(f"{n:<30} {r['median_ms']:8.1f} {r['vs_stock']:8.2f}   {b}")
+    two = next((r for r in results if r["nodes"] == 2), None)
+    if two is not None:
+        ratio = two["rows"]["gtopk 1%"]["vs_stock"]
+        print(f"\ngoal: gtopk 1% <= {GOAL} x stock HSDP at 2 nodes: {ratio:.2f} "
+              f"({'met' if ratio <= GOAL else 'not met'})")
+    write_json(args.out, "hsdp_step",
+               settings={"nodes": args.nodes, "local": args.local, "rate": args.rate, "rounds": args.rounds,
+                         "warmup": args.warmup, "batch": BATCH, "widths": WIDTHS, "threads_per_rank": 1,
+                         "optimizer": "SGD lr 0.01", "goal": GOAL},
+               results=results, packages=("torch",))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
