@@ -218,16 +218,20 @@ class SparseReplicaState:
         """(this replica's gradient norm over all its shards, whether any rank
         has a non-finite gradient): one float64 sum over the shard group, one
         max over the replicas -- so that every rank takes the same path."""
-        sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads.values()),
-                 torch.zeros((), dtype=torch.float64))
         dev = next(iter(grads.values())).device if grads else torch.device("cpu")
         if dist.get_backend(self.topology.shard_group) == "gloo":
             dev = torch.device("cpu")
-        v = sq.reshape(1).to(dev)
+        clip = self.reducer.config.clip_norm is not None
+        if clip:  # float64, as the reducer's own norm (docs/design.md §5)
+            sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
+        else:  # a sum is finite when every entry is (a sum that overflowed is checked entry by entry)
+            sq = 0.0 if all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
+                            for g in grads.values()) else float("nan")
+        v = torch.tensor([sq], dtype=torch.float64, device=dev)
         dist.all_reduce(v, group=self.topology.shard_group)
         flag = torch.tensor([0 if bool(torch.isfinite(v).all()) else 1], dtype=torch.int64, device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.replicate_group)
-        return float(v[0]) ** 0.5, bool(flag[0])
+        return (float(v[0]) ** 0.5 if clip else None), bool(flag[0])
 
     def _nonfinite(self, grads) -> None:
         """Some rank's gradient holds NaN/Inf: the reducer's policy, applied
