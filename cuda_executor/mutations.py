@@ -300,16 +300,17 @@ def main(argv=None) -> int:
         print(f"unmodified kernels, {sched} schedule (seed {seed}): {r['outcome']} "
               f"({r['s']:.0f} s){'' if r['outcome'] == 'passed' else chr(10) + r['detail']}",
               flush=True)
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        results = list(pool.map(lambda m: (m, _subprocess(m.name, "rotate", 1, a.timeout)), chosen))
     rows = []
-    for m, r in results:
-        caught = r["outcome"] in CAUGHT
-        first = r["detail"].splitlines()[1] if r["outcome"] == "reported" and "\n" in r["detail"] \
-            else r["detail"].splitlines()[0] if r["detail"] else ""
-        rows.append({**asdict(m), **r, "caught": caught, "first": first})
-        print(f"{'CAUGHT' if caught else 'missed'}  {m.name:30s} {r['outcome']:13s} "
-              f"{first[:90]}", flush=True)
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        results = pool.map(lambda m: (m, _subprocess(m.name, "rotate", 1, a.timeout)), chosen)
+        for m, r in results:  # in order, as they finish
+            caught = r["outcome"] in CAUGHT
+            lines = r["detail"].splitlines()
+            first = lines[1] if r["outcome"] == "reported" and len(lines) > 1 else \
+                lines[0] if lines else ""
+            rows.append({**asdict(m), **r, "caught": caught, "first": first})
+            print(f"{'CAUGHT' if caught else 'missed'}  {m.name:30s} {r['outcome']:13s} "
+                  f"{first[:90]}", flush=True)
     n_caught = sum(r["caught"] for r in rows)
     base_ok = all(r["outcome"] == "passed" for r in baseline.values())
     print(f"\n{n_caught} of {len(rows)} mutations caught; unmodified kernels "

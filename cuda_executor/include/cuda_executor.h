@@ -241,9 +241,12 @@ __attribute__((noinline)) T shfl_xor(int line, unsigned mask, T v, int lane_mask
 __attribute__((noinline)) inline unsigned long long vote(int line, int op, unsigned mask, int pred) {
   return CUDA_EXEC_WARP(op, mask, pred != 0, 0, 32);
 }
-__attribute__((noinline)) inline void syncwarp(int line, unsigned mask = 0xFFFFFFFFu) {
-  CUDA_EXEC_WARP(W_SYNC, mask, 0, 0, 32);
-}
+struct SyncWarp {  // __syncwarp(mask = all lanes), called at source line `line`
+  int line;
+  __attribute__((noinline)) void operator()(unsigned mask = 0xFFFFFFFFu) const {
+    CUDA_EXEC_WARP(W_SYNC, mask, 0, 0, 32);
+  }
+};
 }  // namespace cuda_exec_detail
 
 #define __shfl_sync(...) ::cuda_exec_detail::shfl(__LINE__, __VA_ARGS__)
@@ -256,7 +259,7 @@ __attribute__((noinline)) inline void syncwarp(int line, unsigned mask = 0xFFFFF
   static_cast<int>(::cuda_exec_detail::vote(__LINE__, cuda_exec_detail::W_ANY, mask, pred))
 #define __all_sync(mask, pred) \
   static_cast<int>(::cuda_exec_detail::vote(__LINE__, cuda_exec_detail::W_ALL, mask, pred))
-#define __syncwarp(...) ((void)::cuda_exec_detail::syncwarp(__LINE__, ##__VA_ARGS__))
+#define __syncwarp(...) (::cuda_exec_detail::SyncWarp{__LINE__}(__VA_ARGS__))
 inline unsigned __activemask() { return cuda_exec_activemask(); }
 
 // ---------------------------------------------------------------------------

@@ -106,7 +106,9 @@ struct Rec {
 };
 
 struct Cell {
-  Rec w, r;
+  Rec w;   // the last write
+  Rec w2;  // an earlier atomic write not ordered before w (atomics do not order each other)
+  Rec r;   // a read
   uint32_t igen;  // shared: bytes written by the block (imask) in generation igen
   uint8_t imask;
 };
@@ -448,10 +450,21 @@ void cell_access(Cell& c, uint32_t gen, int space, uintptr_t addr, uint32_t size
     report(R_UNINIT, space, addr, size, pc, nullptr, "read of shared memory the block never wrote");
   if (c.w.gen == gen && (c.w.mask & mask) && !(atomic && (c.w.kind & A_ATOMIC)) && !ordered(c.w))
     report(write ? R_RACE_WAW : R_RACE_RAW, space, addr, size, pc, &c.w, nullptr);
+  else if (!atomic && c.w2.gen == gen && (c.w2.mask & mask) && !ordered(c.w2))
+    report(write ? R_RACE_WAW : R_RACE_RAW, space, addr, size, pc, &c.w2, nullptr);
   if (write && c.r.gen == gen && (c.r.mask & mask) && !(atomic && (c.r.kind & A_ATOMIC)) &&
       !ordered(c.r))
     report(R_RACE_WAR, space, addr, size, pc, &c.r, nullptr);
   if (write) {
+    if (!atomic) {
+      c.w2.gen = 0;  // checked against both: every earlier write is settled
+    } else if (c.w.gen == gen && (c.w.kind & A_ATOMIC)) {
+      // keep another block's atomic if there is one (it is the one a later
+      // plain access of this block may be unordered with)
+      if (c.w.block != cur_block ||
+          (c.w.tid != cur->tid && !(c.w2.gen == gen && c.w2.block != cur_block)))
+        c.w2 = c.w;
+    }
     fill(c.w, gen, pc, mask, kind);
     if (space == 1) {
       if (c.igen != gen) {
