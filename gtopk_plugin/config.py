@@ -84,12 +84,31 @@ def check_momentum(m, nesterov: bool = False, dampening: float = 0.0) -> None:
     ``ValueError`` saying what to pass.  (Here, at the bottom layer, so that
     both this config and ``compress.momentum.MomentumSpec`` use it.)"""
     if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= float(m) < 1.0):
-        raise ValueError(f"momentum must be a number in [0, 1), e.g. 0.9; got {m!r}")
+        raise ValueError(f"momentum_correction must be True (the optimizer's momentum), a momentum in "
+                         f"[0, 1) such as 0.9, or None; got {m!r}")
     if not (0.0 <= float(dampening) <= 1.0):
         raise ValueError(f"dampening must be in [0, 1]; got {dampening!r}")
     if nesterov and (float(m) == 0.0 or float(dampening) != 0.0):
         raise ValueError("Nesterov momentum requires momentum > 0 and dampening 0 "
                          "(as torch.optim.SGD)")
+
+
+def split_momentum_correction(value, optimizer=None, named_parameters=None, *, wrapped: bool = False):
+    """The public ``momentum_correction=`` as (momentum or None, bind): True
+    reads the torch ``optimizer``'s own momentum (bind it; the reducers also
+    need ``named_parameters``; ``wrapped``: the front end binds the optimizer
+    it wraps), a number is the momentum itself, None/False is off
+    (docs/recipes.md).  ``ValueError`` for a missing or stray optimizer."""
+    bind, needs_names = value is True, not wrapped
+    if bind and not wrapped and (optimizer is None or named_parameters is None):
+        raise ValueError("momentum_correction=True reads the SGD optimizer's momentum: pass "
+                         "optimizer=<the torch.optim optimizer>"
+                         + (" and named_parameters=model.named_parameters()" if needs_names else "")
+                         + " (or the momentum itself, momentum_correction=0.9, with an optimizer "
+                         "built without momentum)")
+    if optimizer is not None and not bind:
+        raise ValueError("optimizer= is only used with momentum_correction=True")
+    return (None if bind or value is None or value is False else value), bind
 
 
 @dataclass(frozen=True)
@@ -112,8 +131,8 @@ class ReducerConfig:
     nonfinite: str = "raise"
     error_feedback: bool = True
     kernels: str = field(default_factory=lambda: env_kernels())
-    # DGC momentum correction (compress/momentum.py): None = off
-    momentum: Optional[float] = None
+    # DGC momentum correction (compress/momentum.py): the momentum, None = off
+    momentum_correction: Optional[float] = None
     nesterov: bool = False
     dampening: float = 0.0
     momentum_masking: bool = True
@@ -186,11 +205,19 @@ class ReducerConfig:
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"unknown nonfinite policy {self.nonfinite!r}; pass 'raise', 'skip' or "
                              "'propagate'")
-        if self.momentum is not None:
-            check_momentum(float(self.momentum), bool(self.nesterov), float(self.dampening))
-            object.__setattr__(self, "momentum", float(self.momentum))
-        elif self.nesterov:
-            raise ValueError("nesterov=True needs momentum= (e.g. momentum=0.9, nesterov=True)")
+        m = self.momentum_correction
+        if m is True:
+            raise ValueError("momentum_correction=True reads the optimizer's momentum: pass it to "
+                             "GradientReducer/SparseState with optimizer=, or give the momentum "
+                             "itself (momentum_correction=0.9)")
+        if m is not None and m is not False:
+            check_momentum(m, bool(self.nesterov), float(self.dampening))
+            object.__setattr__(self, "momentum_correction", float(m))
+        else:
+            object.__setattr__(self, "momentum_correction", None)
+            if self.nesterov:
+                raise ValueError("nesterov=True needs momentum_correction=<momentum> "
+                                 "(e.g. momentum_correction=0.9, nesterov=True)")
         if self.clip_norm is not None:
             try:
                 c = float(self.clip_norm)

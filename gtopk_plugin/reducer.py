@@ -29,7 +29,7 @@ from gtopk_plugin.compress.dense import DenseSelector
 from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
 from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
 from gtopk_plugin.compress.topk import GTopKSelector, TopKSelector
-from gtopk_plugin.config import ReducerConfig
+from gtopk_plugin.config import ReducerConfig, split_momentum_correction
 from gtopk_plugin.pipeline.check_stages import Agree, Compensate, CompensateEarly, FusedTopK, GradsFinite, Validate
 from gtopk_plugin.pipeline.dense_direct import DensePath, DirectUpdate, RedoCopy
 from gtopk_plugin.pipeline.exchange_stages import (Aggregate, Encode, NearestWire, Record, Residual, Select,
@@ -70,15 +70,16 @@ class GradientReducer:
                  value_dtype: Optional[torch.dtype] = None, op: str = "average",
                  transport: Optional[Transport] = None, seed: int = 0, warmup=None,
                  nonfinite: str = "raise", error_feedback: bool = True,
-                 kernels: Optional[str] = None, momentum: Optional[float] = None,
+                 kernels: Optional[str] = None, momentum_correction=None,
                  nesterov: bool = False, dampening: float = 0.0, momentum_masking: bool = True,
                  clip_norm: Optional[float] = None, dense_below: int = 0, wire_rounding: str = "nearest",
-                 **hyper):
+                 optimizer=None, named_parameters=None, **hyper):
         kw = {} if kernels is None else {"kernels": kernels}
+        momentum, bind = split_momentum_correction(momentum_correction, optimizer, named_parameters)
         self.config = cfg = ReducerConfig(
             method=method, density=density, r_factor=r_factor, merge=merge, granularity=granularity,
             value_dtype=value_dtype, op=op, seed=seed, warmup=warmup, nonfinite=nonfinite,
-            error_feedback=bool(error_feedback), momentum=momentum, nesterov=bool(nesterov),
+            error_feedback=bool(error_feedback), momentum_correction=momentum, nesterov=bool(nesterov),
             dampening=dampening, momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
             hyper=hyper, dense_below=dense_below, wire_rounding=wire_rounding, **kw)
         if transport is None:
@@ -92,7 +93,7 @@ class GradientReducer:
         self.aggregation = cfg.aggregation
         self.memory = ErrorFeedback(cfg.error_feedback)
         self.momentum = MomentumCorrection(
-            None if cfg.momentum is None else MomentumSpec(cfg.momentum, cfg.nesterov, cfg.dampening),
+            None if cfg.momentum_correction is None else MomentumSpec(cfg.momentum_correction, cfg.nesterov, cfg.dampening),
             masking=cfg.momentum_masking)
         self.state = ReducerState(cfg, self.aggregation, transport, self.compressor, self.memory, self.momentum)
         self.last_stats: Optional[ReduceStats] = None
@@ -100,6 +101,8 @@ class GradientReducer:
         self._updates = UpdateBuffers()
         self._small: Optional[SmallTensors] = None
         self._stages = self._build()
+        if bind:
+            self.bind_optimizer(optimizer, named_parameters)
 
     def _build(self):
         """The stages of a call (docs/design.md §2), chosen from the settings:
@@ -107,7 +110,7 @@ class GradientReducer:
         update, wrapped by the small tensors' dense side with ``dense_below``."""
         cfg, st, tr, agg = self.config, self.state, self.transport, collectives.get(self.aggregation)
         segments = Segments(cfg.granularity, full=self.codec)
-        if cfg.momentum is not None or cfg.clip_norm is not None:
+        if cfg.momentum_correction is not None or cfg.clip_norm is not None:
             early = GradsFinite()  # they change state: compensate after the check
         elif type(self.compressor) is DenseSelector and self.aggregation == "dense":
             early = DensePath(cfg, st, self._updates, tr)  # the gradients straight into the update
@@ -128,7 +131,8 @@ class GradientReducer:
             return stages
         dense = GradientReducer(
             method="dense", op=cfg.op, transport=tr, seed=cfg.seed, nonfinite=cfg.nonfinite,
-            error_feedback=cfg.error_feedback, kernels=cfg.kernels, momentum=cfg.momentum,
+            error_feedback=cfg.error_feedback, kernels=cfg.kernels,
+            momentum_correction=cfg.momentum_correction,
             nesterov=cfg.nesterov, dampening=cfg.dampening, momentum_masking=cfg.momentum_masking,
             clip_norm=cfg.clip_norm)
         self._small = st.small = SmallTensors(stages, dense, st, cfg.dense_below)
@@ -184,7 +188,7 @@ class GradientReducer:
 
     @property
     def binding(self):
-        """The optimizer binding of :meth:`correct_momentum`, or None."""
+        """The optimizer binding of ``momentum_correction=True``, or None."""
         return self.state.binding
 
     @binding.setter
@@ -216,15 +220,15 @@ class GradientReducer:
         transport's rank is not asked)."""
         self.state.load_own(sd)
 
-    def correct_momentum(self, optimizer, named_parameters) -> "GradientReducer":
-        """Turn on DGC momentum correction with ``optimizer``'s own settings:
-        its SGD momentum (nesterov, dampening) and weight decay move in
-        front of the compressor, read from its param groups at every call,
-        and ``optimizer.step()`` runs with momentum and weight decay 0 for
-        those groups (restored right after).  ``named_parameters`` gives the
-        names this reducer sees.  Returns ``self``.  Raises ``ValueError``
-        for optimizers without SGD momentum (Adam, AdamW: use plain error
-        feedback)."""
+    def bind_optimizer(self, optimizer, named_parameters) -> "GradientReducer":
+        """What ``momentum_correction=True, optimizer=, named_parameters=``
+        does at construction, for a reducer built or loaded without its
+        optimizer: ``optimizer``'s SGD momentum (nesterov, dampening) and
+        weight decay move in front of the compressor, read from its param
+        groups at every call, and ``optimizer.step()`` runs with momentum and
+        weight decay 0 for those groups (restored right after).  Returns
+        ``self``.  ``ValueError`` for optimizers without SGD momentum (Adam,
+        AdamW: use plain error feedback)."""
         if self.binding is not None:
             self.binding.remove()
         self.binding = OptimizerBinding(optimizer, named_parameters)

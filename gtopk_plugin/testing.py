@@ -53,8 +53,8 @@ class Oracle:
         # DGC momentum correction per simulated worker: the library's own
         # MomentumCorrection (the convergence study runs the library's code;
         # tests/support/oracles.py has an independent numpy twin)
-        spec = None if self.cfg.momentum is None else \
-            MomentumSpec(self.cfg.momentum, self.cfg.nesterov, self.cfg.dampening)
+        spec = None if self.cfg.momentum_correction is None else \
+            MomentumSpec(self.cfg.momentum_correction, self.cfg.nesterov, self.cfg.dampening)
         self.velocity = [MomentumCorrection(spec, self.cfg.momentum_masking) for _ in range(world_size)]
         self.step_count = 0
         self.last_sent: List[Tensor] = []

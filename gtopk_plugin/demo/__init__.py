@@ -11,7 +11,7 @@ side by side::
     python -m gtopk_plugin.demo --method rtopk --density 0.02 --json out.json
 
 The default recipe (docs/recipes.md): DGC momentum correction via
-``reducer.correct_momentum(opt, model.named_parameters())`` and a cosine
+``GradientReducer(..., momentum_correction=True, optimizer=opt, ...)`` and a cosine
 learning rate; ``--warmup-epochs`` turns on DGC's density warm-up,
 ``--no-momentum-correction`` leaves momentum to the optimizer.  Exit status
 is non-zero if any worker raises, dies or exceeds ``--timeout``.

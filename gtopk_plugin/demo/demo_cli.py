@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-momentum-correction", action="store_true",
                    help="keep momentum in the optimizer, applied to the sparse update (by default the "
                         "sparse method runs DGC momentum correction + masking: "
-                        "reducer.correct_momentum(optimizer, named_parameters))")
+                        "GradientReducer(..., momentum_correction=True, optimizer=opt))")
     p.add_argument("--warmup-epochs", type=float, default=d["warmup_epochs"],
                    help=f"DGC density warm-up: the density decays geometrically from {WARMUP_START:g} to "
                         f"--density over this many epochs (default {d['warmup_epochs']:g}; 0: off)")

@@ -178,14 +178,14 @@ def train_one(method: str, args, data, rank: int, world: int, fail_at_step: Opti
     x_tr, y_tr = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     steps_per_epoch = len(y_tr) // args.batch_size
-    reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed,
-                                 warmup=warmup_schedule(method, args, steps_per_epoch))
     corrected = uses_momentum_correction(method, args)
-    if corrected:
-        # DGC momentum correction + factor masking: the velocity lives in the
-        # reducer, per worker, in front of the compressor; opt.step() runs
-        # without momentum (the binding reads it from opt at every step)
-        reducer.correct_momentum(opt, model.named_parameters())
+    # DGC momentum correction + factor masking: the velocity lives in the
+    # reducer, per worker, in front of the compressor; opt.step() runs
+    # without momentum (the reducer reads it from opt at every step)
+    correction = dict(momentum_correction=True, optimizer=opt, named_parameters=model.named_parameters())
+    reducer = gp.GradientReducer(method=method, density=args.density, seed=args.seed,
+                                 warmup=warmup_schedule(method, args, steps_per_epoch),
+                                 **(correction if corrected else {}))
     x_te, y_te = torch.from_numpy(data["x_test"]), torch.from_numpy(data["y_test"])
     show, traffic, history = rank == 0, _Traffic(), []
 

@@ -231,7 +231,7 @@ def bind_to_backend(policy: VariancePolicy, backend) -> VariancePolicy:
     if red is None:
         return policy.bind(int(backend.size), op="average", exact=True)
     cfg = red.config
-    plain = cfg.method == "dense" and cfg.momentum is None and cfg.clip_norm is None
+    plain = cfg.method == "dense" and cfg.momentum_correction is None and cfg.clip_norm is None
     return policy.bind(int(backend.size), op=cfg.op, exact=plain)
 
 

@@ -48,7 +48,9 @@ class ElasticScheduler:
             running gradient-variance estimate.
         max_staleness: int ≥ 0 (default 1): no parameter lags more steps.
         bucket_cap_mb: fuse consecutive layers' reductions up to this MiB (0: off).
-        momentum_correction: DGC momentum correction through a sparse ``reducer``.
+        momentum_correction: True: DGC momentum correction with ``optimizer``'s
+            own momentum, through a sparse ``reducer`` (a fixed momentum is
+            the reducer's own ``momentum_correction=``).
         reducer: ``None`` (dense average) or a :class:`~gtopk_plugin.GradientReducer`
             run per layer on a background thread.
         transport: ``None`` (torch.distributed), a Transport, or an
@@ -61,7 +63,7 @@ class ElasticScheduler:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
                  policy: str = "norm", beta: float = 0.5, variance_factor: float = 1.0,
-                 max_staleness: int = 1, transport=None, momentum_correction: bool = False,
+                 max_staleness: int = 1, transport=None, momentum_correction=None,
                  bucket_cap_mb: float = 0.0):
         bad: Optional[str] = None
         try:
@@ -70,11 +72,14 @@ class ElasticScheduler:
                     "clip_norm needs this worker's norm over the whole step, but the elastic scheduler "
                     "reduces each layer as soon as its gradient exists; build the reducer without "
                     "clip_norm (or clip per layer yourself before the gradients are reduced)")
+            if momentum_correction is not None and not isinstance(momentum_correction, bool):
+                raise ValueError("ElasticScheduler(momentum_correction=) is True or False (the optimizer's "
+                                 "momentum); a fixed momentum is the reducer's own momentum_correction=")
             if momentum_correction:
                 if reducer is None:
                     raise ValueError("momentum_correction=True applies to a sparse reducer; with dense "
                                      "reduction the optimizer's own momentum is already exact")
-                reducer.correct_momentum(optimizer, model.named_parameters())
+                reducer.bind_optimizer(optimizer, model.named_parameters())
             self.config = ElasticConfig(policy=policy, beta=beta, variance_factor=variance_factor,
                                         max_staleness=max_staleness, bucket_cap_mb=bucket_cap_mb)
             if not isinstance(model, torch.nn.Module):

@@ -101,7 +101,8 @@ class Validate:
         layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(c.names, c.tensors)]
         layout.append(("settings", cfg.method, self.aggregation, cfg.granularity, str(cfg.value_dtype),
                        cfg.wire_rounding, cfg.op, c.step, tuple(ks)))
-        layout.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback, cfg.momentum, cfg.nesterov,
+        layout.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback,
+                       cfg.momentum_correction, cfg.nesterov,
                        cfg.dampening, cfg.momentum_masking, cfg.clip_norm, cfg.dense_below,
                        None if c.loss_scale is None else float(c.loss_scale)))
         if binding is not None:

@@ -249,8 +249,8 @@ class ReducerState:
                 "error_feedback": bool(cfg.error_feedback), "dense_below": int(cfg.dense_below),
                 # a record only (free to change at a resume)
                 "granularity": cfg.granularity, "op": cfg.op, "value_dtype": str(cfg.value_dtype),
-                "wire_rounding": cfg.wire_rounding, "momentum": cfg.momentum, "nesterov": cfg.nesterov,
-                "dampening": cfg.dampening, "momentum_masking": cfg.momentum_masking}
+                "wire_rounding": cfg.wire_rounding, "momentum_correction": cfg.momentum_correction,
+                "nesterov": cfg.nesterov, "dampening": cfg.dampening, "momentum_masking": cfg.momentum_masking}
 
     def origin(self) -> Optional[Tuple[int, int]]:
         """Where this state belongs: the transport's (rank, world size);

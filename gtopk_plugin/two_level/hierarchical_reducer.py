@@ -102,7 +102,8 @@ class HierarchicalReducer:
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, *, local_size=None,
                  node_of_rank=None, group=None, timeout: Optional[float] = None, engine=None,
-                 own_node: Optional[int] = None, intra_fabric: str = "auto", **kwargs):
+                 own_node: Optional[int] = None, intra_fabric: str = "auto", momentum_correction=None,
+                 optimizer=None, named_parameters=None, **kwargs):
         if "transport" in kwargs:
             raise ValueError("HierarchicalReducer builds its transports from the topology; pass "
                              "group= (torch.distributed) instead of transport=")
@@ -112,7 +113,9 @@ class HierarchicalReducer:
         self._topology_args = dict(local_size=local_size, node_of_rank=node_of_rank, own_node=own_node)
         self._engine = engine if engine is not None else TorchEngine(group=group, timeout=timeout)
         user_op, clip = kwargs.pop("op", "average"), kwargs.pop("clip_norm", None)
-        self._inner_kwargs = dict(kwargs, method=method, density=density, op="sum")
+        momentum, bind = config.split_momentum_correction(momentum_correction, optimizer, named_parameters)
+        self._inner_kwargs = dict(kwargs, method=method, density=density, op="sum",
+                                  momentum_correction=momentum)
         # validates every keyword now (ValueError naming it); the leader's
         # real inner reducer is built at setup(), on its transport
         probe = GradientReducer(transport=_Unbound(), **self._inner_kwargs)
@@ -128,6 +131,8 @@ class HierarchicalReducer:
         self._step = 0
         self.last_stats: Optional[ReduceStats] = None
         self._pending_state: Optional[dict] = None
+        if bind:
+            self.bind_optimizer(optimizer, named_parameters)
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> Topology:
@@ -293,7 +298,8 @@ class HierarchicalReducer:
                     cfg.op, self.step, tuple(ks), cfg.clip_norm, cfg.dense_below))
         # whatever else changes the result (the leaders' inner check sees
         # only the leaders; a worker's nonfinite policy acts on every rank)
-        lay.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback, cfg.momentum, cfg.nesterov,
+        lay.append(("policy", cfg.seed, cfg.nonfinite, cfg.error_feedback,
+                    cfg.momentum_correction, cfg.nesterov,
                     cfg.dampening, cfg.momentum_masking, cfg.wire_rounding))
         if self.binding is not None:
             lay.append(("optimizer",) + tuple(self.binding.fingerprint(names)))
@@ -303,9 +309,9 @@ class HierarchicalReducer:
         return lay
 
     # --------------------------------------------------- optimizer, state
-    def correct_momentum(self, optimizer, named_parameters) -> "HierarchicalReducer":
+    def bind_optimizer(self, optimizer, named_parameters) -> "HierarchicalReducer":
         """DGC momentum correction with ``optimizer``'s settings, as
-        :meth:`GradientReducer.correct_momentum` (call it on every rank:
+        :meth:`GradientReducer.bind_optimizer` (call it on every rank:
         every rank's optimizer then steps without momentum and weight decay;
         weight decay is added per worker, the velocity is the leader's)."""
         if self.binding is not None:

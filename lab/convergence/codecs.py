@@ -7,7 +7,7 @@ cosine decay; :data:`.momentum.BUDGET`), P = 4:
 
 - ``onebit`` (EF-signSGD), ``powersgd`` at rank 4, ``qsgd`` (7 levels,
   buckets of 32), each two ways:
-  ``corr`` -- the library's momentum correction (``GradientReducer(momentum=0.9)``:
+  ``corr`` -- the library's momentum correction (``GradientReducer(momentum_correction=0.9)``:
   each worker's velocity goes through error feedback; momentum factor
   masking only applies to sparse selections, so it is a no-op here), SGD
   without momentum applies the decoded update;

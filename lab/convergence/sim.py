@@ -22,7 +22,7 @@ Momentum, four ways (``RunSpec.momentum_mode``), plain or Nesterov
   user gets by putting ``torch.optim.SGD(momentum=m)`` after the reducer
   without turning the correction on).
 - ``"corr"``: DGC momentum correction (Lin et al. 2018), the library's own
-  (``Oracle(momentum=m, nesterov=..., momentum_masking=False)``, i.e.
+  (``Oracle(momentum_correction=m, nesterov=..., momentum_masking=False)``, i.e.
   :class:`gtopk_plugin.compress.momentum.MomentumCorrection` per simulated
   worker): each worker keeps a local velocity and feeds it to error
   feedback; the optimizer has no momentum.
@@ -177,7 +177,7 @@ def reducer_kwargs(spec: RunSpec, steps: int, steps_per_epoch: Optional[int] = N
                 raise ValueError("warmup_epochs needs steps_per_epoch")
             kw["warmup"] = dgc_warmup(spec.warmup_epochs, steps_per_epoch, spec.warmup_start)
         if spec.momentum_mode in ("corr", "dgc"):
-            kw.update(momentum=spec.momentum, nesterov=spec.nesterov,
+            kw.update(momentum_correction=spec.momentum, nesterov=spec.nesterov,
                       momentum_masking=spec.momentum_mode == "dgc")
     if spec.clip_norm is not None:
         kw["clip_norm"] = spec.clip_norm

@@ -83,15 +83,15 @@ def test_momentum_modes_use_the_library_correction():
     s = sim.RunSpec(task="digits", method="gtopk", momentum=0.9, momentum_mode="dgc", nesterov=True,
                     clip_norm=2.0, warmup_epochs=1.0)
     kw = sim.reducer_kwargs(s, steps, steps_per_epoch=22)
-    assert kw["momentum"] == 0.9 and kw["nesterov"] is True and kw["momentum_masking"] is True
+    assert kw["momentum_correction"] == 0.9 and kw["nesterov"] is True and kw["momentum_masking"] is True
     assert kw["clip_norm"] == 2.0 and kw["warmup"].steps == 22 and kw["warmup"].start_density == 0.25
     assert sim.optimizer_momentum(s) == 0.0
     corr = sim.reducer_kwargs(sim.RunSpec(task="digits", method="topk", momentum=0.9, momentum_mode="corr"), steps, 22)
     assert corr["momentum_masking"] is False
-    assert "momentum" not in sim.reducer_kwargs(sim.RunSpec(task="digits", method="topk", momentum=0.9,
+    assert "momentum_correction" not in sim.reducer_kwargs(sim.RunSpec(task="digits", method="topk", momentum=0.9,
                                                             momentum_mode="opt"), steps, 22)
     dense = sim.RunSpec(task="digits", method="dense", momentum=0.9, momentum_mode="dgc", nesterov=True)
-    assert "momentum" not in sim.reducer_kwargs(dense, steps, 22)
+    assert "momentum_correction" not in sim.reducer_kwargs(dense, steps, 22)
     import torch
     opt = sim.make_optimizer(dense, [torch.zeros(3, requires_grad=True)], 0.1)
     assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["nesterov"]

@@ -40,7 +40,7 @@ CFGS = [
          reducer=dict(method="topk", density=0.1, coalesce_buckets=False)),
     # velocities of unused parameters stay as they are too
     dict(name="find_unused gtopk DGC momentum", mode="dynamic", sometimes=SOMETIMES, steps=STEPS,
-         reducer=dict(method="gtopk", density=0.1, momentum=0.9)),
+         reducer=dict(method="gtopk", density=0.1, momentum_correction=0.9)),
     # two micro-batches, the first under no_sync(): "sometimes" used in the
     # no_sync one only (steps 1, 3, 5: DDP still reduces it), in the synced
     # one only (0, 2), in neither (4, 6, 7)
@@ -92,7 +92,7 @@ def test_unused_parameters_conserve_mass_and_match_oracle(reports, ci):
     assert all(run["key"] == key for run in runs)
     names = list(key)
     phase1 = cfg.get("phase1_steps", 0)
-    momentum = cfg["reducer"].get("momentum") is not None
+    momentum = cfg["reducer"].get("momentum_correction") is not None
 
     hook_only = ("coalesce_buckets", "hierarchical", "local_size")
     oracle = Oracle(P, **{k: v for k, v in cfg["reducer"].items() if k not in hook_only})

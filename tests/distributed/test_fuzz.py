@@ -168,8 +168,8 @@ def _mismatch(draw, P, red, sizes):
     elif f == "granularity":
         kw = {"granularity": "global" if red["granularity"] == "layer" else "layer"}
     elif f == "momentum":
-        kw = {"momentum": 0.9} if red.get("momentum") is None else \
-            {"momentum": None, "nesterov": False, "dampening": 0.0}
+        kw = {"momentum_correction": 0.9} if red.get("momentum_correction") is None else \
+            {"momentum_correction": None, "nesterov": False, "dampening": 0.0}
     elif f == "error_feedback":
         kw = {"error_feedback": False}
     elif f == "clip_norm":
@@ -240,7 +240,7 @@ def _ddp_spec(draw, P):
     if method != "dense":
         red["density"] = draw(st.sampled_from([0.1, 0.01, 0.3, 1.0]))
     if _chance(draw, 1, 3):
-        red["momentum"] = 0.9
+        red["momentum_correction"] = 0.9
     shapes = {"head.weight": [d_out, d_h], "head.bias": [d_out], "trunk.weight": [d_h, d_in], "trunk.bias": [d_h]}
     for b in range(nb):
         shapes[f"branches.{b}.weight"] = [d_out, d_in]
@@ -300,7 +300,7 @@ def case_specs(draw, P, family):
     if merges:
         red["merge"] = draw(st.sampled_from((None,) + tuple(merges)))
     if _chance(draw, 1, 3):
-        red["momentum"] = draw(st.sampled_from([0.5, 0.9]))
+        red["momentum_correction"] = draw(st.sampled_from([0.5, 0.9]))
         red["nesterov"] = draw(st.booleans())
         red["dampening"] = 0.0 if red["nesterov"] else draw(st.sampled_from([0.0, 0.25]))
         red["momentum_masking"] = draw(st.booleans())

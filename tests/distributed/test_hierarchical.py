@@ -162,7 +162,7 @@ def test_clipping_is_per_worker_before_the_node_sum(feat_results):
 
 
 @pytest.mark.parametrize("case,kw", [
-    ("momentum", dict(momentum=0.9, warmup=(0.3, 0.1))),
+    ("momentum", dict(momentum_correction=0.9, warmup=(0.3, 0.1))),
     ("fp16wire", dict(value_dtype=torch.float16)),
 ])
 def test_leader_features_equal_the_oracle(feat_results, case, kw):
@@ -173,14 +173,14 @@ def test_leader_features_equal_the_oracle(feat_results, case, kw):
 
 
 def test_weight_decay_is_added_per_worker(feat_results):
-    """correct_momentum(SGD(momentum=0.9, weight_decay=wd)): every worker adds
+    """bind_optimizer(SGD(momentum=0.9, weight_decay=wd)): every worker adds
     wd·p before the node sum (the sum holds L copies, as L flat workers
     send), the leader keeps the velocity."""
     def decayed(r, t):
         return {n: v + WD * WD_PARAMS[n] for n, v in grads(r, t).items()}
 
     res = {q: feat_results[q]["wd"] for q in RANKS4}
-    _check_oracle(res, RANKS4, L2, Oracle(2, method="gtopk", density=DENSITY, op="sum", momentum=0.9),
+    _check_oracle(res, RANKS4, L2, Oracle(2, method="gtopk", density=DENSITY, op="sum", momentum_correction=0.9),
                   make=decayed)
 
 

@@ -20,21 +20,21 @@ from workers import grads_for
 
 STEPS = 12
 METHOD_CONFIGS = [
-    dict(method="gtopk", density=0.1, op="sum", momentum=0.9),
-    dict(method="topk", density=0.1, op="sum", momentum=0.9),
-    dict(method="rtopk", density=0.1, r_factor=3.0, op="sum", seed=7, momentum=0.9),
-    dict(method="randomk", density=0.1, op="sum", seed=3, momentum=0.9),
-    dict(method="threshold", density=0.1, op="sum", momentum=0.9),
-    dict(method="gtopk", density=0.1, op="sum", momentum=0.9, nesterov=True, grad_seed=1),
-    dict(method="topk", density=0.1, op="sum", momentum=0.8, momentum_masking=False, grad_seed=2),
-    dict(method="dense", op="sum", momentum=0.9),
+    dict(method="gtopk", density=0.1, op="sum", momentum_correction=0.9),
+    dict(method="topk", density=0.1, op="sum", momentum_correction=0.9),
+    dict(method="rtopk", density=0.1, r_factor=3.0, op="sum", seed=7, momentum_correction=0.9),
+    dict(method="randomk", density=0.1, op="sum", seed=3, momentum_correction=0.9),
+    dict(method="threshold", density=0.1, op="sum", momentum_correction=0.9),
+    dict(method="gtopk", density=0.1, op="sum", momentum_correction=0.9, nesterov=True, grad_seed=1),
+    dict(method="topk", density=0.1, op="sum", momentum_correction=0.8, momentum_masking=False, grad_seed=2),
+    dict(method="dense", op="sum", momentum_correction=0.9),
 ]
 
 
 def _oracle_for(kw, P):
     kw = dict(kw)
     kw.pop("grad_seed", None)
-    m = kw.pop("momentum")
+    m = kw.pop("momentum_correction")
     nesterov = kw.pop("nesterov", False)
     masking = kw.pop("momentum_masking", True)
     return NumpyMomentumOracle(P, m, nesterov=nesterov, masking=masking, **kw)
@@ -95,16 +95,16 @@ def _single(**kw):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
-def test_correct_momentum_equals_torch_sgd_when_everything_is_sent(nesterov, weight_decay):
+def test_momentum_correction_equals_torch_sgd_when_everything_is_sent(nesterov, weight_decay):
     """P = 1, density 1, no masking: momentum correction is exactly SGD
-    momentum, so a model trained through correct_momentum(opt) matches
+    momentum, so a model trained through bind_optimizer(opt) matches
     torch.optim.SGD(momentum, nesterov, weight_decay) itself."""
     torch.manual_seed(0)
     m1, m2 = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
     m2.load_state_dict(m1.state_dict())
     kw = dict(lr=0.01, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
     o1, o2 = torch.optim.SGD(m1.parameters(), **kw), torch.optim.SGD(m2.parameters(), **kw)
-    red = _single(method="topk", density=1.0, momentum_masking=False).correct_momentum(o2, m2.named_parameters())
+    red = _single(method="topk", density=1.0, momentum_masking=False).bind_optimizer(o2, m2.named_parameters())
     for _ in range(15):
         x = torch.randn(4, 5)
         for m, o in ((m1, o1), (m2, o2)):
@@ -122,15 +122,15 @@ def test_correct_momentum_equals_torch_sgd_when_everything_is_sent(nesterov, wei
     assert all("momentum_buffer" not in s or s["momentum_buffer"] is None for s in o2.state.values())
 
 
-def test_correct_momentum_refuses_adam_and_mixed_groups():
+def test_momentum_correction_refuses_adam_and_mixed_groups():
     m = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="Adam|SGD-style"):
-        _single(method="topk", density=0.5).correct_momentum(torch.optim.AdamW(m.parameters()),
+        _single(method="topk", density=0.5).bind_optimizer(torch.optim.AdamW(m.parameters()),
                                                              m.named_parameters())
     other = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD(list(m.parameters()) + [other], lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="separate param group"):
-        _single(method="topk", density=0.5).correct_momentum(opt, m.named_parameters())
+        _single(method="topk", density=0.5).bind_optimizer(opt, m.named_parameters())
 
 
 def test_momentum_follows_optimizer_schedule():
@@ -138,7 +138,7 @@ def test_momentum_follows_optimizer_schedule():
     momentum (OneCycleLR's cycle_momentum) changes the correction."""
     p = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.5)
-    red = _single(method="topk", density=1.0, momentum_masking=False).correct_momentum(opt, [("p", p)])
+    red = _single(method="topk", density=1.0, momentum_masking=False).bind_optimizer(opt, [("p", p)])
     g = torch.ones(4)
     red.reduce({"p": g})
     opt.param_groups[0]["momentum"] = 0.0
@@ -147,8 +147,8 @@ def test_momentum_follows_optimizer_schedule():
 
 
 def test_bad_keywords_raise():
-    for kw in (dict(momentum=1.0), dict(momentum=-0.1), dict(nesterov=True),
-               dict(momentum=0.9, nesterov=True, dampening=0.1), dict(clip_norm=0.0),
+    for kw in (dict(momentum_correction=1.0), dict(momentum_correction=-0.1), dict(nesterov=True),
+               dict(momentum_correction=0.9, nesterov=True, dampening=0.1), dict(clip_norm=0.0),
                dict(clip_norm=float("inf")), dict(clip_norm="x")):
         with pytest.raises(ValueError):
             _single(method="topk", density=0.1, **kw)
@@ -173,8 +173,8 @@ def test_loss_scale_changes_keep_error_feedback_exact(method):
     GradScaler's) gives, once unscaled, bit-identical updates to the
     unscaled run: residuals and velocities follow the scale exactly."""
     scales = [2.0 ** e for e in (0, 0, 3, 3, 24, 24, 10, 16, 16, 0)]
-    plain = _single(method=method, density=0.2, momentum=0.9)
-    scaled = _single(method=method, density=0.2, momentum=0.9)
+    plain = _single(method=method, density=0.2, momentum_correction=0.9)
+    scaled = _single(method=method, density=0.2, momentum_correction=0.9)
     for s, sc in enumerate(scales):
         g = grads_for(0, s)
         a = plain.reduce(g)
@@ -189,7 +189,7 @@ def test_fp16_wire_with_huge_inputs_and_scales_stays_finite():
     """Inputs up to 1e6 with an fp16 wire and loss scales up to 2^24 never
     make a residual, velocity or update non-finite; what the wire cannot
     hold stays in the residual."""
-    red = _single(method="topk", density=0.25, value_dtype=torch.float16, momentum=0.9, op="sum")
+    red = _single(method="topk", density=0.25, value_dtype=torch.float16, momentum_correction=0.9, op="sum")
     total_in, total_out = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
     for s in range(40):
         sc = 2.0 ** (s % 25)
@@ -204,7 +204,7 @@ def test_fp16_wire_with_huge_inputs_and_scales_stays_finite():
 
 
 def test_nonfinite_propagate_poisons_updates_and_keeps_state():
-    red = _single(method="topk", density=0.5, momentum=0.9, nonfinite="propagate")
+    red = _single(method="topk", density=0.5, momentum_correction=0.9, nonfinite="propagate")
     red.reduce({"a": torch.arange(4.0)})
     before = red.state_dict()
     out = red.reduce({"a": torch.tensor([1.0, float("inf"), 0.0, 1.0])})
@@ -216,7 +216,7 @@ def test_nonfinite_propagate_poisons_updates_and_keeps_state():
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_state_dict_resume_with_velocity_is_bit_exact(nesterov):
-    kw = dict(method="gtopk", density=0.2, momentum=0.9, nesterov=nesterov, clip_norm=2.0)
+    kw = dict(method="gtopk", density=0.2, momentum_correction=0.9, nesterov=nesterov, clip_norm=2.0)
     a = _single(**kw)
     for s in range(5):
         a.reduce(grads_for(0, s))
@@ -278,7 +278,7 @@ def test_ddp_hook_clipping_across_buckets_and_loss_scale():
 def test_elastic_barrier_with_momentum_correction_equals_synchronous():
     """The elastic scheduler (barrier policy) with a gTop-k reducer and
     momentum_correction=True applies what the synchronous loop with
-    correct_momentum applies, at P = 3; the optimizer's momentum is intact."""
+    momentum_correction=True applies, at P = 3; the optimizer's momentum is intact."""
     res = run_workers(3, elastic_momentum, 5, timeout=240)
     for r in res:
         assert r["momentum"] == 0.9 and r["velocity_names"]

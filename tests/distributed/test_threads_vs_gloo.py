@@ -20,7 +20,7 @@ SHAPES = {"conv.weight": (8, 3, 3, 3), "conv.bias": (8,), "fc.weight": (10, 24),
 SIZES = [1, 5, 100, 1001, 40000]
 CONFIGS = {
     "onebit": dict(method="onebit"),
-    "powersgd": dict(method="powersgd", rank=4, momentum=0.9),
+    "powersgd": dict(method="powersgd", rank=4, momentum_correction=0.9),
     "qsgd": dict(method="qsgd"),
 }
 

@@ -43,7 +43,7 @@ if MODE == "keras":
     opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=comp,
                                momentum_correction=True)
 else:
-    comp = Compression.gtopk(0.1, momentum=0.9)
+    comp = Compression.gtopk(0.1, momentum_correction=0.9)
     opt = tf.keras.optimizers.SGD(0.1)
 loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

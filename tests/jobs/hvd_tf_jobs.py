@@ -67,17 +67,17 @@ GRAPH = {
 # name -> (Compression factory, traced); op hvd.Sum, MC_STEPS steps
 MC_STEPS = 4
 MOMENTUM = {
-    "mc_gtopk": (lambda: Compression.gtopk(0.1, momentum=0.9), False),
-    "mc_gtopk_nesterov_graph": (lambda: Compression.gtopk(0.1, momentum=0.9, nesterov=True), True),
-    "mc_topk": (lambda: Compression.topk(0.1, momentum=0.9), False),
-    "mc_topk_nesterov": (lambda: Compression.topk(0.1, momentum=0.9, nesterov=True), False),
-    "mc_rtopk": (lambda: Compression.rtopk(0.1, r_factor=3.0, seed=5, momentum=0.9), False),
-    "mc_rtopk_nesterov_graph": (lambda: Compression.rtopk(0.1, r_factor=2.0, seed=6, momentum=0.9,
+    "mc_gtopk": (lambda: Compression.gtopk(0.1, momentum_correction=0.9), False),
+    "mc_gtopk_nesterov_graph": (lambda: Compression.gtopk(0.1, momentum_correction=0.9, nesterov=True), True),
+    "mc_topk": (lambda: Compression.topk(0.1, momentum_correction=0.9), False),
+    "mc_topk_nesterov": (lambda: Compression.topk(0.1, momentum_correction=0.9, nesterov=True), False),
+    "mc_rtopk": (lambda: Compression.rtopk(0.1, r_factor=3.0, seed=5, momentum_correction=0.9), False),
+    "mc_rtopk_nesterov_graph": (lambda: Compression.rtopk(0.1, r_factor=2.0, seed=6, momentum_correction=0.9,
                                                           nesterov=True), True),
-    "mc_randomk_nesterov": (lambda: Compression.randomk(0.1, seed=3, momentum=0.9, nesterov=True), False),
-    "mc_gtopk_nomask": (lambda: Compression.gtopk(0.1, momentum=0.9, momentum_masking=False), False),
+    "mc_randomk_nesterov": (lambda: Compression.randomk(0.1, seed=3, momentum_correction=0.9, nesterov=True), False),
+    "mc_gtopk_nomask": (lambda: Compression.gtopk(0.1, momentum_correction=0.9, momentum_masking=False), False),
     # the gradients' norm is ~15 (217 entries of about N(0, 1)): these clip
-    "clip_mc_gtopk": (lambda: Compression.gtopk(0.1, momentum=0.9, clip_norm=8.0), False),
+    "clip_mc_gtopk": (lambda: Compression.gtopk(0.1, momentum_correction=0.9, clip_norm=8.0), False),
     "clip_topk_global_graph": (lambda: Compression.topk(0.05, granularity="global", clip_norm=5.0), True),
 }
 
@@ -231,17 +231,16 @@ def check_momentum_errors():
         "adam": lambda: DistributedOptimizer(tf.keras.optimizers.Adam(), compression=Compression.gtopk(0.1),
                                              momentum_correction=True),
         "twice": lambda: DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
-                                              compression=Compression.gtopk(0.1, momentum=0.9)),
+                                              compression=Compression.gtopk(0.1, momentum_correction=0.9)),
         "both": lambda: DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
-                                             compression=Compression.gtopk(0.1, momentum=0.9),
+                                             compression=Compression.gtopk(0.1, momentum_correction=0.9),
                                              momentum_correction=True),
-        "both_on_compression": lambda: Compression.gtopk(0.1, momentum=0.9, momentum_correction=True),
         "tape_no_optimizer": lambda: DistributedGradientTape(tf.GradientTape(), compression=Compression.gtopk(0.1),
                                                              momentum_correction=True),
         "tape_twice": lambda: DistributedGradientTape(
-            tf.GradientTape(), compression=Compression.topk(0.1, momentum=0.5),
+            tf.GradientTape(), compression=Compression.topk(0.1, momentum_correction=0.5),
             optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)),
-        "momentum_1": lambda: Compression.gtopk(0.1, momentum=1.0),
+        "momentum_1": lambda: Compression.gtopk(0.1, momentum_correction=1.0),
         "clip_negative": lambda: Compression.gtopk(0.1, clip_norm=-1.0),
         "nesterov_without_momentum": lambda: Compression.gtopk(0.1, nesterov=True),
     }

@@ -23,12 +23,12 @@ from gtopk_plugin.testing import Oracle  # noqa: E402
 
 SHAPES = [(12, 10), (10,), (10, 6), (3,)]
 CASES = [
-    dict(method="gtopk", momentum=0.9),
-    dict(method="topk", momentum=0.9, nesterov=True),
-    dict(method="topk", momentum=0.9, dampening=0.5, momentum_masking=False),
-    dict(method="rtopk", momentum=0.9, seed=3),
-    dict(method="gtopk", momentum=0.9, clip_norm=3.0),
-    dict(method="topk", momentum=0.9, nesterov=True, clip_norm=2.0),
+    dict(method="gtopk", momentum_correction=0.9),
+    dict(method="topk", momentum_correction=0.9, nesterov=True),
+    dict(method="topk", momentum_correction=0.9, dampening=0.5, momentum_masking=False),
+    dict(method="rtopk", momentum_correction=0.9, seed=3),
+    dict(method="gtopk", momentum_correction=0.9, clip_norm=3.0),
+    dict(method="topk", momentum_correction=0.9, nesterov=True, clip_norm=2.0),
     dict(method="topk", clip_norm=2.0, granularity="global"),
 ]
 DTYPES = {"float32": (torch.float32, tf.float32), "float16": (torch.float16, tf.float16),
@@ -60,7 +60,7 @@ def check(kw, graph, dtype):
                                ("velocity", comp.velocities, oracle.velocity[0].velocities)):
         for key, var in mine.items():
             assert tf_bits(var) == bits(theirs["t" + key[1:]]), f"{kw} {dtype} graph={graph}: {kind} {key}"
-    assert set(comp.velocities) == ({f"u{i:04d}" for i in range(len(SHAPES))} if "momentum" in kw else set())
+    assert set(comp.velocities) == ({f"u{i:04d}" for i in range(len(SHAPES))} if "momentum_correction" in kw else set())
     print("ok", kw, dtype, "graph" if graph else "eager", flush=True)
 
 

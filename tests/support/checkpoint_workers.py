@@ -14,7 +14,7 @@ SHAPES = {"w": (16, 12), "v": (50,), "b": (5,)}
 CONFIGS = {
     # op="sum": mass conservation reads Σ grad = Σ result + Σ residual
     "gtopk": dict(method="gtopk", density=0.1, op="sum", seed=1),
-    "momentum": dict(method="gtopk", density=0.1, op="sum", seed=1, momentum=0.9, dense_below=10),
+    "momentum": dict(method="gtopk", density=0.1, op="sum", seed=1, momentum_correction=0.9, dense_below=10),
     "powersgd": dict(method="powersgd", rank=1, op="sum", seed=1),
 }
 

@@ -148,7 +148,7 @@ def run_config(rank, world, cfg):
                "res": _state_tensors(state, "res"),
                "traffic": dict(state.last_step_traffic or {}), "state_step": state.step,
                "buckets": list(log)}
-        if red_kw.get("momentum") is not None:
+        if red_kw.get("momentum_correction") is not None:
             rec["vel"] = _state_tensors(state, "vel")
         rep["steps"].append(rec)
         opt.step()

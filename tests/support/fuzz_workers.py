@@ -258,7 +258,7 @@ class Case:
                 or any(t.dim() == 0 for t in grads.values()):
             return None
         g = _flat(grads, self.names, self.sizes)
-        m = self.kw.get("momentum")
+        m = self.kw.get("momentum_correction")
         if m is None:
             return g
         u = _flat(velocities_of(sd_before), self.names, self.sizes)
@@ -564,7 +564,7 @@ class DdpCase:
         return ((model(x, use) - y) ** 2).mean()
 
     def run(self):
-        m = self.kw.get("momentum")
+        m = self.kw.get("momentum_correction")
         for s in range(self.spec["steps"]):
             use = [u[self.rank] for u in self.spec["usage"][s]]
             self.ref.load_state_dict(self.model.state_dict())

@@ -45,7 +45,7 @@ def overflow_state(rank, world, fused):
     the fused path (no momentum) the step is non-finite under the policy;
     with momentum correction (the general path) a NonFiniteStateError on
     every rank.  Returns (type name, message) of what this rank raised."""
-    kw = {} if fused else {"momentum": 0.9}
+    kw = {} if fused else {"momentum_correction": 0.9}
     red = gp.GradientReducer(method="topk", density=0.01, transport=gp.TorchDistributedTransport(timeout=30),
                              **kw)
     # rank 0: finite gradients of half float32's range everywhere; 990 of

@@ -91,7 +91,7 @@ def features(rank, P):
         out[("codec", m)] = _run(HierarchicalReducer(method=m, op="sum", **L), rank)
     cases = {
         "clip": dict(method="gtopk", density=DENSITY, op="sum", clip_norm=5.0),
-        "momentum": dict(method="gtopk", density=DENSITY, op="sum", momentum=0.9,
+        "momentum": dict(method="gtopk", density=DENSITY, op="sum", momentum_correction=0.9,
                          warmup=(0.3, 0.1)),
         "fp16wire": dict(method="gtopk", density=DENSITY, op="sum", value_dtype=torch.float16),
         "dense_below": dict(method="gtopk", density=DENSITY, op="sum", dense_below=100),
@@ -115,7 +115,7 @@ def _weight_decay(rank, L):
     params = {n: torch.nn.Parameter(p.clone()) for n, p in WD_PARAMS.items()}
     opt = torch.optim.SGD(list(params.values()), lr=0.1, momentum=0.9, weight_decay=WD)
     red = HierarchicalReducer(method="gtopk", density=DENSITY, op="sum", **L)
-    red.correct_momentum(opt, list(params.items()))
+    red.bind_optimizer(opt, list(params.items()))
     res = _run(red, rank)
     res["groups"] = [(g["momentum"], g["weight_decay"]) for g in opt.param_groups]
     return res
@@ -124,7 +124,7 @@ def _weight_decay(rank, L):
 def _resume(rank, L):
     """Two steps, save (through torch.save), a fresh reducer loads and takes
     the third: the same bits as three steps without a break."""
-    kw = dict(method="gtopk", density=DENSITY, op="sum", momentum=0.9, **L)
+    kw = dict(method="gtopk", density=DENSITY, op="sum", momentum_correction=0.9, **L)
     whole = _run(HierarchicalReducer(**kw), rank)["outs"][-1]
     red = HierarchicalReducer(**kw)
     for t in range(STEPS - 1):

@@ -20,7 +20,7 @@ def reducer_runs(rank, world_size, configs, steps):
 def split_call_clipping(rank, world_size, steps):
     """One step reduced in two calls (two "buckets") with clip_norm: the
     caller passes the whole step's norm, so the result equals one call."""
-    kw = dict(method="topk", density=0.2, op="sum", momentum=0.9, clip_norm=1.0)
+    kw = dict(method="topk", density=0.2, op="sum", momentum_correction=0.9, clip_norm=1.0)
     one = gp.GradientReducer(transport=gp.TorchDistributedTransport(timeout=60), **kw)
     two = gp.GradientReducer(transport=gp.TorchDistributedTransport(timeout=60), **kw)
     same = True
@@ -121,7 +121,7 @@ def local_model_grads(rank, steps_params, steps):
 # ------------------------------------------------------------ elastic
 def elastic_momentum(rank, world_size, steps):
     """ElasticScheduler(policy="barrier", reducer=gtopk, momentum_correction=True)
-    against the synchronous loop with GradientReducer.correct_momentum: under
+    against the synchronous loop with GradientReducer(momentum_correction=True): under
     the barrier policy both apply the same updates (docs/design.md §2)."""
     import torch.distributed as dist
 
@@ -133,7 +133,7 @@ def elastic_momentum(rank, world_size, steps):
     m = make_model()
     opt = opt_for(m)
     red = gp.GradientReducer("gtopk", 0.3, transport=gp.TorchDistributedTransport(dist.new_group(), timeout=60))
-    red.correct_momentum(opt, m.named_parameters())
+    red.bind_optimizer(opt, m.named_parameters())
     for s in range(steps):
         opt.zero_grad()
         loss_of(m, s, rank).backward()
@@ -197,11 +197,11 @@ def ddp_resume(rank, world_size, steps, split):
         x, y = _batch(split, rank)
         ((junk_ddp(x) - y) ** 2).mean().backward()
     except RuntimeError as e:
-        refused = "correct_momentum" in str(e)
+        refused = "bind_optimizer" in str(e)
     m2, ddp2, opt2, _ = build(restored)
     m2.load_state_dict(weights)
     opt2.load_state_dict(opt_sd)
-    restored.correct_momentum(opt2, m2.named_parameters())
+    restored.bind_optimizer(opt2, m2.named_parameters())
     train(m2, ddp2, opt2, split, steps)
     resumed = {n: p.detach().clone() for n, p in m2.named_parameters()}
     return {"same": all(torch.equal(straight[n], resumed[n]) for n in straight), "refused": refused}

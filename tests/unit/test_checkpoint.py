@@ -42,7 +42,7 @@ def _grads(step, scale=1.0):
 
 
 def _make(transport=None, **kw):
-    kw = {**dict(method="gtopk", density=0.1, momentum=0.9, dense_below=10, seed=3), **kw}
+    kw = {**dict(method="gtopk", density=0.1, momentum_correction=0.9, dense_below=10, seed=3), **kw}
     return gp.GradientReducer(transport=transport or gp.SingleProcessTransport(), **kw)
 
 
@@ -100,7 +100,7 @@ def test_state_before_the_process_group_exists_has_no_rank_and_loads_anywhere():
     red = gp.GradientReducer("gtopk", 0.1, transport=gp.TorchDistributedTransport())
     sd = red.state_dict()
     assert (sd["rank"], sd["world_size"]) == (None, None) and sd["residuals"] == {}
-    other = _make(Fixed(2, 4), momentum=None, dense_below=0, seed=0)
+    other = _make(Fixed(2, 4), momentum_correction=None, dense_below=0, seed=0)
     other.load_state_dict(sd)
     assert other.step == 0
 

@@ -23,7 +23,7 @@ def _grads(step, scale=1.0):
 
 
 def _trained(steps=3, scale=1.0):
-    red = gp.GradientReducer("gtopk", 0.1, momentum=0.9, seed=2, transport=gp.SingleProcessTransport())
+    red = gp.GradientReducer("gtopk", 0.1, momentum_correction=0.9, seed=2, transport=gp.SingleProcessTransport())
     for s in range(steps):
         red.reduce(_grads(s, scale))
     return red
@@ -81,7 +81,7 @@ def _two_rank_checkpoint(path):
 def test_two_rank_checkpoint_loaded_by_one_rank_is_the_sum(tmp_path):
     path = str(tmp_path / "two")
     states = _two_rank_checkpoint(path)
-    red = gp.GradientReducer("gtopk", 0.1, momentum=0.9, seed=2, transport=gp.SingleProcessTransport())
+    red = gp.GradientReducer("gtopk", 0.1, momentum_correction=0.9, seed=2, transport=gp.SingleProcessTransport())
     with pytest.raises(ValueError, match="2-rank job, this job has 1 ranks"):
         red.load_state_dict(copy.deepcopy(states[1]))
     gp.load_job(red, path, named_parameters=iter({n: torch.zeros(s) for n, s in SHAPES.items()}.items()))

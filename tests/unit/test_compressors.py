@@ -374,7 +374,7 @@ def test_register_rejects_bad_names_and_clashes():
 
 def test_onebit_with_momentum_correction_conserves_the_velocity_mass():
     # docs/design.md §2 momentum correction, for a codec: Σ_steps u_t = Σ_steps result_t + v
-    red = make(method="onebit", op="sum", momentum=0.9)
+    red = make(method="onebit", op="sum", momentum_correction=0.9)
     g = torch.Generator().manual_seed(2)
     tot_u = torch.zeros(50, dtype=torch.float64)
     tot_o = torch.zeros(50, dtype=torch.float64)

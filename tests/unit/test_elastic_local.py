@@ -285,7 +285,7 @@ def test_make_policy_binds_the_variance_policy_to_its_back_end():
     with pytest.warns(RuntimeWarning):
         p = make_policy(cfg, Reducer())
     assert (p.world_size, p.op, p.exact) == (2, "average", False)
-    Reducer.reducer = gp.GradientReducer(method="dense", momentum=0.9, transport=gp.SingleProcessTransport())
+    Reducer.reducer = gp.GradientReducer(method="dense", momentum_correction=0.9, transport=gp.SingleProcessTransport())
     with pytest.warns(RuntimeWarning):  # the update is a velocity, not the mean gradient
         assert not make_policy(cfg, Reducer()).exact
     assert make_policy(cfg).world_size is None  # unbound without a back end

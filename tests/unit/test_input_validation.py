@@ -47,7 +47,7 @@ def test_half_gradients_keep_float32_state_and_return_their_dtype():
     gradient's dtype; a float16 residual from an older checkpoint widens."""
     for dt in (torch.float16, torch.bfloat16):
         red = gp.GradientReducer(method="topk", density=0.1, transport=gp.SingleProcessTransport(),
-                                 momentum=0.9)
+                                 momentum_correction=0.9)
         out = red.reduce({"w": torch.randn(50).to(dt)})
         assert out["w"].dtype == dt
         assert red.memory.residuals["w"].dtype == torch.float32

@@ -49,7 +49,7 @@ def test_out_aliasing_the_gradients_matches_numpy_oracle(kern):
     dict(method="dense"), dict(method="randomk", density=0.05, seed=3),
     dict(method="threshold", density=0.02), dict(method="rtopk", density=0.02),
     dict(method="onebit"), dict(method="gtopk", density=0.02, dense_below=100),
-    dict(method="gtopk", density=0.02, momentum=0.9),
+    dict(method="gtopk", density=0.02, momentum_correction=0.9),
 ])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_out_equals_the_returned_updates_bit_for_bit(kw, mixed):

@@ -74,7 +74,7 @@ def test_all_small_and_none_small():
 
 def test_momentum_checkpoint_and_ddp_keyword():
     def make():
-        return _red(method="topk", density=0.1, dense_below=21, momentum=0.9)
+        return _red(method="topk", density=0.1, dense_below=21, momentum_correction=0.9)
     red = make()
     for t in range(3):
         red.reduce(_grads(t))

@@ -25,7 +25,7 @@ def _grads(rank, step):
 
 @pytest.mark.parametrize("P,kw", [
     (3, dict(method="gtopk", density=0.1)),
-    (4, dict(method="gtopk", density=0.05, momentum=0.9)),
+    (4, dict(method="gtopk", density=0.05, momentum_correction=0.9)),
     (3, dict(method="topk", density=0.1)),
     (4, dict(method="threshold", density=0.1)),
 ])

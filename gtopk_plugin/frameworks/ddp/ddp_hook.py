@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from gtopk_plugin import registry
+from gtopk_plugin.config import split_momentum_correction
 from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
 from gtopk_plugin.reducer import GradientReducer, local_grad_norm
 from gtopk_plugin.pipeline.reduce_stats import ReduceStats
 from gtopk_plugin.two_level.topology import node_keywords
 from gtopk_plugin.pipeline.traffic import StepTraffic
+from gtopk_plugin.frameworks.ddp.ddp_compile import check_bucket, check_ddp_mode
 from gtopk_plugin.frameworks.ddp.ddp_buckets import BucketItem, agree_used, finish_bucket, reduce_buckets
 from gtopk_plugin.frameworks.ddp.ddp_naming import ParameterNaming
 from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
@@ -42,7 +44,8 @@ logger = logging.getLogger(__name__)
 # among them: the state builds its own TorchDistributedTransport on
 # ``process_group`` so that pickling can drop and rebind the group.
 _REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
-                        if n not in ("self", "transport") and p.kind is not p.VAR_KEYWORD)
+                        if n not in ("self", "transport", "momentum_correction", "optimizer", "named_parameters")
+                        and p.kind is not p.VAR_KEYWORD)
 _STATE_VERSION = 1
 
 
@@ -56,8 +59,9 @@ class SparseState(ParameterNaming):
         named_parameters: ``model.named_parameters()``: names key residuals
             and checkpoints (else ``"param0"``, ... in DDP's first-step order).
         timeout: seconds one exchange may take (``GTOPK_TIMEOUT`` or 300).
-        momentum_correction, optimizer: DGC momentum correction with the SGD
-            ``optimizer``'s own momentum and weight decay (docs/recipes.md).
+        momentum_correction: DGC momentum correction: True takes the SGD
+            ``optimizer``'s own momentum and weight decay (pass
+            ``optimizer=``), a number is the momentum (docs/recipes.md).
         grad_scaler: a ``torch.amp.GradScaler``: state follows its loss scale.
         coalesce_buckets: one reduction per step over all DDP buckets
             (default True) or one per bucket.
@@ -70,10 +74,11 @@ class SparseState(ParameterNaming):
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-                 timeout: Optional[float] = None, momentum_correction: bool = False,
+                 timeout: Optional[float] = None, momentum_correction=None,
                  optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
                  hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
                  intra_fabric: Optional[str] = None, coalesce_buckets: bool = True, **reducer_kwargs):
+        check_ddp_mode()  # DDP's Python reducer (compiled autograd): refused (ddp_compile)
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
                              "process_group=<torch.distributed group> instead of transport=")
@@ -97,17 +102,11 @@ class SparseState(ParameterNaming):
                 raise ValueError("nonfinite='skip' with a grad_scaler would hide overflows from the "
                                  "scaler (it would never lower its scale); use 'propagate' (default "
                                  "with a grad_scaler) or 'raise'")
-        if momentum_correction:
-            if optimizer is None or named_parameters is None:
-                raise ValueError("momentum_correction=True needs optimizer=<the torch.optim optimizer> "
-                                 "and named_parameters=model.named_parameters() (or pass momentum= "
-                                 "explicitly and build the optimizer without momentum)")
-            if reducer_kwargs.get("momentum") is not None:
-                raise ValueError("pass either momentum_correction=True (momentum read from the "
-                                 "optimizer) or momentum=<float>, not both")
+        momentum, bind = split_momentum_correction(momentum_correction, optimizer, named_parameters)
+        if momentum is not None:
+            reducer_kwargs["momentum_correction"] = momentum
+        if bind:
             named_parameters = list(named_parameters)
-        elif optimizer is not None:
-            raise ValueError("optimizer= is only used with momentum_correction=True")
         if not isinstance(coalesce_buckets, bool):
             raise ValueError(f"coalesce_buckets must be True or False, got {coalesce_buckets!r}")
         self.coalesce_buckets = coalesce_buckets
@@ -121,8 +120,8 @@ class SparseState(ParameterNaming):
         self._hier = node_keywords(hierarchical, local_size, node_of_rank, intra_fabric)
         self.reducer = _make_reducer(self._reducer_kwargs, self._hier, process_group, timeout)
         self._needs_optimizer = False
-        if momentum_correction:
-            self.reducer.correct_momentum(optimizer, named_parameters)
+        if bind:
+            self.reducer.bind_optimizer(optimizer, named_parameters)
         # each bucket's persistent result buffer and the names last written
         # there (ddp_buckets._result_views)
         self._results: dict = {}
@@ -152,11 +151,11 @@ class SparseState(ParameterNaming):
         """Training steps completed (advanced once per step, at the last bucket)."""
         return self.reducer.step
 
-    def correct_momentum(self, optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer,
+                       named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """(Re)bind the optimizer for momentum correction, e.g. after
         unpickling a state saved with ``momentum_correction=True``."""
-        self.reducer.correct_momentum(optimizer, named_parameters)
+        self.reducer.bind_optimizer(optimizer, named_parameters)
         self._needs_optimizer = False
 
     def state_dict(self) -> dict:
@@ -229,7 +228,7 @@ class SparseState(ParameterNaming):
         self.grad_scaler = None  # rebind with state.grad_scaler = scaler
         self.last_step_traffic = d.get("last_step_traffic")
         # the optimizer does not travel with the state: correction stays off
-        # (and the hook refuses to run) until correct_momentum() rebinds it
+        # (and the hook refuses to run) until bind_optimizer() rebinds it
         self._needs_optimizer = bool(d.get("momentum_correction", False))
         self.load_state_dict(d["state"])
 
@@ -273,6 +272,7 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     Example::
         >>> ddp_model.register_comm_hook(SparseState(method="gtopk", density=0.01), sparse_hook)
     """
+    check_bucket(bucket)  # DDP's Python reducer passes (grad, param): refused (ddp_compile)
     params = bucket.parameters()
     # Residuals are keyed by parameter name, not bucket index: DDP rebuilds
     # its buckets after the first iteration, so a bucket's index and content
@@ -280,7 +280,7 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     names = [state.name_of(p) for p in params]
     if state._needs_optimizer:
         raise RuntimeError("this SparseState was saved with momentum_correction=True; the optimizer "
-                           "does not travel with it: call state.correct_momentum(optimizer, "
+                           "does not travel with it: call state.bind_optimizer(optimizer, "
                            "model.named_parameters()) before training")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     item = BucketItem(names, bucket.gradients(), bucket.buffer(), bucket.index(), fut,

@@ -39,13 +39,14 @@ class SparseCompression:
 
     Args:
         method, density, ``**hyper``, r_factor, value_dtype, wire_rounding,
-        warmup, merge, granularity, seed, error_feedback, kernels, momentum,
-        nesterov, momentum_masking, dense_below: as ``GradientReducer``.
+        warmup, merge, granularity, seed, error_feedback, kernels, nesterov,
+        momentum_masking, dense_below: as ``GradientReducer``.
         nonfinite: ``"raise"``, ``"skip"`` or ``"propagate"`` (as skip, with
             the gradients set to NaN so a ``GradScaler`` sees the overflow).
         fusion_threshold: bucket bytes (``GTOPK_FUSION_THRESHOLD`` or 64 MiB).
-        momentum_correction: DGC momentum correction using the wrapped SGD's own
-            momentum settings (Adam/AdamW: ``ValueError``); docs/recipes.md.
+        momentum_correction: DGC momentum correction: True uses the wrapped
+            SGD's own momentum settings (Adam/AdamW: ``ValueError``), a number
+            is the momentum (optimizer built without it); docs/recipes.md.
         clip_norm: DGC local clipping over the step (buckets then reduced in
             ``synchronize()``).
         exchange: ``"gloo"`` (side channel, default) or ``"horovod"`` (always
@@ -57,8 +58,7 @@ class SparseCompression:
                  value_dtype: Optional[torch.dtype] = None, warmup=None, merge: Optional[str] = None,
                  granularity: str = "layer", seed: int = 0, nonfinite: str = "raise",
                  error_feedback: bool = True, kernels: Optional[str] = None,
-                 fusion_threshold: Optional[int] = None, momentum_correction: bool = False,
-                 momentum: Optional[float] = None, nesterov: bool = False,
+                 fusion_threshold: Optional[int] = None, momentum_correction=None, nesterov: bool = False,
                  momentum_masking: bool = True, clip_norm: Optional[float] = None,
                  exchange: str = "gloo", dense_below: int = 0, wire_rounding: str = "nearest", **hyper):
         if method == DENSE_METHOD:
@@ -75,16 +75,13 @@ class SparseCompression:
         self.nonfinite = nonfinite
         self.fusion_threshold = fusion_threshold
         self.exchange = exchange
+        momentum, self.momentum_correction = config.split_momentum_correction(momentum_correction, wrapped=True)
         kw = dict(method=method, density=density, r_factor=r_factor, merge=merge,
                   granularity=granularity, value_dtype=value_dtype, seed=seed, warmup=warmup,
                   nonfinite="skip" if nonfinite == "propagate" else nonfinite,
-                  error_feedback=bool(error_feedback), momentum=momentum, nesterov=bool(nesterov),
-                  momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
+                  error_feedback=bool(error_feedback), momentum_correction=momentum,
+                  nesterov=bool(nesterov), momentum_masking=bool(momentum_masking), clip_norm=clip_norm,
                   dense_below=dense_below, wire_rounding=wire_rounding)
-        if momentum_correction and momentum is not None:
-            raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
-                             "or momentum=<float>, not both")
-        self.momentum_correction = bool(momentum_correction)
         if kernels is not None:
             kw["kernels"] = kernels
         self.config = ReducerConfig(**kw, hyper=hyper)  # validates method, hyper-parameters (ValueError)
@@ -122,7 +119,7 @@ class SparseCompression:
 
 
 _DEFAULTS = dict(r_factor=4.0, merge=None, granularity="layer", value_dtype=None, seed=0, warmup=None,
-                 nonfinite="raise", error_feedback=True, momentum=None, nesterov=False,
+                 nonfinite="raise", error_feedback=True, momentum_correction=None, nesterov=False,
                  momentum_masking=True, clip_norm=None, dense_below=0, wire_rounding="nearest")
 
 

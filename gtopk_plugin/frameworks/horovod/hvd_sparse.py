@@ -146,9 +146,9 @@ class _SparsePath:
         self._hold_buckets = self._spec.config.clip_norm is not None
         self._step_grad_norm: Optional[float] = None
         if self._spec.momentum_correction:
-            self._reducer.correct_momentum(
+            self._reducer.bind_optimizer(
                 self, [(n, p) for p, n in self._parameter_names.items()])
-        elif self._spec.config.momentum is None and any(
+        elif self._spec.config.momentum_correction is None and any(
                 float(g.get("momentum", 0.0) or 0.0) > 0.0 for g in self.param_groups):
             warnings.warn(
                 f"{self._spec!r} with an optimizer that has momentum: the optimizer applies its "

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from gtopk_plugin.config import ReducerConfig
+from gtopk_plugin.config import ReducerConfig, split_momentum_correction
 from gtopk_plugin.pipeline.traffic import STATS_FIELDS, TRANSPORT_FIELDS, StepTraffic
 from gtopk_plugin.frameworks.horovod_tf import tf_step
 from gtopk_plugin.frameworks.horovod_tf._guard import tf
@@ -27,7 +27,7 @@ TRAFFIC_FIELDS = TRANSPORT_FIELDS + STATS_FIELDS + ("skipped",)
 AGGREGATIONS = ("allgather", "butterfly", "allreduce_values", "allgather_payloads", "allreduce_rounds")
 _INT8_AGGREGATIONS = ("allgather", "butterfly", "allreduce_values")
 # the settings repr shows where they differ from ReducerConfig's defaults
-_SHOWN = ("r_factor", "merge", "granularity", "seed", "nonfinite", "momentum", "nesterov", "dampening",
+_SHOWN = ("r_factor", "merge", "granularity", "seed", "nonfinite", "momentum_correction", "nesterov", "dampening",
           "momentum_masking", "clip_norm", "dense_below", "wire_rounding")
 
 
@@ -71,7 +71,8 @@ class SparseCompression(tf.Module):
     ``value_dtype`` None, ``tf.float16``, ``tf.bfloat16`` or ``tf.int8``
     (int8: exact-count selectors with ``exchange="gloo"``); ``nonfinite``
     ``"raise"`` or ``"skip"``; ``momentum_correction=True``: DGC momentum
-    correction with the wrapped Keras SGD's momentum (:mod:`.tf_momentum`);
+    correction with the wrapped Keras SGD's momentum (:mod:`.tf_momentum`),
+    a number: that momentum (the optimizer built without it);
     ``exchange``: ``"gloo"`` (a side channel made inside the job, the
     default) or ``"horovod"`` (Horovod ops; what elastic states set);
     ``name``: the prefix of Horovod op names.
@@ -80,7 +81,7 @@ class SparseCompression(tf.Module):
     def __init__(self, method: str, density: float = 0.01, *, r_factor: float = 4.0, hyper=None,
                  value_dtype=None, merge: Optional[str] = None, granularity: str = "layer", seed: int = 0,
                  nonfinite: str = "raise", error_feedback: bool = True, warmup=None,
-                 momentum_correction: bool = False, momentum: Optional[float] = None, nesterov: bool = False,
+                 momentum_correction=None, nesterov: bool = False,
                  dampening: float = 0.0, momentum_masking: bool = True, clip_norm: Optional[float] = None,
                  name: Optional[str] = None, exchange: str = "gloo", dense_below: int = 0,
                  wire_rounding: str = "nearest", **method_hyper):
@@ -88,9 +89,7 @@ class SparseCompression(tf.Module):
         if nonfinite == "propagate":
             raise ValueError("nonfinite='propagate' is for torch's GradScaler; the TensorFlow layer takes "
                              "'raise' or 'skip'")
-        if momentum_correction and momentum is not None:
-            raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) "
-                             "or momentum=<float>, not both")
+        momentum, bind = split_momentum_correction(momentum_correction, wrapped=True)
         wire = _wire_name(value_dtype)
         if wire_rounding in ("stochastic",) and wire != "int8":  # the PyTorch side's check, in TF's words
             raise ValueError("wire_rounding='stochastic' applies to the int8 wire; pass value_dtype=tf.int8 "
@@ -98,7 +97,7 @@ class SparseCompression(tf.Module):
         self.config = ReducerConfig(  # validates (ValueError)
             method=method, density=density, r_factor=r_factor, merge=merge, granularity=granularity, seed=seed,
             value_dtype=wire and getattr(torch, wire), nonfinite=nonfinite, error_feedback=bool(error_feedback),
-            warmup=warmup, momentum=momentum, nesterov=bool(nesterov), dampening=dampening,
+            warmup=warmup, momentum_correction=momentum, nesterov=bool(nesterov), dampening=dampening,
             momentum_masking=bool(momentum_masking), clip_norm=clip_norm, hyper=hyper, dense_below=dense_below,
             wire_rounding=wire_rounding)
         if self.config.aggregation == "dense":
@@ -120,7 +119,7 @@ class SparseCompression(tf.Module):
         self.compressor = compressor(method, **self.config.method_hyper)
         if wire == "int8":
             _check_int8(self.config, exchange, self.compressor)
-        self.momentum_correction = bool(momentum_correction)
+        self.momentum_correction = bind
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             # a compressor's own state (PowerSGD's warm-start Q): torch.save bytes
@@ -179,14 +178,14 @@ class SparseCompression(tf.Module):
     def momentum_spec(self):
         """``(momentum, nesterov, dampening)`` of the next call, or None: the
         bound Keras SGD's (read at every call, at trace time inside
-        ``tf.function``) when not 0, else this compression's ``momentum=``."""
+        ``tf.function``) when not 0, else this compression's own momentum."""
         opt = self._momentum_from
         if opt is not None:
             spec = keras_sgd_momentum(opt)
             if spec is not None:
                 return spec
         c = self.config
-        return None if c.momentum is None else (c.momentum, c.nesterov, c.dampening)
+        return None if c.momentum_correction is None else (c.momentum_correction, c.nesterov, c.dampening)
 
     @property
     def last_step_traffic(self) -> dict:

@@ -59,10 +59,11 @@ def bind_momentum(compression, optimizer) -> None:
             f"momentum_correction=True needs a Keras SGD optimizer (tf.keras.optimizers.SGD with "
             f"momentum); got {type(optimizer).__name__}. Adam-style optimizers keep their own moments: use "
             "error feedback alone (momentum_correction=False). For a legacy or other optimizer, build it "
-            "without momentum and pass momentum= (and nesterov=) to the compression instead")
-    if compression.config.momentum is not None:
-        raise ValueError("pass either momentum_correction=True (momentum read from the optimizer) or "
-                         "momentum= to the compression, not both")
+            "without momentum and pass the momentum to the compression instead "
+            "(Compression.gtopk(0.01, momentum_correction=0.9))")
+    if compression.config.momentum_correction is not None:
+        raise ValueError("the compression has its own momentum (momentum_correction=<momentum>): pass "
+                         "momentum_correction=True (the optimizer's) or the number, not both")
     keras_sgd_momentum(optimizer)  # validates
     compression._momentum_from = optimizer
     if getattr(optimizer, "_gtopk_momentum_taken", False):
@@ -91,16 +92,17 @@ def setup_correction(compression, sparse: bool, momentum_correction: bool, optim
         if optimizer is None:
             raise ValueError("momentum_correction=True needs the Keras optimizer: "
                              "DistributedGradientTape(..., momentum_correction=True, optimizer=opt), or "
-                             "pass momentum= (and nesterov=) to the compression and build the optimizer "
-                             "without momentum")
+                             "pass the momentum to the compression (momentum_correction=0.9) and build "
+                             "the optimizer without momentum")
         bind_momentum(compression, optimizer)
-    elif optimizer is not None and compression.config.momentum is not None:
+    elif optimizer is not None and compression.config.momentum_correction is not None:
         own = _keras_momentum_of(optimizer)
         if own is not None:
             raise ValueError(
-                f"{compression!r} corrects momentum itself (momentum={compression.config.momentum}), and "
-                f"the optimizer has {own}: it would apply momentum a second time. Build the optimizer "
-                "without momentum, or pass momentum_correction=True instead of the compression's momentum=")
+                f"{compression!r} corrects momentum itself (momentum_correction="
+                f"{compression.config.momentum_correction}), and the optimizer has {own}: it would apply momentum "
+                "a second time. Build the optimizer without momentum, or pass momentum_correction=True instead "
+                "of the compression's own momentum")
     elif warn_uncorrected and optimizer is not None and _keras_momentum_of(optimizer) is not None:
         warnings.warn(
             f"{compression!r} with an optimizer that has {_keras_momentum_of(optimizer)}: the optimizer applies "

@@ -91,8 +91,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     tracks a sparse compression (``gtopk_compression``), so checkpoints of
     the optimizer hold its state.  ``momentum_correction=True`` (a Keras
     SGD): DGC momentum correction with the optimizer's momentum, which the
-    optimizer then no longer applies; a compression built with
-    ``momentum=`` next to an SGD with momentum is a ``ValueError``."""
+    optimizer then no longer applies; a compression with its own momentum
+    (``momentum_correction=0.9``) next to an SGD with momentum is a ``ValueError``."""
     sparse = _check_compression(compression)
     opt = hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
