@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import types
 from typing import Callable, Dict, Optional
 
 from cuda_executor import Executor
@@ -51,6 +52,14 @@ class _PoisonedTorch:
         if t.numel():
             t.untyped_storage().fill_(0xFF)
         return t
+
+
+def cupy_module(ex: Executor):
+    """A stand-in for the ``cupy`` module as cuda.load() uses it: the
+    executor's RawModule, and device/stream contexts that do nothing."""
+    return types.SimpleNamespace(RawModule=ex.cupy.RawModule,
+                                 cuda=types.SimpleNamespace(Device=_NoDevice,
+                                                            ExternalStream=_NoDevice))
 
 
 def install(ex: Executor, setattr_: Callable, sources: Optional[Dict[str, str]] = None):

@@ -425,8 +425,15 @@ inline bool ordered(const Rec& a) {
     if (a.epoch != epoch) return true;
     return (a.tid >> 5) == (me.tid >> 5) && a.wepoch != wepoch[me.tid >> 5];
   }
-  for (const SnapP& s : me.acq)
-    if (s->block == a.block) return a.tid < s->fc.size() && s->fc[a.tid] > a.fence;
+  // another block: ordered if that thread fenced after the access and a
+  // release published the fence to what this thread acquired; an atomic
+  // made after a fence is itself a release (fence; atomic), published with it
+  for (const SnapP& s : me.acq) {
+    if (s->block != a.block) continue;
+    if (a.tid >= s->fc.size()) return false;
+    const uint16_t p = s->fc[a.tid];
+    return p > a.fence || ((a.kind & A_ATOMIC) && a.fence > 0 && p == a.fence);
+  }
   return false;
 }
 

@@ -836,13 +836,24 @@ def test_scatter_match_reference(device, dtype, divisor):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dispatch_uses_cuda_kernels(device, backend):
+def test_dispatch_uses_cuda_kernels(device, backend, request):
     if device == "executor":  # the real loader, with the executor in CuPy's place
-        assert cuda.load() is cuda
-        x = torch.randn(10_000)
+        import sys
+
+        from cuda_executor.gtopk import cupy_module
+
+        mp = request.getfixturevalue("monkeypatch")
+        request.getfixturevalue("fresh_cuda_registry")
+        mp.setitem(sys.modules, "cupy", cupy_module(backend))
+        mp.setattr(torch.cuda, "current_device", lambda: 0)
+        kernels.register_backend("cuda", loader=cuda.load)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels.backend("cuda") == "cuda"
+        assert kernels._module(torch.device("cuda")) is cuda and cuda._modules
         n0 = len(backend.launches)
-        idx, vals = cuda.select_topk(x, torch.tensor([0, 10_000]), torch.tensor([100]))
-        assert idx.numel() == 100 and len(backend.launches) > n0
+        idx, vals = cuda.select_topk(torch.randn(10_000), torch.tensor([0, 10_000]), torch.tensor([100]))
+        assert idx.numel() == 100 and "gtopk_topk_pass_f32_i32" in backend.launches[n0:]
         return
     assert kernels.backend(device) == "cuda"
     x = torch.randn(10_000, device=device)
