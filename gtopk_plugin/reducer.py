@@ -30,6 +30,7 @@ from gtopk_plugin.compress.momentum import MomentumCorrection, MomentumSpec
 from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
 from gtopk_plugin.compress.topk import GTopKSelector, TopKSelector
 from gtopk_plugin.config import ReducerConfig, split_momentum_correction
+from gtopk_plugin.pipeline.comm_worker import CommWorker
 from gtopk_plugin.pipeline.check_stages import Agree, Compensate, CompensateEarly, FusedTopK, GradsFinite, Validate
 from gtopk_plugin.pipeline.dense_direct import DensePath, DirectUpdate, RedoCopy
 from gtopk_plugin.pipeline.exchange_stages import (Aggregate, Encode, NearestWire, Record, Residual, Select,
@@ -101,6 +102,10 @@ class GradientReducer:
         self._updates = UpdateBuffers()
         self._small: Optional[SmallTensors] = None
         self._stages = self._build()
+        # the communication worker of reduce_async (made at its first call),
+        # and whether the next call starts a step (its failure scope)
+        self._worker: Optional[CommWorker] = None
+        self._starts_step = True
         if bind:
             self.bind_optimizer(optimizer, named_parameters)
 
@@ -157,6 +162,33 @@ class GradientReducer:
         has dropped every tensor of an earlier call (:class:`UpdateBuffers`):
         do not write into them.  docs/api.md has the details.
         """
+        if self._worker is not None:
+            self._settle()  # the calls submitted before run first (FIFO)
+        self._starts_step = advance_step
+        return self._reduce_now(grads, advance_step, grad_norm, loss_scale, out, out_reuse)
+
+    def reduce_async(self, grads: Mapping[str, Tensor], *, advance_step: bool = True,
+                     grad_norm: Optional[float] = None, loss_scale: Optional[float] = None,
+                     out: Optional[Mapping[str, Tensor]] = None,
+                     out_reuse: bool = False) -> "torch.futures.Future[Dict[str, Tensor]]":
+        """:meth:`reduce` on this reducer's communication worker: returns at
+        once a ``torch.futures.Future`` of what :meth:`reduce` returns (or
+        raises).  Calls run one at a time in submission order, the same on
+        every rank; after a failed call the rest of its step (the calls up
+        to the next with ``advance_step=True``) fail with
+        :class:`~gtopk_plugin.pipeline.comm_worker.EarlierFailure` without
+        running.  Until its future completes, do not change ``grads`` or
+        ``out``, and run no other collective on the group; the reducer's
+        state (``step``, ``state_dict()``, ...) and :meth:`reduce` wait for
+        the calls submitted before them.  On CUDA the calls run on a side
+        stream after the work queued so far; waiting on the future
+        synchronises the waiter's stream."""
+        worker = self.worker(next(iter(grads.values())).device if grads else None)
+        fresh, self._starts_step = self._starts_step, advance_step
+        return worker.submit(self._reduce_now, dict(grads), advance_step, grad_norm, loss_scale,
+                             None if out is None else dict(out), out_reuse, fresh=fresh)
+
+    def _reduce_now(self, grads, advance_step, grad_norm, loss_scale, out, out_reuse):
         # not thread-safe (state and the group's collective order): a second
         # thread inside meanwhile gets ConcurrentUseError, never a crash
         with self.transport.exclusive("GradientReducer.reduce()"):
@@ -166,24 +198,51 @@ class GradientReducer:
                 self.state.step += 1
             return call.updates
 
+    def worker(self, device=None) -> CommWorker:
+        """This reducer's communication worker (made on first use, for the
+        device of the gradients: a side stream on CUDA).  Framework layers
+        submit their per-bucket jobs to it, so that one thread runs every
+        collective of the reducer in order."""
+        w = self._worker
+        if w is None or w.closed:
+            w = self._worker = CommWorker(f"gtopk-comm-{self.config.method}", device=device)
+        return w
+
+    def _settle(self) -> None:
+        """Wait for the calls submitted to the worker (not from the worker itself)."""
+        w = self._worker
+        if w is not None and not w.idle:
+            w.drain()
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """End the worker thread after the calls submitted; True when it
+        has ended within ``timeout`` seconds.  A later ``reduce_async``
+        starts a new one; :meth:`reduce` needs none."""
+        w = self._worker
+        return True if w is None else w.close(timeout=timeout)
+
     # -------------------------------------------- the state between calls
     @property
     def step(self) -> int:
         """Steps completed: the warm-up density and the random draws follow
         it (a framework layer may set it, e.g. to agree on it across ranks)."""
+        self._settle()
         return self.state.step
 
     @step.setter
     def step(self, value: int) -> None:
+        self._settle()
         self.state.step = value
 
     @property
     def loss_scale(self) -> Optional[float]:
         """The AMP loss scale residuals and velocities are expressed in."""
+        self._settle()
         return self.state.loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: Optional[float]) -> None:
+        self._settle()
         self.state.loss_scale = value
 
     @property
@@ -203,6 +262,7 @@ class GradientReducer:
         world size it belongs to, the method, settings and layout: load it
         on the same rank of a job of the same size (``gtopk_plugin.checkpoint``
         saves and loads whole jobs, and moves them to another size)."""
+        self._settle()
         return self.state.state_dict()
 
     def load_state_dict(self, sd: dict, *, named_parameters=None) -> None:
@@ -213,11 +273,13 @@ class GradientReducer:
         residuals and velocities must be for these names and sizes.  Raises
         :class:`~gtopk_plugin.CheckpointError` (a ``ValueError``);
         :func:`gtopk_plugin.checkpoint.load_job` moves a job to another size."""
+        self._settle()
         self.state.load(sd, named_parameters)
 
     def _load_own_state(self, sd: dict) -> None:
         """Load a state this process saved itself (elastic restore: the
         transport's rank is not asked)."""
+        self._settle()
         self.state.load_own(sd)
 
     def bind_optimizer(self, optimizer, named_parameters) -> "GradientReducer":
@@ -229,6 +291,7 @@ class GradientReducer:
         weight decay 0 for those groups (restored right after).  Returns
         ``self``.  ``ValueError`` for optimizers without SGD momentum (Adam,
         AdamW: use plain error feedback)."""
+        self._settle()
         if self.binding is not None:
             self.binding.remove()
         self.binding = OptimizerBinding(optimizer, named_parameters)
@@ -236,6 +299,7 @@ class GradientReducer:
 
     def reset(self) -> None:
         """Forget residuals and velocities (e.g. after the set of parameters changed)."""
+        self._settle()
         self.state.reset()
         self._updates.clear()
 

@@ -60,6 +60,7 @@ class _Core:
         self.cancel = False          # fail what is still queued instead of running it
         self.failed: Optional[BaseException] = None  # worker thread only
         self.stream = None
+        self.pending = 0  # jobs submitted and not finished (under lock)
 
     def put(self, item) -> None:
         with self.lock:
@@ -71,7 +72,12 @@ class _Core:
                 self.thread = threading.Thread(target=_serve, args=(self,), name=self.name, daemon=True)
                 self.thread.start()
                 _LIVE.add(self)
+            self.pending += 1
             self.q.put(item)
+
+    def done_one(self) -> None:
+        with self.lock:
+            self.pending -= 1
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> bool:
         with self.lock:
@@ -108,6 +114,7 @@ def _serve(core: _Core) -> None:
                 fut.set_exception(err)
             else:
                 _run(core, fut, fn, args, kwargs, event)
+        core.done_one()
         del fut, fn, args, kwargs, event  # nothing of a finished job stays referenced here
 
 
@@ -195,10 +202,19 @@ class CommWorker:
         """Wait until every job submitted so far has finished (run or failed);
         ``TimeoutError`` after ``timeout`` seconds.  The jobs' errors stay
         with their futures."""
-        if self._core.thread is None or self.on_worker_thread():
+        if self._core.pending == 0 or self.on_worker_thread():
             return
         wait_for(self.submit(_nothing), timeout, what=f"communication worker {self.name!r}",
                  raise_error=False)
+
+    @property
+    def idle(self) -> bool:
+        """No job submitted and unfinished (as seen by the submitting thread)."""
+        return self._core.pending == 0
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
 
     @property
     def alive(self) -> bool:
