@@ -14,6 +14,11 @@ Needs torch with CUDA and CuPy already installed (``gtopk-plugin[cuda]``).
 3. **Timing** (CUDA events, medians): exact and threshold selection
    against a torch.topk loop and the one-read floor, for several N and
    densities and the ResNet-50 layout, plus the fused compensation.
+4. **Sanitizer**: the GPU device tests of tests/unit/test_kernels_cuda.py
+   (float32 cases, ``--sanitize-k``) under ``compute-sanitizer`` memcheck,
+   racecheck and synccheck; skipped with a line when the tool or the test
+   files (a checkout) are absent.  CI runs the same tests on the CPU
+   executor (cuda_executor/) with its own checks.
 
 Prints the table last and writes gtopk-bench-results/gpu_check.json
 (``--out``).  See docs/kernels.md.
@@ -24,7 +29,10 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 import time
 import traceback
 from typing import Callable, List, Optional
@@ -309,6 +317,48 @@ def run_fused_checks(mod, device: str, g, dtypes, quick: bool, check) -> None:
 
 
 # ---------------------------------------------------------------------------
+# compute-sanitizer runs of the device tests
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+SANITIZER_K = "cuda and not executor and (dtype0 or dispatch)"
+
+
+def run_sanitizer(tools, k_expr: str, timeout_s: float, log=print) -> List[dict]:
+    """pytest of the GPU device tests under each compute-sanitizer tool: one
+    row per tool (ok None: skipped, with the reason)."""
+    exe = shutil.which("compute-sanitizer")
+    if exe is None and os.path.exists("/usr/local/cuda/bin/compute-sanitizer"):
+        exe = "/usr/local/cuda/bin/compute-sanitizer"
+    tests = Path(__file__).resolve().parents[2] / "tests" / "unit" / "test_kernels_cuda.py"
+    why = ("compute-sanitizer not found (CUDA toolkit)" if exe is None else
+           None if tests.exists() else f"{tests} not found (needs a checkout)")
+    if why:
+        log(f"  sanitizer runs SKIPPED: {why}")
+        return [{"tool": t, "ok": None, "error": why, "s": 0.0} for t in tools]
+    rows = []
+    for tool in tools:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--target-processes", "all",
+               sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+               "-k", k_expr]
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                               cwd=str(tests.parents[2]))
+            out, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = f"timed out after {timeout_s:.0f} s: {(e.stdout or b'')[-2000:]!r}", -1
+        dt = time.perf_counter() - t0
+        summary = [ln for ln in out.splitlines() if "SUMMARY" in ln or " passed" in ln
+                   or " failed" in ln]
+        ok = rc == 0
+        rows.append({"tool": tool, "ok": ok, "error": None if ok else out[-4000:],
+                     "summary": summary[-3:], "s": round(dt, 1)})
+        log(f"  {'ok  ' if ok else 'FAIL'} compute-sanitizer --tool {tool} ({dt:.0f} s): "
+            f"{'; '.join(summary[-2:]) or out[-300:]}")
+    return rows
+
+
+# ---------------------------------------------------------------------------
 # Timing
 
 
@@ -320,6 +370,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="check data seed (default: time-based)")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_check.json"))
+    ap.add_argument("--sanitize", nargs="*", default=list(SANITIZER_TOOLS), metavar="TOOL",
+                    help=f"compute-sanitizer tools to run the device tests under (default: all of "
+                         f"{', '.join(SANITIZER_TOOLS)}; none: --sanitize with no tool)")
+    ap.add_argument("--sanitize-k", default=SANITIZER_K, help="pytest -k of the sanitized tests")
+    ap.add_argument("--sanitize-timeout", type=float, default=300.0, help="seconds per tool")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -339,26 +394,35 @@ def main(argv=None) -> int:
     print(f"gpu_check: {info}")
     mod, t_load = load_backend(args.device)
     info["load_s"] = round(t_load, 2)
-    print(f"[1/3] build: back end {'loaded' if mod else 'NOT AVAILABLE'} in {t_load:.1f} s")
+    print(f"[1/4] build: back end {'loaded' if mod else 'NOT AVAILABLE'} in {t_load:.1f} s")
     checks: List[dict] = []
     if mod is not None:
-        print(f"[2/3] checks against the reference (seed {seed}):")
+        print(f"[2/4] checks against the reference (seed {seed}):")
         checks = run_checks(mod, args.device, seed, args.quick)
     else:
-        print("[2/3] checks skipped: the back end did not load")
+        print("[2/4] checks skipped: the back end did not load")
     rows: List[dict] = []
     if not args.no_timing:
-        print("[3/3] timing (CUDA events, medians):" if args.device == "cuda" else "[3/3] timing:")
+        print("[3/4] timing (CUDA events, medians):" if args.device == "cuda" else "[3/4] timing:")
         try:
             rows = run_timing(mod, args.device, args.quick)
         except Exception as e:  # noqa: BLE001
             print(f"  timing aborted: {type(e).__name__}: {e}")
             traceback.print_exc()
+    sanitizer: List[dict] = []
+    if args.sanitize and args.device == "cuda":
+        print(f"[4/4] compute-sanitizer ({', '.join(args.sanitize)}) of the device tests "
+              f"(-k {args.sanitize_k!r}):")
+        sanitizer = run_sanitizer(args.sanitize, args.sanitize_k, args.sanitize_timeout)
+    elif args.sanitize:
+        print("[4/4] compute-sanitizer SKIPPED: needs --device cuda")
     failed = [c["check"] for c in checks if not c["ok"]]
+    failed += [f"compute-sanitizer {r['tool']}" for r in sanitizer if r["ok"] is False]
     info["total_s"] = round(time.perf_counter() - t_start, 1)
-    write_json(args.out, "gpu_check", document={"machine": info, "checks": checks, "timing": rows})
+    write_json(args.out, "gpu_check", document={"machine": info, "checks": checks, "timing": rows,
+                                                "sanitizer": sanitizer})
     print(f"\nwrote {args.out} ({info['total_s']} s in all)")
-    print(f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
+    print(f"checks: {len(checks) + len(sanitizer) - len(failed)}/{len(checks) + len(sanitizer)} passed"
           + (f"; FAILED: {failed}" if failed else ""))
     if rows:
         print(markdown(rows))
