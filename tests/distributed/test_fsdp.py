@@ -230,6 +230,20 @@ def test_clipping_uses_each_replicas_norm_over_all_its_shards(reports):
                 torch.testing.assert_close(logs[0][t][1][n], want[n], rtol=1e-5, atol=1e-7)
 
 
+def test_compiled_model_trains_as_eager(reports):
+    """torch.compile after fully_shard, or per block before it: the same
+    parameters as eager, bit for bit, and one reduction per step; compiled
+    autograd (under which FSDP2's hooks do not run) is refused on every rank."""
+    for rep in reports(3, 2):
+        eager = rep["sparse"]["gtopk"]["params"]
+        for where in ("after", "before"):
+            got = rep["compiled"][where]
+            assert got["steps"] == STEPS
+            for n in eager:
+                assert torch.equal(got["params"][n][1], eager[n][1]), (where, n)
+        assert "compiled autograd is on" in rep["compiled"]["compiled autograd"]
+
+
 @pytest.mark.timeout(200)
 def test_docs_example_runs_on_a_2x2_mesh(tmp_path):
     """docs/fsdp.md's opening script, as printed, on 4 torchrun workers

@@ -170,6 +170,40 @@ def momentum_from_optimizer(rank, mesh):
     return out
 
 
+def compiled(rank, mesh):
+    """gTop-k on a model compiled after fully_shard, on one compiled block by
+    block before it (aot_eager: the eager kernels, so the same bits), and
+    the error compiled autograd gets."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for where in ("after", "before"):
+        torch._dynamo.reset()
+        if where == "after":
+            model = sharded(mesh)
+            run = torch.compile(model, backend="aot_eager")
+        else:
+            torch.manual_seed(0)
+            model = run = Net()
+            for m in (model.a, model.b, model.c):
+                m.compile(backend="aot_eager")
+                fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        state = gp.torch_fsdp.sparse_replica_reduction(model, **SPARSE["gtopk"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            train_step(run, opt, step, rank)
+        out[where] = {"params": shards(model), "steps": state.step}
+    try:
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            train_step(run, opt, STEPS, rank)
+        out["compiled autograd"] = None
+    except RuntimeError as e:
+        out["compiled autograd"] = str(e)
+    torch._dynamo.reset()
+    return out
+
+
 def sparse_run(rank, mesh, kw, mp=None, steps=STEPS, model=None):
     """The reducer's inputs and outputs per step and its final residuals."""
     model = model or sharded(mesh, mp)
@@ -304,4 +338,5 @@ def mesh_checks(rank, world, R, S, ckdir):
         rep["one_d"] = sparse_run(rank, mesh, dict(gt, mesh=mesh), model=flat)
     elif (R, S) == (3, 2):
         rep["replicas changed"] = dcp_load(rank, mesh, os.path.join(ckdir, "2x2"), gt)
+        rep["compiled"] = compiled(rank, mesh)
     return rep

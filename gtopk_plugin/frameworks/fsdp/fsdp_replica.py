@@ -16,6 +16,7 @@ rank's: one per (replica, shard).  See docs/fsdp.md.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -108,6 +109,10 @@ class SparseReplicaState:
         self._queued = False
         self.last_step_traffic: Optional[dict] = None
         self._units = fsdp_units(model)
+        _refuse_compiled_autograd()
+        # FSDP2's hooks (and so this reduction) do not run under compiled
+        # autograd: checked at every forward, which compiled autograd follows
+        self._pre_forward = model.register_forward_pre_hook(lambda *_: _refuse_compiled_autograd())
         topology.detach()
         for unit in self._units:
             for g in unit._get_fsdp_state()._fsdp_param_groups:
@@ -140,6 +145,7 @@ class SparseReplicaState:
         """Give the model back to FSDP's own replica all-reduce."""
         for unit in self._units:
             unit.set_all_reduce_hook(None)
+        self._pre_forward.remove()
         self.topology.attach()
         if self.reducer.binding is not None:
             self.reducer.binding.remove()
@@ -248,6 +254,20 @@ class SparseReplicaState:
             for g in grads.values():
                 g.fill_(0.0 if policy == "skip" else float("inf"))
         self.reducer.step += 1
+
+
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd skips FSDP2's post-backward hooks: no gradient
+    would be reduce-scattered or reduced across replicas, silently."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    cfg = sys.modules.get("torch._dynamo.config")
+    if (ca is not None and getattr(ca, "compiled_autograd_enabled", False)) or \
+            (cfg is not None and getattr(cfg, "compiled_autograd", False)):
+        raise RuntimeError(
+            "gtopk_plugin.torch_fsdp: compiled autograd is on, and FSDP2's post-backward hooks do not run "
+            "under it (no gradient would be reduce-scattered or reduced across replicas): run backward "
+            "without compiled autograd (torch._dynamo.config.compiled_autograd = False); torch.compile "
+            "of the model itself is fine")
 
 
 def _policy_wire(groups) -> Optional[torch.dtype]:
