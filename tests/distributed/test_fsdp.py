@@ -189,6 +189,10 @@ def test_gradient_accumulation_equals_stock_hsdp(reports):
             assert torch.equal(stock[n], ours[n]), n
 
 
+def test_remove_gives_stock_hsdp_back(reports):
+    assert all(rep["removed"] for rep in reports(2, 2))
+
+
 def test_nonfinite_gradient_on_one_shard_is_handled_on_every_rank(reports):
     reps = reports(2, 2)
     for rep in reps:

@@ -121,6 +121,18 @@ def dense_vs_stock(rank, mesh):
     return {n: (a[n][1], b[n][1]) for n in a}
 
 
+def removed_vs_stock(rank, mesh):
+    """A reduction attached and removed before training: stock HSDP again."""
+    stock, ours = sharded(mesh), sharded(mesh)
+    gp.torch_fsdp.sparse_replica_reduction(ours, method="gtopk", density=0.2).remove()
+    so, oo = torch.optim.SGD(stock.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    for step in range(STEPS):
+        train_step(stock, so, step, rank)
+        train_step(ours, oo, step, rank)
+    a, b = shards(stock), shards(ours)
+    return all(torch.equal(a[n][1], b[n][1]) for n in a)
+
+
 def accumulation_vs_stock(rank, mesh):
     """Two micro-batches per step, the first without the replica reduction
     (set_requires_all_reduce(False)), then a step whose gradients add to
@@ -323,6 +335,7 @@ def mesh_checks(rank, world, R, S, ckdir):
         rep["dcp"] = dcp_resume(rank, mesh, os.path.join(ckdir, "2x2"), gt)
         rep["errors"] = bad_inputs(mesh)
         rep["accumulation"] = accumulation_vs_stock(rank, mesh)
+        rep["removed"] = removed_vs_stock(rank, mesh)
         rep["nonfinite"] = {p: nonfinite(rank, mesh, p) for p in ("raise", "skip")}
         rep["momentum"] = momentum_from_optimizer(rank, mesh)
         rep["clip"] = sparse_run(rank, mesh, dict(SPARSE["gtopk"], clip_norm=CLIP))
