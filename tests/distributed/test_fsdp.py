@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_workers
-from fsdp_workers import CLIP, SPARSE, STEPS, mesh_checks
+from fsdp_workers import CLIP, SPARSE, STEPS, WD, mesh_checks
 from gtopk_plugin.testing import Oracle
 
 SHAPES = [(2, 2), (2, 3), (3, 2)]
@@ -203,10 +203,23 @@ def test_nonfinite_gradient_on_one_shard_is_handled_on_every_rank(reports):
 
 
 def test_momentum_correction_from_the_optimizer(reports):
-    for rep in reports(2, 2):
-        bound, explicit = rep["momentum"]
+    """momentum_correction=True reads SGD's momentum (the same as the
+    momentum given), and its weight decay reads each rank's local shard:
+    the oracle on gradient + wd * shard."""
+    reps = reports(2, 2)
+    for rep in reps:
+        bound, explicit, _ = rep["momentum"]
         for n in bound:
             assert torch.equal(bound[n][1], explicit[n][1]), n
+    by = _by_coords(reps)
+    for s in range(2):
+        logs = [by[(j, s)]["momentum"][2]["log"] for j in range(2)]
+        oracle = Oracle(2, method="gtopk", density=0.2, momentum_correction=0.9)
+        for t in range(STEPS):
+            want = oracle.step([{n: g.add(logs[j][t][2][n], alpha=WD) for n, g in logs[j][t][0].items()}
+                                for j in range(2)])
+            for n in want:
+                assert torch.equal(logs[0][t][1][n], want[n]), (s, t, n)
 
 
 def test_clipping_uses_each_replicas_norm_over_all_its_shards(reports):

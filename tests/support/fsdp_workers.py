@@ -76,16 +76,18 @@ def shards(model):
     return out
 
 
-def record(state):
+def record(state, params=None):
     """Wrap the state's reducer: per step, the local shards it was given and
-    the updates it returned (clones)."""
+    the updates it returned (clones); with ``params`` (name -> parameter),
+    also the parameters' local shards at the call."""
     log = []
     reduce = state.reducer.reduce
 
     def recorded(grads, **kw):
         inp = {n: g.detach().clone() for n, g in grads.items()}
+        here = {n: params[n].to_local().detach().clone() for n in grads} if params else None
         out = reduce(grads, **kw)
-        log.append((inp, {n: u.detach().clone() for n, u in out.items()}))
+        log.append((inp, {n: u.detach().clone() for n, u in out.items()}) + ((here,) if params else ()))
         return out
 
     state.reducer.reduce = recorded
@@ -102,6 +104,7 @@ SPARSE = {  # name -> sparse_replica_reduction keywords (and the oracle's)
 CODEC = {"method": "onebit"}  # the oracle simulates selectors; a codec is checked by conservation
 STEPS = 3
 CLIP = 0.05
+WD = 0.01
 
 
 def _coords(mesh):
@@ -179,6 +182,15 @@ def momentum_from_optimizer(rank, mesh):
         for step in range(STEPS):
             train_step(model, opt, step, rank)
         out.append(shards(model))
+    # with weight decay: the reducer adds wd times the local shard
+    model = sharded(mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=WD)
+    state = gp.torch_fsdp.sparse_replica_reduction(model, method="gtopk", density=0.2, optimizer=opt,
+                                                   momentum_correction=True)
+    log = record(state, dict(model.named_parameters()))
+    for step in range(STEPS):
+        train_step(model, opt, step, rank)
+    out.append({"log": log})
     return out
 
 

@@ -102,7 +102,6 @@ class SparseReplicaState:
             named_parameters=named if momentum_correction is True else None, **kwargs)
         if self.reducer.binding is not None:
             _bind_local_shards(self.reducer.binding)
-        self._timeout = timeout
         self._reducing: list = []   # parameter groups FSDP reduce-scattered in this backward
         self._stash: dict = {}      # param -> its gradient from earlier steps (already reduced)
         self._local: set = set()    # ids of params whose .grad holds shards not yet reduced
@@ -277,10 +276,19 @@ def _policy_wire(groups) -> Optional[torch.dtype]:
     return dts.pop() if len(dts) == 1 and next(iter(dts)) in _HALF else None
 
 
+class _LocalShards(dict):
+    """name -> parameter, read as this rank's local shard (a DTensor's
+    ``to_local()`` at every read: FSDP may re-pad the shard's storage)."""
+
+    def __getitem__(self, name):
+        p = dict.__getitem__(self, name)
+        return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _bind_local_shards(binding) -> None:
     """Momentum correction's weight decay reads each parameter's local
     shard (the binding maps the optimizer's DTensor parameters by identity)."""
-    binding.params = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in binding.params.items()}
+    binding.params = _LocalShards(binding.params)
 
 
 def _traffic(stats) -> Optional[dict]:
