@@ -74,30 +74,6 @@ def _mlp(widths):
     return torch.nn.Sequential(*layers[:-1])
 
 
-class _Bucket:
-    """A DDP bucket as the hook saw it, to hand to the hook again (the
-    exchange alone): the same tensors, parameters and position."""
-
-    def __init__(self, b):
-        self._buf, self._grads, self._params = b.buffer(), b.gradients(), b.parameters()
-        self._index, self._last = b.index(), b.is_last()
-
-    def buffer(self):
-        return self._buf
-
-    def gradients(self):
-        return self._grads
-
-    def parameters(self):
-        return self._params
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
-
-
 def _build(spec, widths):
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
@@ -121,13 +97,14 @@ def _build(spec, widths):
     def recording(st, bucket):
         if bucket.index() == 0:
             seen.clear()
-        seen.append(_Bucket(bucket))
-        return hook(st, bucket)
+        seen.append(bucket)  # replayed by _exchange_alone (DDP keeps its tensors)
+        return row["hook"](st, bucket)
 
     ddp.register_comm_hook(state, recording)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    return {"ddp": ddp, "opt": opt, "hook": hook, "state": state, "buckets": seen,
-            "times": {"step": [], "forward": [], "backward": [], "optimizer": [], "exchange": []}}
+    row = {"ddp": ddp, "opt": opt, "hook": hook, "state": state, "buckets": seen,
+           "times": {"step": [], "forward": [], "backward": [], "optimizer": [], "exchange": []}}
+    return row
 
 
 def _noop(state, bucket):
@@ -228,8 +205,9 @@ def _merge(per_rank, names):
     return res
 
 
-def _run_table(args, table, P, widths, label):
-    specs = [(n, _runnable(s)) for n, s in rows(args.density, table) if _runnable(s) is not None]
+def _run_table(args, table, P, widths, label, specs=None, target=None):
+    if specs is None:
+        specs = [(n, _runnable(s)) for n, s in rows(args.density, table) if _runnable(s) is not None]
     skipped = [n for n, s in rows(args.density, table) if _runnable(s) is None]
     net, why = shaped_net.network(P, args.rate)
     payload = {"rows": specs, "widths": widths, "batch": args.batch, "warmup": args.warmup,
@@ -237,11 +215,11 @@ def _run_table(args, table, P, widths, label):
     kw = {"timeout": args.timeout, "progress": lambda r, m: r == 0 and print(f"  {table}: {m.get('what')}",
                                                                                flush=True)}
     if net is None:
-        per_rank = run_workers(P, worker, payload, **kw)
+        per_rank = run_workers(P, target or worker, payload, **kw)
         desc = {"shaped": False, "why": why}
     else:
         with net:
-            per_rank = run_workers(P, worker, payload, prefix=net.prefix, ifname=net.iface, **kw)
+            per_rank = run_workers(P, target or worker, payload, prefix=net.prefix, ifname=net.iface, **kw)
         desc = net.describe()
     res = _merge(per_rank, [n for n, _ in specs])
     _print(table, P, widths, desc, res, skipped, label)

@@ -194,7 +194,7 @@ def ddp_fault(rank, world, overlap):
 
     model = _net()
     ddp = DDP(model, bucket_cap_mb=0.004)
-    state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), timeout=5, overlap=overlap,
+    state = gp.torch_ddp.SparseState(named_parameters=model.named_parameters(), timeout=3, overlap=overlap,
                                      coalesce_buckets=False)
     calls = [0]
 

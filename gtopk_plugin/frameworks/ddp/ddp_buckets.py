@@ -1,7 +1,10 @@
 """How the DDP hook (:mod:`.torch_ddp`) turns a step's DDP buckets into
 ``GradientReducer.reduce`` calls and their results into the buckets'
 futures.  A :class:`BucketItem` is one bucket as the hook received it; its
-gradients are views into its buffer."""
+gradients are views into its buffer.  :func:`reduce_group` is one
+reduction over consecutive buckets, run on the backward thread or, with
+``overlap``, on the reducer's communication worker (:func:`submit_group`)."""
+import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -132,3 +135,34 @@ def finish_bucket(state, item: BucketItem, updates: dict) -> None:
         u = updates.get(n)
         g.copy_(u) if u is not None else g.zero_()  # unused on every rank: DDP ignores it
     item.fut.set_result(item.buffer)
+
+
+def reduce_group(state, items: Sequence[BucketItem], last: bool) -> None:
+    """One reduction over ``items`` (consecutive buckets of a step): the
+    usage agreement, the reduction, every bucket's future completed."""
+    used = agree_used(state, items)
+    updates = reduce_buckets(state, items, last, None, used)
+    for it in items:
+        finish_bucket(state, it, updates)
+
+
+def fail_group(items: Sequence[BucketItem], exc: BaseException) -> None:
+    """No future of ``items`` stays pending after ``exc``."""
+    for it in items:
+        if not it.fut.done():
+            it.fut.set_exception(exc)
+
+
+def submit_group(state, worker, items: Sequence[BucketItem], last: bool, fresh: bool) -> None:
+    """:func:`reduce_group` as a job of ``worker`` (first in first out, so
+    every rank reduces the same groups in the same order); its error, or
+    that of an earlier job of the step, reaches the buckets' futures."""
+    job = worker.submit(reduce_group, state, items, last, fresh=fresh)
+    job.add_done_callback(functools.partial(_pass_error, list(items)))
+
+
+def _pass_error(items, job) -> None:
+    try:
+        job.value()
+    except BaseException as e:  # noqa: BLE001 - handed to DDP through the buckets' futures
+        fail_group(items, e)

@@ -31,10 +31,12 @@ from gtopk_plugin.pipeline.reduce_stats import ReduceStats
 from gtopk_plugin.two_level.topology import node_keywords
 from gtopk_plugin.pipeline.traffic import StepTraffic
 from gtopk_plugin.frameworks.ddp.ddp_compile import check_bucket, check_ddp_mode
-from gtopk_plugin.frameworks.ddp.ddp_buckets import BucketItem, agree_used, finish_bucket, reduce_buckets
+from gtopk_plugin.frameworks.ddp.ddp_buckets import (BucketItem, agree_used, fail_group, finish_bucket, reduce_buckets,
+                                                     reduce_group, submit_group)
 from gtopk_plugin.frameworks.ddp.ddp_naming import ParameterNaming
 from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
+from gtopk_plugin.pipeline.comm_worker import CommWorker
 
 __all__ = ["SparseState", "sparse_hook"]
 
@@ -47,6 +49,12 @@ _REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__
                         if n not in ("self", "transport", "momentum_correction", "optimizer", "named_parameters")
                         and p.kind is not p.VAR_KEYWORD)
 _STATE_VERSION = 1
+#: With ``overlap``, consecutive DDP buckets are fused until they hold this
+#: many elements (``coalesce_buckets`` left at its default): a reduction
+#: has fixed costs (the usage agreement, the consistency check, one message
+#: per round), so small buckets share one; large ones are reduced one by
+#: one, overlapping the rest of backward (docs/ddp.md, "Overlap").
+FUSE_ELEMENTS = 1 << 20
 
 
 class SparseState(ParameterNaming):
@@ -63,8 +71,13 @@ class SparseState(ParameterNaming):
             ``optimizer``'s own momentum and weight decay (pass
             ``optimizer=``), a number is the momentum (docs/recipes.md).
         grad_scaler: a ``torch.amp.GradScaler``: state follows its loss scale.
-        coalesce_buckets: one reduction per step over all DDP buckets
-            (default True) or one per bucket.
+        overlap: reduce on the reducer's communication worker while
+            backward goes on (default True); False: on the backward thread.
+        coalesce_buckets: True: one reduction per step over all buckets
+            (no overlap); False: one per bucket; a number n: consecutive
+            buckets fused until they hold n elements.  Default: n =
+            ``FUSE_ELEMENTS`` with ``overlap`` (True without, or with
+            ``granularity="global"``).
         hierarchical, local_size, node_of_rank, intra_fabric: two-level
             reduction (docs/hierarchical.md).
 
@@ -77,7 +90,8 @@ class SparseState(ParameterNaming):
                  timeout: Optional[float] = None, momentum_correction=None,
                  optimizer: Optional[torch.optim.Optimizer] = None, grad_scaler=None,
                  hierarchical: bool = False, local_size: Optional[int] = None, node_of_rank=None,
-                 intra_fabric: Optional[str] = None, coalesce_buckets: bool = True, **reducer_kwargs):
+                 intra_fabric: Optional[str] = None, overlap: bool = True, coalesce_buckets=None,
+                 **reducer_kwargs):
         check_ddp_mode()  # DDP's Python reducer (compiled autograd): refused (ddp_compile)
         if "transport" in reducer_kwargs:
             raise ValueError("SparseState builds its own transport on `process_group`; pass "
@@ -107,9 +121,14 @@ class SparseState(ParameterNaming):
             reducer_kwargs["momentum_correction"] = momentum
         if bind:
             named_parameters = list(named_parameters)
-        if not isinstance(coalesce_buckets, bool):
-            raise ValueError(f"coalesce_buckets must be True or False, got {coalesce_buckets!r}")
-        self.coalesce_buckets = coalesce_buckets
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if coalesce_buckets is None:  # one reduction per step where nothing overlaps, or k is global
+            coalesce_buckets = FUSE_ELEMENTS if overlap and reducer_kwargs.get("granularity") != "global" else True
+        if not isinstance(coalesce_buckets, (bool, int)) or coalesce_buckets < 0:
+            raise ValueError("coalesce_buckets must be True, False or a number of elements >= 0, got "
+                             f"{coalesce_buckets!r}")
+        self.overlap, self.coalesce_buckets = overlap, coalesce_buckets
         self.grad_scaler = grad_scaler
         # -- hyper-parameters (kept so that unpickling can rebuild the reducer) --
         self._reducer_kwargs = dict(reducer_kwargs, method=method, density=density)
@@ -132,6 +151,7 @@ class SparseState(ParameterNaming):
         self._usage_transport = TorchDistributedTransport(group=process_group, timeout=timeout)
         # buckets of the current step held back (coalescing, clipping: see sparse_hook)
         self._pending: List[tuple] = []
+        self._init_overlap()
         # GradScaler.get_scale() of the current step (read at its first bucket)
         self._step_scale: Optional[float] = None
         self._init_naming(named_parameters)  # ddp_naming.ParameterNaming
@@ -151,6 +171,12 @@ class SparseState(ParameterNaming):
         """Training steps completed (advanced once per step, at the last bucket)."""
         return self.reducer.step
 
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """End the communication worker's thread (a later step starts a new
+        one); True when it has ended within ``timeout`` seconds."""
+        ok = self.reducer.close(timeout) if isinstance(self.reducer, GradientReducer) else True
+        return (self._worker.close(timeout=timeout) if self._worker is not None else True) and ok
+
     def bind_optimizer(self, optimizer: torch.optim.Optimizer,
                        named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """(Re)bind the optimizer for momentum correction, e.g. after
@@ -161,6 +187,7 @@ class SparseState(ParameterNaming):
     def state_dict(self) -> dict:
         """Everything a bit-exact resume needs: the reducer's residuals, step
         and RNG state, and the parameter names in first-appearance order."""
+        self._settle()
         return {"version": _STATE_VERSION, "reducer": self.reducer.state_dict(),
                 "named": self._named, "params": [(n, list(s)) for n, s in self._order]}
 
@@ -168,6 +195,7 @@ class SparseState(ParameterNaming):
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported SparseState state version "
                              f"{sd.get('version') if isinstance(sd, dict) else sd!r}")
+        self._settle()
         order = [(str(n), tuple(int(d) for d in s)) for n, s in sd["params"]]
         # a hierarchical state keeps the residuals in its leader's inner reducer
         residual_names = set(sd["reducer"].get("residuals") or (sd["reducer"].get("inner") or {}).get(
@@ -205,7 +233,7 @@ class SparseState(ParameterNaming):
                            "saved SparseState.")
         return {"version": _STATE_VERSION, "reducer_kwargs": self._reducer_kwargs,
                 "timeout": self.timeout, "state": self.state_dict(), "hierarchy": self._hier,
-                "coalesce_buckets": self.coalesce_buckets,
+                "coalesce_buckets": self.coalesce_buckets, "overlap": self.overlap,
                 "momentum_correction": self.reducer.binding is not None,
                 "last_step_traffic": self.last_step_traffic}
 
@@ -217,6 +245,8 @@ class SparseState(ParameterNaming):
         self.timeout = d["timeout"]
         self._hier = d.get("hierarchy")
         self.coalesce_buckets = d.get("coalesce_buckets", True)
+        self.overlap = d.get("overlap", False)
+        self._init_overlap()
         self.reducer = _make_reducer(self._reducer_kwargs, self._hier, None, self.timeout)
         self._given, self._seen, self._order = {}, {}, []
         self._named = False
@@ -233,6 +263,23 @@ class SparseState(ParameterNaming):
         self.load_state_dict(d["state"])
 
     # ------------------------------------------------------------ internals
+    def _init_overlap(self) -> None:
+        self._group: List[BucketItem] = []  # buckets waiting to be fused (sparse_hook)
+        self._fresh = True  # the next group starts a step (the worker's failure scope)
+        self._worker: Optional[CommWorker] = None  # a hierarchical reducer's worker
+
+    def _comm_worker(self, device) -> CommWorker:
+        """The worker that runs the step's reductions: the reducer's own."""
+        if isinstance(self.reducer, GradientReducer):
+            return self.reducer.worker(device)
+        if self._worker is None or self._worker.closed:
+            self._worker = CommWorker("gtopk-comm-ddp", device=device)
+        return self._worker
+
+    def _settle(self) -> None:
+        if self._worker is not None:
+            self._worker.drain()
+
     def _record_traffic(self, last: bool, reduced: bool = True) -> None:
         st = self.reducer.last_stats
         if reduced and st is not None:
@@ -282,20 +329,17 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
         raise RuntimeError("this SparseState was saved with momentum_correction=True; the optimizer "
                            "does not travel with it: call state.bind_optimizer(optimizer, "
                            "model.named_parameters()) before training")
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    dev = bucket.buffer().device
+    fut: torch.futures.Future[torch.Tensor] = (
+        torch.futures.Future(devices=[dev]) if state.overlap and dev.type == "cuda" else torch.futures.Future())
     item = BucketItem(names, bucket.gradients(), bucket.buffer(), bucket.index(), fut,
                       state._usage.used(params))
     last = bucket.is_last()
-    if not state.coalesce_buckets and state.reducer.config.clip_norm is None:
-        try:
-            used = agree_used(state, [item])
-            finish_bucket(state, item, reduce_buckets(state, [item], last, None, used))
-        except BaseException:
-            state._usage.end_step()
-            raise
-        if last:
-            state._usage.end_step()
-        return fut
+    if bucket.index() == 0 and (state._group or state._pending):
+        # a step whose backward failed before its last bucket: drop its rest
+        _abandon(state)
+    if state.coalesce_buckets is not True and state.reducer.config.clip_norm is None:
+        return _reduce_fused(state, item, last)
     # Hold the bucket back (DDP waits for the futures only after the last
     # bucket's hook has run) and reduce the step's buckets when the last is
     # ready: all in one call (coalesce_buckets), or in order with the
@@ -325,3 +369,39 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
         finally:
             state._usage.end_step()
     return fut
+
+
+def _reduce_fused(state: SparseState, item: BucketItem, last: bool) -> torch.futures.Future:
+    """Buckets one by one, or consecutive ones fused up to
+    ``coalesce_buckets`` elements: reduced on the backward thread, or with
+    ``overlap`` submitted to the communication worker and the hook returns
+    at once.  The last bucket's hook waits for the step's reductions: DDP's
+    own collectives (the unused-parameter map) follow, and must not cross
+    ours on the group; backward has nothing left to overlap by then."""
+    state._group.append(item)
+    fuse = 0 if state.coalesce_buckets is False else int(state.coalesce_buckets)
+    if last or sum(it.buffer.numel() for it in state._group) >= fuse:
+        group, state._group = state._group, []
+        if state.overlap:
+            submit_group(state, state._comm_worker(item.buffer.device), group, last, state._fresh)
+            state._fresh = last
+        else:
+            try:
+                reduce_group(state, group, last)
+            except BaseException as exc:
+                fail_group(group, exc)
+                state._usage.end_step()
+                raise
+    if last:
+        if state.overlap:
+            state._comm_worker(item.buffer.device).drain()
+        state._usage.end_step()
+    return item.fut
+
+
+def _abandon(state: SparseState) -> None:
+    exc = RuntimeError("gtopk_plugin: this bucket's step ended before its last bucket (its backward failed)")
+    fail_group(state._group + state._pending, exc)
+    # (usage is kept: DDP too counts a parameter used by any backward since
+    # the last completed step)
+    state._group, state._pending, state._fresh = [], [], True
