@@ -319,7 +319,7 @@ def test_momentum_correction_and_clipping_match_pytorch_oracle(P):
         runs = [ok(res, f"momentum/{name}") for res in results]
         failures += _oracle_failures(P, name, runs, kw, exact)
         # the setting is not a no-op on this data
-        plain = {k: v for k, v in kw.items() if k not in ("momentum", "nesterov", "momentum_masking", "clip_norm")}
+        plain = {k: v for k, v in kw.items() if k not in ("momentum_correction", "nesterov", "momentum_masking", "clip_norm")}
         if kw.get("momentum_masking") is False:
             plain = dict(kw, momentum_masking=True)
         elif "nesterov" in kw:

@@ -251,7 +251,7 @@ def check_momentum_errors():
         except ValueError as e:
             out[name] = f"ValueError: {e}"
     # allowed: the optimizer built without momentum next to the compression's
-    DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Compression.gtopk(0.1, momentum=0.9))
+    DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Compression.gtopk(0.1, momentum_correction=0.9))
     # dense: momentum_correction changes nothing (the optimizer's momentum is exact)
     dense = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=Compression.none,
                                  momentum_correction=True)
