@@ -49,7 +49,8 @@ class Executor:
     ``schedule``: "forward", "reverse", "random" or "rotate"; ``seed`` seeds
     the random schedules; ``preempt``: mean number of memory accesses
     between preemptions in the random schedule; ``strict``: raise on any
-    report (else they are only collected in ``reports``)."""
+    report (else they are only collected in ``reports``).  One executor at
+    a time: creating one forgets the tensors registered before."""
 
     def __init__(self, schedule: str = "rotate", seed: int = 0, preempt: int = 24,
                  strict: bool = True, timeout_s: float = 300.0):

@@ -39,7 +39,6 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "../include/cuda_executor.h"
@@ -69,7 +68,6 @@ enum Kind {
   R_WARP_SRC = 12,    // a shuffle reads a lane outside the mask
   R_DEADLOCK = 13,    // nobody can run (fatal)
   R_TIMEOUT = 14,     // the launch ran over its time limit (fatal)
-  R_STACK = 15,       // fiber stack too small (fatal)
 };
 
 struct Report {  // mirrored by cuda_executor/_runtime.py
@@ -173,7 +171,6 @@ struct Thr {
   int bar_line;
   int bar_kind;  // 0 plain, 1 or, 2 and, 3 count
   int bar_pred;
-  uint32_t wgen;  // generation of the warp collective waited for
   SyncList acq;       // what this thread has acquired (after its fence)
   SyncList pending;   // observed by an atomic of its block, not yet fenced
 };
@@ -798,7 +795,6 @@ uint64_t warp_op(int op, unsigned mask, uint64_t v, int arg, int width, void* pc
     return w.res[buf][lane];
   }
   me.st = WAIT_WARP;
-  me.wgen = w.gen;
   to_sched();
   return w.res[buf][lane];
 }

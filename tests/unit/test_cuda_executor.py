@@ -383,3 +383,13 @@ def test_mutation_check_catches_injected_bugs(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["baseline_passed"] and res["total"] >= 20 and res["caught"] >= 18
+
+
+def test_every_mutation_applies_to_the_sources():
+    """The mutation check's bugs still match the kernels' text (each once)."""
+    from cuda_executor.mutations import MUTATIONS, mutated_sources
+
+    assert len(MUTATIONS) >= 20 and len({m.name for m in MUTATIONS}) == len(MUTATIONS)
+    base = mutated_sources(None)
+    for m in MUTATIONS:
+        assert mutated_sources(m) != base, m.name

@@ -725,8 +725,8 @@ def test_int64_index_kernels_match_reference(device, dtype, monkeypatch):
     monkeypatch.setattr(reference, "INT32_LIMIT", -1)
     g = torch.Generator().manual_seed(19)
     x = _mixed(dtype, 40_000, g).to(on(device))
-    off = torch.tensor([0, 3, 700, 40_000])
-    for ks in ([1, 50, 3000], [3, 697, 39_000]):
+    off = torch.tensor([0, 3, 700, 36_000, 40_000])  # the last segment: one whole sample
+    for ks in ([1, 50, 3000, 40], [3, 697, 35_000, 3999]):
         k = torch.tensor(ks)
         for op in ("select_topk", "select_threshold"):
             got, ref = getattr(cuda, op)(x, off, k), getattr(reference, op)(x, off, k)
