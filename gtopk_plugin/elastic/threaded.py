@@ -2,56 +2,24 @@
 
 Used for any :class:`~gtopk_plugin.GradientReducer` (dense, Top-k, gTop-k,
 rTop-k, ...) and for Transports without a native asynchronous allreduce.
-One thread, first in first out: the scheduler launches layers in the same
-order on every rank, so every rank runs the same sequence of collectives on
-the Transport — what a Transport requires (docs/design.md §1) — while the main
-thread goes on with backward and the next forward pass.
+One thread, first in first out -- the reducer's communication worker
+(:class:`~gtopk_plugin.pipeline.comm_worker.CommWorker`), or one of the
+back end's own for a bare Transport: the scheduler launches layers in the
+same order on every rank, so every rank runs the same sequence of
+collectives on the Transport — what a Transport requires (docs/design.md
+§1) — while the main thread goes on with backward and the next forward pass.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import queue
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from gtopk_plugin.collectives.transport import Transport
 from gtopk_plugin.elastic.backend import AsyncReduction, UnitSpec, agree_by_transport, refill
+from gtopk_plugin.pipeline.comm_worker import CommWorker, wait_for
 
 Tensor = torch.Tensor
-
-
-class _Worker:
-    """A daemon thread draining a FIFO of callables into Futures.  Daemon, so
-    that a reduction stuck on a dead peer can never keep the process alive
-    (the Transport's own timeout raises it on the waiting side)."""
-
-    def __init__(self, name: str):
-        self._q: "queue.Queue" = queue.Queue()
-        self._t = threading.Thread(target=self._run, name=name, daemon=True)
-        self._t.start()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def _run(self):
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                fut.set_exception(e)
-
-    def close(self):
-        self._q.put(None)
 
 
 class _ThreadedBase(AsyncReduction):
@@ -60,11 +28,11 @@ class _ThreadedBase(AsyncReduction):
     def __init__(self, transport: Transport, timeout: Optional[float] = None):
         self.transport = transport
         self.timeout = float(timeout if timeout is not None else getattr(transport, "timeout", 300.0))
-        self._worker: Optional[_Worker] = None
+        self._worker: Optional[CommWorker] = None
         self._slots = 2
         self._units: List[UnitSpec] = []
         # (layer, slot) -> (copies of the gradients, the future that read them)
-        self._inputs: Dict[Tuple[int, int], Tuple[List[Tensor], concurrent.futures.Future]] = {}
+        self._inputs: Dict[Tuple[int, int], Tuple[List[Tensor], torch.futures.Future]] = {}
 
     @property
     def rank(self):
@@ -80,11 +48,15 @@ class _ThreadedBase(AsyncReduction):
 
     def launch(self, unit, step, names, tensors, last_of_step):
         grads = self._copies(unit, step, tensors)
-        if self._worker is None:
-            self._worker = _Worker(f"gtopk-elastic-{self.kind}")
-        fut = self._worker.submit(self._run, unit, step, list(names), grads, last_of_step)
+        # fresh: each layer's reduction runs and raises on its own
+        fut = self._comm_worker().submit(self._run, unit, step, list(names), grads, last_of_step, fresh=True)
         self._inputs[(unit, step % self._slots)] = (grads, fut)
         return fut
+
+    def _comm_worker(self) -> CommWorker:
+        if self._worker is None or self._worker.closed:
+            self._worker = CommWorker(f"gtopk-comm-elastic-{self.kind}")
+        return self._worker
 
     def _copies(self, unit, step, tensors) -> List[Tensor]:
         """Copies of the gradients (the training loop may zero or overwrite
@@ -113,8 +85,8 @@ class _ThreadedBase(AsyncReduction):
 
     def wait(self, handle):
         try:
-            return handle.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
+            return wait_for(handle, self.timeout)
+        except TimeoutError:
             raise RuntimeError(f"gtopk_plugin elastic: a {self.kind} reduction did not finish within "
                                f"{self.timeout:g} s on rank {self.rank} (a peer died or stopped "
                                "training)") from None
@@ -160,9 +132,16 @@ class ThreadedReduction(_ThreadedBase):
         self.reducer = reducer
         self.kind = f"reducer:{reducer.config.method}"
 
+    def _comm_worker(self) -> CommWorker:
+        return self.reducer.worker()  # one thread per reducer, whoever submits
+
     def _reduce(self, names, grads, last_of_step):
         out = self.reducer.reduce(dict(zip(names, grads)), advance_step=last_of_step)
         return [out[n] for n in names]
+
+    def close(self):
+        super().close()
+        self.reducer.close()
 
     def agree(self, layout, bad_input):
         agree_by_transport(self.reducer.transport, list(layout) + [("backend", self.kind)], bad_input)

@@ -13,18 +13,16 @@ thread as soon as all its gradients are ready (overlapping backward).
 * every Horovod op carries the optimizer's prefix ``gtopk.p{set}.o{n}`` and
   a step's join is waited for before the next step starts, so two
   optimizers or an abandoned step never reuse an in-flight op name;
-* reductions run on one daemon thread per optimizer, in submission order.
+* reductions run on the reducer's communication worker
+  (:class:`~gtopk_plugin.pipeline.comm_worker.CommWorker`, one thread per
+  reducer), in submission order; each bucket's error stays its own.
 
 See docs/horovod.md, "What happens in a step".  :class:`_SparsePath`'s
 methods are copied into the optimizer class (:mod:`.hvd_optimizer`).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import queue
-import threading
 import warnings
-import weakref
 from typing import Dict, List, Optional
 
 import horovod.torch as hvd
@@ -32,6 +30,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from horovod.torch import mpi_ops as _ops
 
+from gtopk_plugin.pipeline.comm_worker import CommWorker
 from gtopk_plugin.pipeline.param_buckets import bucket_scope, make_buckets
 from gtopk_plugin.pipeline.input_check import JoinedRankError
 from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
@@ -71,44 +70,6 @@ def op_prefix(process_set, index: int) -> str:
     """The prefix of every Horovod op name of the ``index``-th sparse
     optimizer on ``process_set``."""
     return f"gtopk.p{int(process_set.process_set_id or 0)}.o{index}"
-
-
-class _SerialWorker:
-    """A daemon thread that runs the submitted calls one at a time, in
-    submission order, and hands back ``concurrent.futures.Future`` s.
-
-    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter
-    exit, so a reduction stuck on a dead peer would keep the process
-    alive.  The thread holds no reference to the optimizer between calls
-    (a dropped optimizer is collected, which ends the thread)."""
-
-    def __init__(self, name: str):
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True).start()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def close(self) -> None:
-        """End the thread after the calls already submitted."""
-        self._queue.put(None)
-
-
-def _serve(q) -> None:
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        fut, fn, args = item
-        del item
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                fut.set_exception(e)
-        del fut, fn, args  # the call's bound optimizer must not outlive the call here
 
 
 def op_name(op) -> str:
@@ -157,7 +118,7 @@ class _SparsePath:
                 "docs/recipes.md)", UserWarning, stacklevel=4)
         self._buckets = make_buckets(self._requires_update, self._groups, self._spec.fusion_threshold)
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._executor: Optional[_SerialWorker] = None
+        self._worker: Optional[CommWorker] = None  # a hierarchical reducer's (a flat one has its own)
         self._join_handle = None
         # The step counter (density warm-up, random draws, layout check)
         # must agree on all ranks; a fresh optimizer takes the largest one
@@ -175,7 +136,7 @@ class _SparsePath:
         for fut in self._futures:
             if fut is not None:
                 try:
-                    fut.result()
+                    fut.wait()
                 except BaseException:  # noqa: BLE001 - the step is being discarded
                     pass
         self._settle_join()
@@ -198,7 +159,7 @@ class _SparsePath:
         self._step_loss_scale = None
         self._ready = set()
         self._bucket_left = [len(b) for b in self._buckets]
-        self._futures: List[Optional[concurrent.futures.Future]] = [None] * len(self._buckets)
+        self._futures: List[Optional[torch.futures.Future]] = [None] * len(self._buckets)
         self._next_bucket = 0
         self._joined = False
         for p in self._delay:
@@ -229,14 +190,20 @@ class _SparsePath:
         while self._next_bucket < len(self._buckets) and self._bucket_left[self._next_bucket] == 0:
             i = self._next_bucket
             grads = {self._parameter_names[p]: p.grad for p in self._buckets[i]}
-            if self._executor is None:
-                self._executor = _SerialWorker(f"gtopk-horovod-{self._transport.prefix}")
-                weakref.finalize(self, self._executor.close)
             join = None
             if i == 0:  # bucket 0 waits for the step's join (consumed: nothing to settle)
                 join, self._join_handle = self._join_handle, None
-            self._futures[i] = self._executor.submit(self._reduce_bucket, i, grads, join)
+            # fresh: each bucket runs and raises on its own, whatever the others did
+            self._futures[i] = self._comm_worker().submit(self._reduce_bucket, i, grads, join, fresh=True)
             self._next_bucket += 1
+
+    def _comm_worker(self) -> CommWorker:
+        """The thread the buckets are reduced on: the reducer's own."""
+        if isinstance(self._reducer, GradientReducer):
+            return self._reducer.worker()
+        if self._worker is None or self._worker.closed:
+            self._worker = CommWorker(f"gtopk-comm-horovod-{self._transport.prefix}")
+        return self._worker
 
     def _reduce_bucket(self, i: int, grads: Dict[str, Tensor], join=None):
         """Runs on the worker thread: one GradientReducer call per bucket
@@ -299,7 +266,7 @@ class _SparsePath:
         try:
             for i, fut in enumerate(self._futures):
                 try:
-                    out, st = fut.result()
+                    out, st = fut.wait()
                 except BaseException as e:  # noqa: BLE001 - wait for every bucket, then raise
                     first_error = first_error or e
                     continue
