@@ -32,7 +32,7 @@ def __getattr__(name):
     # never touch them, and keeps ``gp.torch_ddp`` working as an attribute.
     # importlib, not "from . import x": that form looks the name up on this
     # module first and would re-enter __getattr__ forever.
-    if name in ("torch_ddp", "testing", "horovod", "byteps"):
+    if name in ("torch_ddp", "torch_fsdp", "testing", "horovod", "byteps"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -124,7 +124,10 @@ class OptimizerBinding:
         wd = self.weight_decay(name)
         if wd == 0.0:
             return flat_grad
-        p = self.params[name].detach().reshape(-1)
+        p = self.params[name].detach()
+        # a DTensor (FSDP2): this rank's local shard, read at every call since
+        # FSDP may re-pad the shard's storage between steps
+        p = (p.to_local() if hasattr(p, "to_local") else p).reshape(-1)
         return flat_grad.add(p.to(flat_grad.dtype), alpha=wd * loss_scale)
 
     # -- the optimizer's step runs without momentum and weight decay -------

@@ -100,8 +100,6 @@ class SparseReplicaState:
             transport=TorchDistributedTransport(group=topology.replicate_group, timeout=timeout),
             momentum_correction=momentum_correction, optimizer=optimizer,
             named_parameters=named if momentum_correction is True else None, **kwargs)
-        if self.reducer.binding is not None:
-            _bind_local_shards(self.reducer.binding)
         self._reducing: list = []   # parameter groups FSDP reduce-scattered in this backward
         self._stash: dict = {}      # param -> its gradient from earlier steps (already reduced)
         self._local: set = set()    # ids of params whose .grad holds shards not yet reduced
@@ -274,21 +272,6 @@ def _policy_wire(groups) -> Optional[torch.dtype]:
     when it is float16/bfloat16 for every group: the wire HSDP would use."""
     dts = {g.mp_policy.reduce_dtype or g.mp_policy.param_dtype for g in groups}
     return dts.pop() if len(dts) == 1 and next(iter(dts)) in _HALF else None
-
-
-class _LocalShards(dict):
-    """name -> parameter, read as this rank's local shard (a DTensor's
-    ``to_local()`` at every read: FSDP may re-pad the shard's storage)."""
-
-    def __getitem__(self, name):
-        p = dict.__getitem__(self, name)
-        return p.to_local() if hasattr(p, "to_local") else p
-
-
-def _bind_local_shards(binding) -> None:
-    """Momentum correction's weight decay reads each parameter's local
-    shard (the binding maps the optimizer's DTensor parameters by identity)."""
-    binding.params = _LocalShards(binding.params)
 
 
 def _traffic(stats) -> Optional[dict]:
