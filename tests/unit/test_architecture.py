@@ -19,6 +19,7 @@ itself (an AST walk, independent of the code it checks):
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -279,3 +280,32 @@ def test_test_modules_have_unique_basenames():
         seen.setdefault(f.name, []).append(str(f.relative_to(tests)))
     dup = {k: v for k, v in seen.items() if len(v) > 1}
     assert not dup, dup
+
+
+def test_momentum_correction_has_one_spelling():
+    """Every public constructor that turns DGC momentum correction on takes
+    ``momentum_correction=`` (True: the optimizer's; a number: the momentum)
+    and none takes ``momentum=``; rebinding is ``bind_optimizer``.  Checked
+    on the source, so the Horovod/TF layers count without their frameworks."""
+    import gtopk_plugin as gp
+    from gtopk_plugin.frameworks.ddp.ddp_hook import SparseState
+    ctors = {"GradientReducer": gp.GradientReducer.__init__, "HierarchicalReducer": gp.HierarchicalReducer.__init__,
+             "SparseState": SparseState.__init__, "ElasticScheduler": gp.ElasticScheduler.__init__}
+    for name, fn in ctors.items():
+        params = inspect.signature(fn).parameters
+        assert "momentum_correction" in params and "momentum" not in params, name
+    for cls in (gp.GradientReducer, gp.HierarchicalReducer, SparseState):
+        assert hasattr(cls, "bind_optimizer") and not hasattr(cls, "correct_momentum"), cls
+    # the framework layers' constructors, read from their source
+    for rel in ("frameworks/horovod/hvd_compression.py", "frameworks/horovod_tf/tf_compression.py",
+                "frameworks/horovod_tf/tf_optimizer.py", "frameworks/fsdp/fsdp_replica.py"):
+        tree = ast.parse((ROOT / "gtopk_plugin" / rel).read_text())
+        args = {a.arg for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                for a in f.args.args + f.args.kwonlyargs}
+        assert "momentum_correction" in args and "momentum" not in args, rel
+        assert "correct_momentum" not in (ROOT / "gtopk_plugin" / rel).read_text(), rel
+    # a number and True are the two forms; the old keyword is refused by name
+    red = gp.GradientReducer("topk", 0.5, momentum_correction=0.9, transport=gp.SingleProcessTransport())
+    assert red.config.momentum_correction == 0.9
+    with pytest.raises(ValueError, match="momentum"):
+        gp.GradientReducer("topk", 0.5, momentum=0.9, transport=gp.SingleProcessTransport())
