@@ -373,9 +373,11 @@ def test_builds_are_cached_by_source_hash():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
 def test_mutation_check_catches_injected_bugs(tmp_path):
     """python -m cuda_executor.mutations: the unmodified kernels pass under
-    every schedule, and at least 18 of the injected bugs are caught."""
+    every schedule, and at least 18 of the injected bugs are caught (about
+    15 minutes on two cores)."""
     out = tmp_path / "mutations.json"
     r = subprocess.run([sys.executable, "-m", "cuda_executor.mutations", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=7200)
