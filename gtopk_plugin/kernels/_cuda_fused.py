@@ -7,8 +7,8 @@ the same CUDA tensors, bit for bit (one IEEE operation per element in the
 opmath type; division by the worker count as torch does it on CUDA; the
 non-finite flags cover the gradients, not the residual).  Every function
 takes ``rt``, the launching module (:mod:`.cuda`), as its first argument,
-so this module imports nothing of it and the tests' emulation of
-``cuda``'s launching serves these kernels too.
+so this module imports nothing of it and the tests' CPU executor of
+``cuda``'s launching (cuda_executor/) serves these kernels too.
 
 ``compensate_select_topk`` writes ``acc`` and the flags in one pass that
 also collects the candidates at or above a sampled bound; segments whose

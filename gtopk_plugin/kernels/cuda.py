@@ -183,8 +183,8 @@ def _layout(device, offsets, k, kind: str, numel: int) -> _Layout:
 # Kernels (reference signatures)
 
 
-#: The device type these kernels serve (a name, so that tests can run the
-#: host side against an emulation of the kernels on CPU tensors).
+#: The device type these kernels serve (a name, so that the tests can run
+#: the host side and the real kernels on CPU tensors: cuda_executor/).
 _DEVICE_TYPE = "cuda"
 
 
