@@ -15,6 +15,8 @@ STUDIES = {
     "convergence": ("lab.convergence.cli", "main", "convergence study of every method on offline tasks"),
     "convergence_hier": ("lab.convergence.hier_report", "main",
                          "two-level against flat reduction: convergence on offline tasks"),
+    "hsdp_accuracy": ("lab.convergence.hsdp_accuracy", "main",
+                      "real FSDP2 HSDP (2x2 gloo mesh): gTop-k replica reduction against stock, accuracy"),
     "train": ("lab.train.cli", "main", "time to accuracy: real training jobs on the emulated cluster"),
     "train_report": ("lab.train.combine", "main", "one time-to-accuracy table over several train JSONs"),
     "elastic": ("lab.elastic", "main", "elastic consistency scheduler: step time and accuracy"),
