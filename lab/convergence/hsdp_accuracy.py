@@ -170,7 +170,9 @@ def markdown(rows: List[dict], settings: dict) -> str:
              "density=0.01, momentum_correction=True, optimizer=opt, warmup=DGC)` (docs/recipes.md). "
              "Budget per task (global batch 64, cosine lr to 0, the convergence study's momentum group): "
              + "; ".join(f"{t}: {b['steps']} steps, lr {b['lr']}, warm-up {b['warmup_epochs']:g} epochs"
-                         for t, b in settings["budget"].items()) + ".", "",
+                         for t, b in settings["budget"].items()) + ". These are the momentum group's "
+             "short budgets: at them the simulated flat P = 4 run (lab/reports/convergence.md) left glyphs "
+             "gTop-k about 6 pp behind dense too; within 1 pp needed the long budgets (`--long`).", "",
              "| task | method | seed | test accuracy (%) | gap to dense (pp) |", "|---|---|---|---|---|"]
     for r in rows:
         acc = "" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
