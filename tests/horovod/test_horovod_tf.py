@@ -7,7 +7,8 @@ with one rank, DGC momentum correction and clipping (run on the core's
 torch code inside the exchange) against the oracle, fp32/fp16/bf16.
 
 Under a real ``horovodrun -np 3 --gloo`` job (all checks batched in
-tests/jobs/hvd_tf_jobs.py; P = 3 folds a rank into a butterfly round, so it
+tests/jobs/hvd_tf_jobs.py, one job with test_horovod_tf_rounds.py's and
+_registry.py's checks: tests/jobs/hvd_tf_shared.py; P = 3 folds a rank into a butterfly round, so it
 covers the power-of-two path too, which the example and elastic jobs below
 run at P = 2): identical gradients go to the
 TensorFlow layer and to the single-process oracle of the PyTorch side
@@ -31,8 +32,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -56,6 +55,9 @@ from gtopk_plugin.frameworks.horovod_tf import tf_bridge as S  # noqa: E402
 from gtopk_plugin.kernels import reference as ref  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
 from hvd_launch import JOBS, elastic_hosts, horovodrun as _horovodrun  # noqa: E402
+
+sys.path.insert(0, JOBS)
+import hvd_tf_shared as shared  # noqa: E402
 
 needs_hvd = pytest.mark.skipif(
     not HAVE_HVD_TF, reason=f"HOROVOD-TENSORFLOW TESTS SKIPPED: horovod.tensorflow cannot be imported "
@@ -168,22 +170,17 @@ def horovodrun(np_, args, timeout=300, hosts=None):
     return _horovodrun(np_, args, timeout=timeout, hosts=hosts, gloo_timeout=90)
 
 
-_JOBS = {}
+# One job per world size (tests/jobs/hvd_tf_shared.py): at P = 3 every check
+# of this module, with test_horovod_tf_rounds.py's and _registry.py's parts;
+# at P = 2 the Keras bit-identity checks and the example, fit and tape.
+shared.want(3, "all")
+shared.want(2, "dense", "example-fit", "example-tape")
+# (the first test to read a job runs it: seconds for every part in it)
+JOB_TIMEOUT = 900
 
 
 def job(np_, which="all"):
-    if (np_, which) not in _JOBS:
-        with tempfile.TemporaryDirectory(prefix="gtopk-hvdtf-") as d:
-            t0 = time.time()
-            rc, out = horovodrun(np_, [os.path.join(JOBS, "hvd_tf_jobs.py"), d, which])
-            assert rc == 0, f"horovodrun -np {np_} failed (rc {rc}):\n{out[-6000:]}"
-            res = []
-            for r in range(np_):
-                with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                    res.append(pickle.load(f))
-            print(f"horovodrun -np {np_} TensorFlow job ({which}): {time.time() - t0:.1f} s")
-        _JOBS[np_, which] = res
-    return _JOBS[np_, which]
+    return shared.results(np_, which)
 
 
 def ok(res, key):
@@ -272,7 +269,7 @@ def _oracle_failures(P, name, runs, kw, exact):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_sparse_methods_match_pytorch_oracle_agree_and_conserve_mass(P):
     results = job(P)
@@ -302,7 +299,7 @@ MOMENTUM = {
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_momentum_correction_and_clipping_match_pytorch_oracle(P):
     """DGC momentum correction with factor masking (plain, Nesterov, without
@@ -340,7 +337,7 @@ def test_momentum_correction_and_clipping_match_pytorch_oracle(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_keras_sgd_momentum_correction_weights_equal_the_oracle(P):
     """SGD(0.1, momentum=0.9[, nesterov, weight_decay]) with momentum
@@ -398,7 +395,7 @@ def _sgd_after_sparse(runs, names, P, method, nesterov, wd, lr):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_momentum_correction_errors_and_checkpoint_resume(P):
     """Momentum applied twice or a correction that cannot be set up: a
@@ -447,7 +444,7 @@ WIRE = {
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P):
     """fp16/bf16 values on the wire (docs/design.md §3): inputs up to
@@ -496,7 +493,7 @@ def test_reduced_precision_wire_stays_finite_conserves_mass_and_matches_oracle(P
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_int8_wire_bytes_and_validation(P):
     """The int8 wire's bytes per rank in the last step are the core's
@@ -545,7 +542,7 @@ def test_int8_wire_bytes_and_validation(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
     """Bytes of the last step per rank: what one rank sends another receives
@@ -586,7 +583,7 @@ def test_last_step_traffic_equals_the_pytorch_side_byte_model(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_keras_dense_equals_stock_horovod_bit_for_bit_at_P2():
     """At P = 2 the ring adds two summands, so no fusion batching can change
     the order: Compression.none / fp16 through our Keras optimizer must give
@@ -600,7 +597,7 @@ def test_keras_dense_equals_stock_horovod_bit_for_bit_at_P2():
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
     results = job(P)
@@ -637,7 +634,7 @@ def test_keras_dense_equals_stock_horovod_and_sparse_checkpoint_round_trip(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_keras_backward_passes_per_step_reduces_the_aggregated_gradient(P):
     results = job(P)
@@ -659,7 +656,7 @@ def test_keras_backward_passes_per_step_reduces_the_aggregated_gradient(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_nonfinite_gradient_on_one_rank(P):
     for res in job(P):
@@ -669,39 +666,49 @@ def test_nonfinite_gradient_on_one_rank(P):
 
 
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @pytest.mark.parametrize("mode", ["fit", "tape"])
 def test_example_trains_under_horovodrun(mode):
     """examples/horovod_tf_train.py, as the docs run it (gTop-k at density
     0.01), at np 2: Keras fit, or the DistributedGradientTape loop inside
-    tf.function.  It must finish and learn (10 classes: chance is 0.1)."""
-    args = [os.path.join(ROOT, "examples", "horovod_tf_train.py"), "--compression", "gtopk",
-            "--density", "0.01", "--epochs", "3"] + (["--tape"] if mode == "tape" else [])
-    rc, out = horovodrun(2, args)
-    assert rc == 0, f"example failed (rc {rc}):\n{out[-6000:]}"
+    tf.function.  It must finish and learn (10 classes: chance is 0.1).
+    (It runs as ``__main__`` in the P = 2 job's processes, after the Keras
+    checks: tests/jobs/hvd_tf_jobs.py run_example.)"""
+    runs = job(2, f"example-{mode}")
+    assert all(r["argv"] == ["--compression", "gtopk", "--density", "0.01", "--epochs", "3"]
+               + (["--tape"] if mode == "tape" else []) for r in runs), runs[0]["argv"]
+    out = "".join(r["stdout"] for r in runs)
     accs = [float(line.split("final test accuracy")[1].split()[0])
             for line in out.splitlines() if "final test accuracy" in line]
     assert len(accs) == 1, out[-4000:]  # rank 0 prints it
     assert accs[0] > 0.5, out[-4000:]
 
 
+@pytest.fixture(scope="module")
+def elastic_job(tmp_path_factory):
+    """Both modes in one elastic launch (tests/jobs/hvd_tf_elastic_job.py
+    runs them one after the other, each with its own state and failure)."""
+    d = tmp_path_factory.mktemp("hvd-tf-elastic")
+    rc, out = horovodrun(2, [os.path.join(JOBS, "hvd_tf_elastic_job.py"), str(d), "tape,keras"],
+                         timeout=500, hosts=elastic_hosts(d, 2))
+    return d, rc, out
+
+
 @needs_hvd
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["tape", "keras"])
-def test_elastic_reset_restores_residuals_under_horovodrun_elastic(tmp_path, mode):
+def test_elastic_reset_restores_residuals_under_horovodrun_elastic(elastic_job, mode):
     """A real elastic job (host discovery script, min-np 2) with SparseKerasState:
     every worker raises HorovodInternalError after uncommitted steps;
     hvd.elastic.run restores the commit, re-initialises Horovod and syncs.
     Residuals and the step counter must come back to the committed values on
     every rank (each rank its own residuals, not rank 0's), and training must
     finish with identical weights everywhere."""
-    hosts = elastic_hosts(tmp_path, 2)
-    rc, out = horovodrun(2, [os.path.join(JOBS, "hvd_tf_elastic_job.py"), str(tmp_path), mode],
-                         timeout=300, hosts=hosts)
+    d, rc, out = elastic_job
     assert rc == 0, out[-6000:]
     logs = []
     for r in range(2):
-        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+        with open(d / mode / f"rank{r}.pkl", "rb") as f:
             logs.append(pickle.load(f))
     for r, log in enumerate(logs):
         assert log["events"] == [("reset", 2)], f"rank {r}: {log['events']}"

@@ -1,6 +1,7 @@
 """The registry drives the TensorFlow layer: compressors the
 layer has no code of its own for run through ``gtopk_plugin.tensorflow``
-under real ``horovodrun -np 3 --gloo`` (tests/jobs/hvd_tf_registry_job.py),
+under real ``horovodrun -np 3 --gloo`` (tests/jobs/hvd_tf_registry_job.py, a part
+of the P = 3 job that runs test_horovod_tf.py's checks too),
 eagerly and inside ``tf.function``: the built-in ``onebit`` codec, and a
 selector and a codec registered from user code
 (tests/support/tf_user_compressors.py).
@@ -21,15 +22,17 @@ same job, bit for bit on every rank and step (both sum the warm-up steps
 with the same ``ProcessGroupGloo`` allreduce); warm-up steps are the plain
 sum with a zero residual and a dense step's bytes, later steps the codec's.
 """
-import os
 import re
-import pickle
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from hvd_launch import job_results, ok  # noqa: E402
+from hvd_launch import JOBS, ok  # noqa: E402
+
+sys.path.insert(0, JOBS)
+import hvd_tf_shared as shared  # noqa: E402
 
 try:
     import horovod.tensorflow  # noqa: F401
@@ -45,18 +48,13 @@ from gtopk_plugin.compress import SelectionContext  # noqa: E402
 from gtopk_plugin.testing import Oracle  # noqa: E402
 
 P = 3
-_RES = []
-
-
-def _load_pickle(d, r):
-    with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-        return pickle.load(f)
+# the registry part of the P = 3 Horovod-TF job, which runs test_horovod_tf.py's
+# checks too (tests/jobs/hvd_tf_shared.py)
+shared.want(P, "registry")
 
 
 def results():
-    if not _RES:
-        _RES.extend(job_results(P, "hvd_tf_registry_job.py", _load_pickle, timeout=400, gloo_timeout=90))
-    return _RES
+    return shared.results(P, "registry")
 
 
 def _flat(arrays):
@@ -72,7 +70,7 @@ def _check_mass(runs):
     assert np.abs(grads - outs - resid).max() < 1e-4, "mass not conserved"
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", ["onebit", "onebit_graph", "half_tf_user_graph"])
 def test_codecs_match_the_codec_contract_bit_for_bit(name):
     runs = [ok(res, name) for res in results()]
@@ -108,7 +106,7 @@ def test_codecs_match_the_codec_contract_bit_for_bit(name):
     _check_mass(runs)
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name,merge", [("firstk_user", None), ("firstk_user_butterfly_graph", "butterfly")])
 def test_user_selector_matches_the_pytorch_oracle_bit_for_bit(name, merge):
     runs = [ok(res, name) for res in results()]
@@ -144,7 +142,7 @@ WARM_FIELDS = ("payload_bytes_sent", "payload_bytes_received", "header_bytes_sen
                "control_bytes", "messages_sent", "numel", "k", "sent_entries", "rounds", "dense_bytes")
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", ["onebit_warm", "onebit_warm_graph", "qsgd_warm_graph"])
 def test_codec_dense_warmup_start_iter_equals_the_torch_reducer(name):
     """Steps 0 and 1 (before start_iter=2) are the dense method's step: the

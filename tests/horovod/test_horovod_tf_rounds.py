@@ -1,6 +1,7 @@
 """PowerSGD (a rounds codec: two allreduces per step, Vogels et al. 2019)
 on the TensorFlow layer under real ``horovodrun -np 3 --gloo``
-(tests/jobs/hvd_tf_rounds_job.py), eagerly and inside ``tf.function``,
+(tests/jobs/hvd_tf_rounds_job.py, a part of the P = 3 job that runs
+test_horovod_tf.py's checks too), eagerly and inside ``tf.function``,
 against the torch ``GradientReducer`` on the same gradients in the same job
 (a torch.distributed gloo group): ranks 1, 2, 4, warm start on and off,
 op sum and average, four steps (warm start and error feedback carried).
@@ -24,13 +25,15 @@ bit for bit as the uninterrupted run -- PowerSGD's warm-start Q is in the
 checkpoint (dropping it after the restore changes the updates), qsgd's
 rounding is keyed by the restored step.
 """
-import os
-import pickle
+import sys
 
 import numpy as np
 import pytest
 
-from hvd_launch import job_results, ok  # noqa: E402
+from hvd_launch import JOBS, ok  # noqa: E402
+
+sys.path.insert(0, JOBS)
+import hvd_tf_shared as shared  # noqa: E402
 
 try:
     import horovod.tensorflow  # noqa: F401
@@ -41,21 +44,16 @@ except Exception as e:  # noqa: BLE001
 
 P = 3
 RUNS = ["rank2_sum", "rank1_average_graph", "rank4_cold_graph"]
-_RES = []
-
-
-def _load_pickle(d, r):
-    with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-        return pickle.load(f)
+# the rounds part of the P = 3 Horovod-TF job, which runs test_horovod_tf.py's
+# checks too (tests/jobs/hvd_tf_shared.py)
+shared.want(P, "rounds")
 
 
 def results():
-    if not _RES:
-        _RES.extend(job_results(P, "hvd_tf_rounds_job.py", _load_pickle, timeout=400, gloo_timeout=90))
-    return _RES
+    return shared.results(P, "rounds")
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", RUNS)
 def test_powersgd_equals_the_torch_reducer_bit_for_bit(name):
     runs = [ok(res, name) for res in results()]
@@ -70,7 +68,7 @@ def test_powersgd_equals_the_torch_reducer_bit_for_bit(name):
                 assert a.tobytes() == b.tobytes(), f"rank {r} step {s}: ranks disagree"
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", RUNS)
 def test_powersgd_bytes_match_the_pytorch_side(name):
     for res in results():
@@ -84,7 +82,7 @@ def test_powersgd_bytes_match_the_pytorch_side(name):
         assert t["rounds"] == 2 * 2 * (P - 1)  # two allreduces, ring model
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 def test_powersgd_without_the_side_channel_raises_a_clear_error():
     for res in results():
         status, msg = res["horovod_exchange"]
@@ -95,7 +93,7 @@ DENSE_BELOW = ["gtopk_dense_below", "topk_global_dense_below_graph", "mc_gtopk_d
                "all_small_dense_below", "gtopk_int8_stochastic_dense_below_graph"]
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", DENSE_BELOW)
 def test_dense_below_equals_the_torch_reducer_bit_for_bit(name):
     runs = [ok(res, name) for res in results()]
@@ -139,7 +137,7 @@ def test_dense_below_equals_the_torch_reducer_bit_for_bit(name):
                 assert np.allclose(runs[0]["tf"][s][i], want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)  # the first test runs the shared job
 @pytest.mark.parametrize("name", ["powersgd_resume_graph", "qsgd_resume", "gtopk_int8_stochastic_resume"])
 def test_checkpoint_resume_continues_bit_for_bit(name):
     for r, res in enumerate(results()):

@@ -1,15 +1,28 @@
-"""Worker script run under ``horovodrun`` by tests/horovod/test_horovod_tf.py.
+"""Worker script run under ``horovodrun`` by tests/horovod/test_horovod_tf*.py.
 
-    horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_jobs.py OUTDIR
+    horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_jobs.py OUTDIR [PART,PART,...]
 
-Every rank runs every check and pickles ``OUTDIR/rank{r}.pkl`` (a dict of
-results: numpy arrays); the parent test compares ranks with each other and
-with the single-process oracle of the PyTorch side.  One job batches all
-checks because starting TensorFlow under horovodrun costs many seconds.  A
-check that raises is recorded as an error and the job goes on.
+Runs the PARTs one after the other in the same processes (default
+``all``); each pickles ``OUTDIR/PART/rank{r}.pkl`` (a dict of results:
+numpy arrays), or writes ``OUTDIR/PART/error.txt`` when it raised.  Parts:
+``all`` (every check of test_horovod_tf.py), ``dense`` (only Keras
+Compression.none / fp16 against stock Horovod-TF: the P = 2 bit-identity
+checks), ``rounds`` and ``registry`` (tests/jobs/hvd_tf_rounds_job.py and
+hvd_tf_registry_job.py), ``example-fit`` and ``example-tape``
+(examples/horovod_tf_train.py as ``python examples/horovod_tf_train.py
+--compression gtopk --density 0.01 --epochs 3 [--tape]`` runs it; its
+output is pickled).  The parent test compares ranks with each other and
+with the single-process oracle of the PyTorch side.  One job batches the
+checks because starting TensorFlow under horovodrun costs many seconds,
+and so does AutoGraph's first conversion of the layer's code in each
+process.  A check that raises is recorded as an error and the job goes on.
 """
+import contextlib
+import gc
+import io
 import os
 import pickle
+import runpy
 import sys
 import time
 import traceback
@@ -389,7 +402,7 @@ def check_nonfinite():
     return out
 
 
-def main(outdir, which="all"):
+def run_checks(outdir, which="all"):
     """``which``: "all" the checks, or "dense" only Keras Compression.none /
     fp16 against stock Horovod-TF (the P = 2 bit-identity job)."""
     results = {"rank": R, "size": P}
@@ -429,6 +442,59 @@ def main(outdir, which="all"):
     record("nonfinite", check_nonfinite)
     with open(os.path.join(outdir, f"rank{R}.pkl"), "wb") as f:
         pickle.dump(results, f)
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "examples", "horovod_tf_train.py")
+EXAMPLE_ARGS = ["--compression", "gtopk", "--density", "0.01", "--epochs", "3"]
+
+
+def run_example(outdir, tape):
+    """examples/horovod_tf_train.py run as its own ``__main__`` with the
+    command line the docs give (``--tape``: the DistributedGradientTape
+    loop); its printed output is pickled for the parent."""
+    argv = [EXAMPLE] + EXAMPLE_ARGS + (["--tape"] if tape else [])
+    buf = io.StringIO()
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(EXAMPLE, run_name="__main__")
+    finally:
+        sys.argv = saved
+    with open(os.path.join(outdir, f"rank{R}.pkl"), "wb") as f:
+        pickle.dump({"rank": R, "argv": argv[1:], "stdout": buf.getvalue()}, f)
+
+
+def main(outdir, which="all"):
+    """Every part of ``which`` (comma-separated) in turn, each into
+    ``outdir/<part>/``; a part that raises leaves ``error.txt`` there and
+    the next part runs."""
+    for part in which.split(","):
+        d = os.path.join(outdir, part)
+        os.makedirs(d, exist_ok=True)
+        t0 = time.time()
+        try:
+            if part in ("all", "dense"):
+                run_checks(d, part)
+            elif part == "rounds":
+                import hvd_tf_rounds_job  # noqa: PLC0415 - its module code sets up that part
+
+                hvd_tf_rounds_job.main(d)
+            elif part == "registry":
+                import hvd_tf_registry_job  # noqa: PLC0415
+
+                hvd_tf_registry_job.main(d)
+            elif part in ("example-fit", "example-tape"):
+                run_example(d, tape=part == "example-tape")
+            else:
+                raise ValueError(f"unknown part {part!r}")
+        except BaseException:  # noqa: BLE001 - reported by the parent, the other parts still run
+            with open(os.path.join(d, "error.txt"), "w") as f:
+                f.write(f"rank {R}: part {part} raised:\n{traceback.format_exc()[-6000:]}")
+        finally:
+            gc.collect()  # a part's torch process group is freed here, not at interpreter shutdown
+        print(f"rank {R}: part {part} done ({time.time() - t0:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

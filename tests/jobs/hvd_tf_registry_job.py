@@ -10,6 +10,9 @@ torch.distributed gloo group).
 
     horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_registry_job.py OUTDIR
 
+The tests run it as the ``registry`` part of tests/jobs/hvd_tf_jobs.py, in the
+same processes as the other Horovod-TF checks (``main(outdir)``).
+
 Every rank pickles ``OUTDIR/rank{r}.pkl``: per run its local gradients
 (numpy), the reduced ones, its residuals and last-step traffic (warm-up
 runs: per step, beside the torch reducer's updates and statistics).
@@ -117,7 +120,7 @@ def run_warm(factory, graph, torch_kw):
     return out
 
 
-def main():
+def main(outdir):
     init_torch_group("registry_job")
     res = {"rank": R, "size": P}
     for name, spec in list(RUNS.items()) + list(WARM.items()):
@@ -125,13 +128,13 @@ def main():
             res[name] = ("ok", run_warm(*spec) if name in WARM else run(spec[0](), spec[1]))
         except BaseException as e:  # noqa: BLE001 - recorded for the parent
             res[name] = ("error", (type(e).__name__, str(e), traceback.format_exc()))
-    with open(os.path.join(sys.argv[1], f"rank{R}.pkl"), "wb") as f:
+    with open(os.path.join(outdir, f"rank{R}.pkl"), "wb") as f:
         pickle.dump(res, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
     # the torch process group is freed here, not at interpreter shutdown,
     # where gloo's worker thread aborts the process (examples/ddp_train.py)
     gc.collect()

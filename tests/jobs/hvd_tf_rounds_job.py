@@ -12,6 +12,9 @@ the int8 wire's stochastic rounding (also against the torch reducer with
 
     horovodrun -np N -H localhost:N --gloo python tests/jobs/hvd_tf_rounds_job.py OUTDIR
 
+The tests run it as the ``rounds`` part of tests/jobs/hvd_tf_jobs.py, in the
+same processes as the other Horovod-TF checks (``main(outdir)``).
+
 Every rank pickles ``OUTDIR/rank{r}.pkl``: per run the TF updates, the
 torch updates, TF's last-step traffic and the torch reducer's last stats.
 """
@@ -183,7 +186,7 @@ def run_resume(factory, graph):
             "stateful": comp.codec_state() is not None, **out}
 
 
-def main():
+def main(outdir):
     init_torch_group("rounds_job")
     res = {"rank": R, "size": P}
     for name, spec in list(RUNS.items()) + list(DENSE_BELOW.items()) + list(RESUME.items()):
@@ -201,13 +204,13 @@ def main():
         res["horovod_exchange"] = ("ValueError", str(e))
     except BaseException as e:  # noqa: BLE001
         res["horovod_exchange"] = (type(e).__name__, str(e))
-    with open(os.path.join(sys.argv[1], f"rank{R}.pkl"), "wb") as f:
+    with open(os.path.join(outdir, f"rank{R}.pkl"), "wb") as f:
         pickle.dump(res, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
     # the torch process group is freed here, not at interpreter shutdown,
     # where gloo's worker thread aborts the process (examples/ddp_train.py)
     gc.collect()
