@@ -13,6 +13,9 @@
 - bad input: a clear error on every rank, no hang;
 - the BytePS adapter against a FAKE byteps.torch forwarding to gloo
   (adapter logic only: BytePS itself needs a GPU and does not run here).
+
+All worker runs of a world size share one spawn (JOBS; starting P
+interpreters costs more than most of the runs).
 """
 import math
 
@@ -21,26 +24,48 @@ import torch
 
 from dist_utils import run_workers
 import elastic_workers as ew
+import variance_workers as vw
 from elastic_helpers import sq_norm
 
 WORLD_SIZES = [2, 3]
+# selectors and codecs (the scheduler works with quantizers too)
+SPARSE_METHODS = {"gtopk": dict(density=0.3), "rtopk": dict(density=0.3, r_factor=2.0, seed=3),
+                  "onebit": {}, "qsgd": dict(levels=7, bucket_size=32, seed=5)}
+# Every worker run at a world size, one after the other in ONE spawn
+# (elastic_workers.several): key -> (worker, extra args).  The bad-input
+# run goes last: the others never see a group after an error.
+JOBS = {
+    2: [("equivalence", ew.equivalence, ()), ("gated", ew.gated, ()), ("bucketed", ew.bucketed, ()),
+        ("byteps", ew.byteps_adapter, ())],
+    3: [("equivalence", ew.equivalence, ()), ("gated_variance", vw.gated_variance, ()),
+        ("sparse", ew.sparse, (SPARSE_METHODS,)), ("bucketed", ew.bucketed, ()),
+        ("bad_inputs", ew.bad_inputs, ())],
+}
 _CACHE = {}
+# (the first test at a world size runs the spawn: seconds for all its jobs)
+SPAWN_TIMEOUT = 600
 
 
-def cached(key, P, fn, *args, timeout=150):
-    if (key, P) not in _CACHE:
-        _CACHE[(key, P)] = run_workers(P, fn, *args, timeout=timeout)
-    return _CACHE[(key, P)]
+def cached(key, P):
+    """Per rank, what the worker ``key`` of the world size P spawn returned."""
+    if P not in _CACHE:
+        try:
+            _CACHE[P] = run_workers(P, ew.several, JOBS[P], timeout=SPAWN_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - every test of this P reports the same failure
+            _CACHE[P] = e
+    if isinstance(_CACHE[P], Exception):
+        raise AssertionError(f"the P = {P} spawn failed: {_CACHE[P]}") from _CACHE[P]
+    return [res[key] for res in _CACHE[P]]
 
 
 def same(a, b):
     return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_barrier_and_beta1_reproduce_synchronous_training_bit_for_bit(P):
-    res = cached("equivalence", P, ew.equivalence)
+    res = cached("equivalence", P)
     for r in range(P):
         for opt in ew.OPTIMIZERS:
             ref = res[r][(opt, "sync")]
@@ -51,10 +76,10 @@ def test_barrier_and_beta1_reproduce_synchronous_training_bit_for_bit(P):
                 assert st["updates_applied"] == ew.STEPS * 4
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_every_policy_ends_identical_on_all_ranks(P):
-    res = cached("equivalence", P, ew.equivalence)
+    res = cached("equivalence", P)
     for opt in ew.OPTIMIZERS:
         for cfg in ("norm_beta0.5", "norm_beta0_s2", "variance"):
             for r in range(1, P):
@@ -105,9 +130,9 @@ def _check_gated(sc, r):
         yield t, A, applied, before, missing, missing_before, total, b["bound"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 def test_gated_norm_policy_breaks_exactly_at_beta_and_applies_every_update_once():
-    res = cached("gated", 2, ew.gated)
+    res = cached("gated", 2)
     for r, out in enumerate(res):
         for name in ("norm_delay1", "norm_delay0_s2", "norm_beta0.9"):
             sc = out[name]
@@ -159,7 +184,7 @@ def _check_variance_breaks(sc, r, ema):
             assert missing_before > bound, f"step {t}: broke late"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 def test_gated_variance_policy_breaks_exactly_at_the_bound():
     """The scheduler as built by the user (policy not bound to the back end
     unless the scheduler binds it): breaks exactly at B² = factor × EMA of
@@ -167,7 +192,7 @@ def test_gated_variance_policy_breaks_exactly_at_the_bound():
     uncorrected Σ‖local − reduced‖², or, once bound, P/(P−1) times it (the
     back end averages).  The bound estimate itself is pinned down by
     test_gated_variance_policy_estimates_the_variance_unbiased."""
-    res = cached("gated", 2, ew.gated)
+    res = cached("gated", 2)
     P = 2
     for r, out in enumerate(res):
         sc = out["variance"]
@@ -180,7 +205,7 @@ def test_gated_variance_policy_breaks_exactly_at_the_bound():
         _check_variance_breaks(sc, r, ema)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", [3])  # P = 2 runs unbound above; the factor P/(P-1) = 3/2 here
 def test_gated_variance_policy_estimates_the_variance_unbiased(P):
     """Variance policy bound to its back end (policies.bind_to_backend), on
@@ -191,9 +216,7 @@ def test_gated_variance_policy_estimates_the_variance_unbiased(P):
     the recorded local and reduced gradients).  With gTop-k the reduced
     update is not the mean: no sample, a RuntimeWarning, and the barrier
     holds on every step (synchronous SGD)."""
-    import variance_workers as vw
-
-    res = cached("gated_variance", P, vw.gated_variance)
+    res = cached("gated_variance", P)
     for r, out in enumerate(res):
         sc = out["dense"]
         assert sc["bound"] == (P, "average", True) and not sc["warnings"]
@@ -210,13 +233,11 @@ def test_gated_variance_policy_estimates_the_variance_unbiased(P):
         assert g["stats"]["updates_applied"] == vw.STEPS * 4
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", [3])
 def test_sparse_reducers_compose_identical_on_all_ranks_and_conserve_mass(P):
-    # selectors and codecs (the scheduler works with quantizers too)
-    methods = {"gtopk": dict(density=0.3), "rtopk": dict(density=0.3, r_factor=2.0, seed=3),
-               "onebit": {}, "qsgd": dict(levels=7, bucket_size=32, seed=5)}
-    res = run_workers(P, ew.sparse, methods, timeout=200)
+    methods = SPARSE_METHODS
+    res = cached("sparse", P)
     for method in methods:
         runs = [res[r][method] for r in range(P)]
         keys = sorted(runs[0]["reduced"])
@@ -248,10 +269,10 @@ def test_sparse_reducers_compose_identical_on_all_ranks_and_conserve_mass(P):
         assert res[r]["reducer_kwarg"]["group_is_default"] is False
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", [3])
 def test_bad_input_raises_on_every_rank(P):
-    res = run_workers(P, ew.bad_inputs, timeout=150)
+    res = cached("bad_inputs", P)
     for r in range(P):
         o = res[r]
         assert o["beta_all"][0] == "ValueError" and "beta" in o["beta_all"][1]
@@ -265,11 +286,11 @@ def test_bad_input_raises_on_every_rank(P):
         assert same(o["after"], res[0]["after"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 def test_byteps_adapter_against_fake_byteps_module():
     """ADAPTER UNIT TEST ONLY: byteps.torch is a fake that forwards to gloo;
     BytePS itself (which needs a CUDA GPU) did not run."""
-    res = run_workers(2, ew.byteps_adapter, timeout=150)
+    res = cached("byteps", 2)
     for r in range(2):
         o = res[r]
         assert o["config"] == ("barrier", 0.5, 2)       # from BYTEPS_ELASTIC_*
@@ -281,7 +302,7 @@ def test_byteps_adapter_against_fake_byteps_module():
         assert o["bad_env"][0] == "ValueError" and "BYTEPS_ELASTIC_BETA" in o["bad_env"][1]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 100)
 @pytest.mark.parametrize("P", [2, 3])
 def test_bucketed_reductions_fuse_layers_and_keep_the_results(P):
     """bucket_cap_mb (per-message latency): the launches that
@@ -290,7 +311,7 @@ def test_bucketed_reductions_fuse_layers_and_keep_the_results(P):
     where a sum of two is the same in any ring order; to rounding at P = 3),
     every configuration ends identical on all ranks, and a bad cap raises on
     every rank."""
-    res = run_workers(P, ew.bucketed, timeout=250)
+    res = cached("bucketed", P)
     layers = 4  # make_model(): four Linear layers
     for reducer in ("dense", "gtopk"):
         for name, per_step in (("off", layers), ("two", layers - 1), ("all", 1), ("all_norm", 1),

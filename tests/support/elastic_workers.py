@@ -247,3 +247,10 @@ def bucketed(rank, P):
     except Exception as e:  # noqa: BLE001 - the error's type and text are the result
         out["bad"] = (type(e).__name__, str(e))
     return out
+
+
+def several(rank, P, jobs):
+    """Run ``jobs`` -- ``(key, worker function, extra args)`` each -- one
+    after the other on this rank's group (one spawn for all of a world
+    size's checks); ``{key: result}``.  A job that raises ends the spawn."""
+    return {key: fn(rank, P, *args) for key, fn, args in jobs}
