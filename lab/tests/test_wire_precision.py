@@ -3,7 +3,7 @@ determinism") on real gloo process groups, P = 3, 4, 7:
 
 - mass is conserved to float32 rounding (Σ_ranks Σ_steps grad =
   Σ_steps result + Σ_ranks residual, per entry, relative error ≤ 1e-5 over
-  200 steps) for every method: merges add in float32 and every re-rounding
+  100 steps) for every method: merges add in float32 and every re-rounding
   of a merged sum is owned by exactly one residual;
 - every rank gets the same bits, and they equal the single-process oracle's;
 - values beyond fp16's range (up to 1e6, and pairs of ranks sending 40000)
@@ -31,7 +31,12 @@ FP16, BF16 = torch.float16, torch.bfloat16
 # Every (method, wire dtype) pair runs at some P; the P-dependent paths --
 # the butterfly's fold-in (P = 3, 7), uneven dense shards (P = 7), the
 # variable-count butterfly with size headers -- at several.  (Each config is
-# 200 steps of real gloo exchanges; this keeps the file at a minute or two.)
+# STEPS steps of real gloo exchanges; this keeps the file at a minute or two.)
+# 100 steps: the residuals reach their steady size by then (the largest
+# |residual| over 100 steps is at least 3/4 of that over 200 in every
+# config), and the mass bound is relative to Σ|grad|, so a per-step loss shows
+# alike at any length; every step is also checked against the oracle's bits.
+STEPS = 100
 RUNS = {
     3: [(m, FP16) for m in SPARSE] + [(dict(method="gtopk"), BF16)],
     4: [(m, BF16) for m in SPARSE] + [(dict(method="gtopk"), FP16)],
@@ -106,7 +111,7 @@ def _check(P, configs, steps, kind, results, rel_tol):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [3, 4, 7])
 def test_wire_conserves_mass_agrees_across_ranks_and_with_oracle(P):
-    steps = 200
+    steps = STEPS
     configs = _configs(RUNS[P])
     results = run_workers(P, wire_run, configs, steps, "wide", timeout=280)
     failures = _check(P, configs, steps, "wide", results, rel_tol=1e-5)
