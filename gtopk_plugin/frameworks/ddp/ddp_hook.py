@@ -50,11 +50,14 @@ _REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__
                         and p.kind is not p.VAR_KEYWORD)
 _STATE_VERSION = 1
 #: With ``overlap``, consecutive DDP buckets are fused until they hold this
-#: many elements (``coalesce_buckets`` left at its default): a reduction
-#: has fixed costs (the usage agreement, the consistency check, one message
-#: per round), so small buckets share one; large ones are reduced one by
-#: one, overlapping the rest of backward (docs/ddp.md, "Overlap").
-FUSE_ELEMENTS = 1 << 20
+#: many elements (``coalesce_buckets`` left at its default).  Each reduction
+#: has fixed costs that do not hide when the worker shares a core with
+#: backward (its CPU work, the usage agreement, the consistency check, a
+#: message per round); what it can hide is its wire time, which at 1 % and
+#: 1 Gbit/s outweighs them only for groups of several million elements
+#: (``gtopk-bench overlap`` measures both).  Models below this size reduce
+#: once per step; larger ones in groups that overlap the rest of backward.
+FUSE_ELEMENTS = 1 << 24
 
 
 class SparseState(ParameterNaming):
