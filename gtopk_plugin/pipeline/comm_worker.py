@@ -2,19 +2,15 @@
 reductions first in first out, beside the training thread, and hands each
 back as a ``torch.futures.Future`` (docs/design.md §7 for the timeouts).
 
-* Order: jobs run one at a time in submission order, so every rank issues
-  the same collectives in the same order as long as every rank submits the
-  same jobs in the same order -- the contract of any collective.
-* Futures complete with the job's result or its exception; nothing a job
-  raises is lost, and a job's future never stays pending: on :meth:`close`
-  (also at interpreter exit and when the worker is collected) the jobs not
-  yet run fail with :class:`WorkerClosed`.
+* Order: one job at a time in submission order, so ranks that submit the
+  same jobs in the same order issue the same collectives in the same order.
+* Futures complete with the job's result or its exception, never stay
+  pending: :meth:`close` with ``cancel`` (and interpreter exit) fails the
+  jobs not yet run with :class:`WorkerClosed`.
 * Failure scope: after a job raised, the jobs behind it fail at once with
   :class:`EarlierFailure` (chained to the cause) without running, up to the
-  next job submitted with ``fresh=True``.  Which jobs that is follows from
-  the submission order alone, so it is the same on every rank: the caller
-  marks the first job of each step fresh, and one fault costs one transport
-  timeout, not one per queued bucket.
+  next job submitted with ``fresh=True`` (the caller marks each step's
+  first): the same jobs on every rank, and one transport timeout per fault.
 * CUDA (``device`` a CUDA device): jobs run on a side stream that first
   waits for the submitting thread's current stream (an event recorded at
   submission), so selection kernels and NCCL transfers never block the

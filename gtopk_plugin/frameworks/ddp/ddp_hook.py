@@ -74,18 +74,12 @@ class SparseState(ParameterNaming):
             ``optimizer``'s own momentum and weight decay (pass
             ``optimizer=``), a number is the momentum (docs/recipes.md).
         grad_scaler: a ``torch.amp.GradScaler``: state follows its loss scale.
-        overlap: reduce on the reducer's communication worker while
-            backward goes on (default True); False: on the backward thread.
-        coalesce_buckets: True: one reduction per step over all buckets
-            (no overlap); False: one per bucket; a number n: consecutive
-            buckets fused until they hold n elements.  Default: n =
-            ``FUSE_ELEMENTS`` with ``overlap`` (True without, or with
-            ``granularity="global"``).
+        overlap: reduce on the communication worker beside backward (default)
+            or on the backward thread (False); results are the same.
+        coalesce_buckets: True: one reduction per step; False: one per
+            bucket; n: buckets fused up to n elements (docs/ddp.md).
         hierarchical, local_size, node_of_rank, intra_fabric: two-level
-            reduction (docs/hierarchical.md).
-
-    The result equals one ``GradientReducer.reduce`` over all parameters,
-    whatever DDP's buckets; unused parameters are left out (docs/ddp.md).
+            reduction (docs/hierarchical.md).  Unused parameters: docs/ddp.md.
     """
 
     def __init__(self, method: str = "gtopk", density: float = 0.01, process_group=None,

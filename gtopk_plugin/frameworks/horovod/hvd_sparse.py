@@ -1,6 +1,6 @@
 """The sparse step of the PyTorch Horovod optimizer: fixed buckets, each
-reduced by the core's :class:`~gtopk_plugin.GradientReducer` on a worker
-thread as soon as all its gradients are ready (overlapping backward).
+reduced by the core's :class:`~gtopk_plugin.GradientReducer` as soon as all
+its gradients are ready (overlapping backward).
 
 * buckets are reduced in a fixed order on every rank, bucket i's Horovod ops
   in scope ``b{i}`` (:func:`~gtopk_plugin.pipeline.param_buckets.bucket_scope`);
@@ -8,14 +8,12 @@ thread as soon as all its gradients are ready (overlapping backward).
   random draws are per step);
 * with ``clip_norm`` the buckets are held until ``synchronize()`` (the norm
   covers the whole step);
-* the exchange runs on a gloo side channel; the one Horovod op per step is
+* a gloo side channel carries the exchange; the step's one Horovod op is
   the join detection (:class:`JoinedRankError` on every rank);
 * every Horovod op carries the optimizer's prefix ``gtopk.p{set}.o{n}`` and
   a step's join is waited for before the next step starts, so two
   optimizers or an abandoned step never reuse an in-flight op name;
-* reductions run on the reducer's communication worker
-  (:class:`~gtopk_plugin.pipeline.comm_worker.CommWorker`, one thread per
-  reducer), in submission order; each bucket's error stays its own.
+* the reducer's communication worker reduces them in submission order.
 
 See docs/horovod.md, "What happens in a step".  :class:`_SparsePath`'s
 methods are copied into the optimizer class (:mod:`.hvd_optimizer`).
