@@ -416,6 +416,14 @@ def main(argv=None) -> int:
         sanitizer = run_sanitizer(args.sanitize, args.sanitize_k, args.sanitize_timeout)
     elif args.sanitize:
         print("[4/4] compute-sanitizer SKIPPED: needs --device cuda")
+    if args.device == "cuda":  # the reducer's communication worker: side stream and events
+        from gtopk_plugin.bench.overlap_bench import gpu_worker_check
+        try:
+            w = gpu_worker_check(args.device)
+            checks.append(dict(w, check="comm_worker side stream", ok=bool(w["passed"])))
+        except Exception as e:  # noqa: BLE001 -- reported as a failed check, the rest still written
+            checks.append({"check": "comm_worker side stream", "ok": False, "error": f"{type(e).__name__}: {e}"})
+        print(f"  comm worker on a side stream: {'ok' if checks[-1]['ok'] else 'FAILED'}")
     failed = [c["check"] for c in checks if not c["ok"]]
     failed += [f"compute-sanitizer {r['tool']}" for r in sanitizer if r["ok"] is False]
     info["total_s"] = round(time.perf_counter() - t_start, 1)
