@@ -172,9 +172,10 @@ def horovodrun(np_, args, timeout=300, hosts=None):
 
 # One job per world size (tests/jobs/hvd_tf_shared.py): at P = 3 every check
 # of this module, with test_horovod_tf_rounds.py's and _registry.py's parts;
-# at P = 2 the Keras bit-identity checks and the example, fit and tape.
+# at P = 2 the example, fit and tape, and the Keras bit-identity checks (the
+# example first: it initialises Horovod itself, as in a process of its own).
 shared.want(3, "all")
-shared.want(2, "dense", "example-fit", "example-tape")
+shared.want(2, "example-fit", "example-tape", "dense")
 # (the first test to read a job runs it: seconds for every part in it)
 JOB_TIMEOUT = 900
 
@@ -672,8 +673,8 @@ def test_example_trains_under_horovodrun(mode):
     """examples/horovod_tf_train.py, as the docs run it (gTop-k at density
     0.01), at np 2: Keras fit, or the DistributedGradientTape loop inside
     tf.function.  It must finish and learn (10 classes: chance is 0.1).
-    (It runs as ``__main__`` in the P = 2 job's processes, after the Keras
-    checks: tests/jobs/hvd_tf_jobs.py run_example.)"""
+    (It runs as ``__main__`` in the P = 2 job's processes, before the Keras
+    checks there: tests/jobs/hvd_tf_jobs.py run_example.)"""
     runs = job(2, f"example-{mode}")
     assert all(r["argv"] == ["--compression", "gtopk", "--density", "0.01", "--epochs", "3"]
                + (["--tape"] if mode == "tape" else []) for r in runs), runs[0]["argv"]

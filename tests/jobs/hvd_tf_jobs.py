@@ -38,14 +38,13 @@ import horovod.tensorflow.keras as hvd_keras  # noqa: E402
 
 tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("GTOPK_TF_INTER_OP", "1")))
 tf.config.threading.set_intra_op_parallelism_threads(1)
-hvd.init()
 
 from gtopk_plugin import DensityWarmup  # noqa: E402
 from gtopk_plugin.pipeline.input_check import NonFiniteGradientError  # noqa: E402
 from gtopk_plugin.tensorflow import Compression, DistributedGradientTape, DistributedOptimizer  # noqa: E402
 from gtopk_plugin.tensorflow import SparseKerasState  # noqa: E402
 
-R, P = hvd.rank(), hvd.size()
+R = P = None  # this rank and the world size, once init_horovod() ran
 STEPS = 3
 SHAPES = [(12, 10), (10,), (10, 6), (6,), (6, 3), (3,)]
 
@@ -452,7 +451,8 @@ EXAMPLE_ARGS = ["--compression", "gtopk", "--density", "0.01", "--epochs", "3"]
 def run_example(outdir, tape):
     """examples/horovod_tf_train.py run as its own ``__main__`` with the
     command line the docs give (``--tape``: the DistributedGradientTape
-    loop); its printed output is pickled for the parent."""
+    loop); its printed output is pickled for the parent.  Put first in a
+    job, it initialises Horovod itself, as in a process of its own."""
     argv = [EXAMPLE] + EXAMPLE_ARGS + (["--tape"] if tape else [])
     buf = io.StringIO()
     saved = sys.argv
@@ -462,8 +462,15 @@ def run_example(outdir, tape):
             runpy.run_path(EXAMPLE, run_name="__main__")
     finally:
         sys.argv = saved
+    init_horovod()
     with open(os.path.join(outdir, f"rank{R}.pkl"), "wb") as f:
         pickle.dump({"rank": R, "argv": argv[1:], "stdout": buf.getvalue()}, f)
+
+
+def init_horovod():
+    global R, P
+    hvd.init()  # (a no-op once Horovod is initialised: by an earlier part, or the example)
+    R, P = hvd.rank(), hvd.size()
 
 
 def main(outdir, which="all"):
@@ -475,6 +482,8 @@ def main(outdir, which="all"):
         os.makedirs(d, exist_ok=True)
         t0 = time.time()
         try:
+            if not part.startswith("example-"):
+                init_horovod()
             if part in ("all", "dense"):
                 run_checks(d, part)
             elif part == "rounds":
@@ -491,10 +500,12 @@ def main(outdir, which="all"):
                 raise ValueError(f"unknown part {part!r}")
         except BaseException:  # noqa: BLE001 - reported by the parent, the other parts still run
             with open(os.path.join(d, "error.txt"), "w") as f:
-                f.write(f"rank {R}: part {part} raised:\n{traceback.format_exc()[-6000:]}")
+                f.write(f"rank {os.environ.get('HOROVOD_RANK', R)}: part {part} raised:\n"
+                        f"{traceback.format_exc()[-6000:]}")
         finally:
             gc.collect()  # a part's torch process group is freed here, not at interpreter shutdown
-        print(f"rank {R}: part {part} done ({time.time() - t0:.1f} s)", flush=True)
+        print(f"rank {os.environ.get('HOROVOD_RANK', R)}: part {part} done ({time.time() - t0:.1f} s)",
+              flush=True)
 
 
 if __name__ == "__main__":
