@@ -5,7 +5,7 @@ DDP leaves the ``.grad`` of a parameter that no rank used in a step
 untouched, discarding what a hook returned for it: it marks a parameter
 used when its gradient accumulator runs (any backward since the last
 synchronised step, as of torch 2.13; older releases: the synchronising pass
-only, pytorch#69031) and takes the OR over the ranks (with
+only, a known PyTorch limitation) and takes the OR over the ranks (with
 ``static_graph=True`` the first iteration's map holds for the run).
 
 The hook observes the same event with a post-accumulate-grad hook per
