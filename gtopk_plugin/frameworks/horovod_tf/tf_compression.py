@@ -211,6 +211,7 @@ class SparseCompression(tf.Module):
         """This worker's velocities (``u0003`` goes with ``r0003``)."""
         return {k: v.numpy() for k, v in self.velocities.items()}
 
+    @tf.autograph.experimental.do_not_convert  # graph-safe as written; see tf_optimizer's allreduce_grads
     def reduce(self, grads, process_set=None, op=None, gradient_predivide_factor: float = 1.0):
         """The updates of the list ``grads`` (None stays None) over
         ``process_set``; collective, eager or inside ``tf.function``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from gtopk_plugin.frameworks.compression_names import SPARSE_METHODS, CompressionNames
 from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompression as _HvdCompression
 from gtopk_plugin.frameworks.horovod_tf._guard import HvdCompressor as _HvdCompressor
-from gtopk_plugin.frameworks.horovod_tf._guard import hvd, hvd_keras
+from gtopk_plugin.frameworks.horovod_tf._guard import hvd, hvd_keras, tf
 from gtopk_plugin.frameworks.horovod_tf.tf_compression import SparseCompression
 from gtopk_plugin.frameworks.horovod_tf.tf_momentum import setup_correction
 
@@ -48,6 +48,10 @@ def _sparse_reduce_fn(compression: SparseCompression, process_set, op, gradient_
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
 
+    # AutoGraph would otherwise convert the whole reduce path at the first
+    # traced step (about 25 s per process); it is graph-safe Python already
+    # (tf.cond / executing_eagerly, no tensor-dependent Python branches).
+    @tf.autograph.experimental.do_not_convert
     def allreduce_grads(grads, vars=None, use_generic_names=False):  # noqa: A002 - Horovod's signature
         return compression.reduce(list(grads), process_set=process_set, op=op,
                                   gradient_predivide_factor=gradient_predivide_factor)
