@@ -48,12 +48,13 @@ def _call(t: gp.TorchDistributedTransport, case: str, rank: int):
     raise ValueError(case)
 
 
-def stalled_peer_primitives(rank, world, timeout):
+def stalled_peer_primitives(rank, world, stall_timeout, timeout):
     """P = 2: rank 1 stays away from every collective until rank 0 is done;
-    rank 0 calls each primitive once, each on a group of its own (a gloo
-    group whose collective timed out still has it queued).  Rank 0 returns
-    the outcome per primitive; then, as a control, both ranks run every
-    primitive together on fresh groups and return the results."""
+    rank 0 calls each primitive once with ``stall_timeout``, each on a group
+    of its own (a gloo group whose collective timed out still has it
+    queued).  Rank 0 returns the outcome per primitive; then, as a control,
+    both ranks run every primitive together on fresh groups (``timeout``)
+    and return the results."""
     assert world == 2
     stalled = {c: dist.new_group() for c in PRIMITIVES}  # collective: every rank makes every group
     fresh = {c: dist.new_group() for c in PRIMITIVES}
@@ -61,7 +62,7 @@ def stalled_peer_primitives(rank, world, timeout):
     out = {}
     if rank == 0:
         for case in PRIMITIVES:
-            t = gp.TorchDistributedTransport(stalled[case], timeout=timeout)
+            t = gp.TorchDistributedTransport(stalled[case], timeout=stall_timeout)
             out[case] = _outcome(lambda: _call(t, case, rank))
         store.set("rank0-done", "1")
     else:
