@@ -40,11 +40,16 @@ GOAL_PP = 1.0
 COMMAND = "python -m lab hsdp-accuracy"
 
 
-def budget(task: str, steps: Optional[int] = None) -> dict:
-    """steps, lr, warm-up epochs of ``task`` (the momentum group's); ``steps``
-    overrides the budget (the warm-up is cut to a sixth of a shorter run)."""
+def budget(task: str, steps: Optional[int] = None, long: bool = False) -> dict:
+    """steps, lr, warm-up epochs of ``task``: the momentum group's short
+    budget, or with ``long`` its long one (:data:`momentum.LONG_BUDGET`: dense
+    has plateaued, DGC's four-epoch warm-up); ``steps`` cuts the budget (the
+    warm-up shrinks in proportion)."""
     b = momentum.BUDGET[task]
     out = dict(steps=b["steps"], lr=b["lr"], warmup_epochs=b["warmup_epochs"])
+    if long:
+        out.update(steps=momentum.LONG_BUDGET[task]["steps"],
+                   warmup_epochs=momentum.LONG_BUDGET[task]["warmup_epochs"])
     if steps is not None and steps < out["steps"]:
         out["warmup_epochs"] *= steps / out["steps"]
         out["steps"] = steps
@@ -122,11 +127,11 @@ def worker(ctx, task_name: str, method: str, seed: int, steps: int, lr: float, w
 
 
 def run_one(task: str, method: str, seed: int, steps: Optional[int] = None,
-            eval_every: Optional[int] = None, timeout: float = 1800.0) -> dict:
+            eval_every: Optional[int] = None, timeout: float = 3600.0, long: bool = False) -> dict:
     """One run on 4 gloo processes; rank 0's result plus its settings."""
     from gtopk_plugin._launch import launcher
 
-    b = budget(task, steps)
+    b = budget(task, steps, long)
     t0 = time.perf_counter()
     out = launcher.run(MESH[0] * MESH[1], worker, task, method, seed, b["steps"], b["lr"],
                        b["warmup_epochs"], eval_every, timeout=timeout)[0]
@@ -134,8 +139,8 @@ def run_one(task: str, method: str, seed: int, steps: Optional[int] = None,
     return out
 
 
-def _key(task, method, seed, steps) -> str:
-    return json.dumps([task, method, seed, steps])
+def _key(task, method, seed, steps, long=False) -> str:
+    return json.dumps([task, method, seed, steps] + (["long"] if long else []))
 
 
 def summarize(runs: List[dict]) -> List[dict]:
@@ -170,9 +175,12 @@ def markdown(rows: List[dict], settings: dict) -> str:
              "density=0.01, momentum_correction=True, optimizer=opt, warmup=DGC)` (docs/recipes.md). "
              "Budget per task (global batch 64, cosine lr to 0, the convergence study's momentum group): "
              + "; ".join(f"{t}: {b['steps']} steps, lr {b['lr']}, warm-up {b['warmup_epochs']:g} epochs"
-                         for t, b in settings["budget"].items()) + ". These are the momentum group's "
-             "short budgets: at them the simulated flat P = 4 run (lab/reports/convergence.md) left glyphs "
-             "gTop-k about 6 pp behind dense too; within 1 pp needed the long budgets (`--long`).", "",
+                         for t, b in settings["budget"].items()) + ". " + (
+                 "These are the momentum group's long budgets, where dense has plateaued."
+                 if settings.get("long") else
+                 "These are the momentum group's short budgets: at them the simulated flat P = 4 run "
+                 "(lab/reports/convergence.md) left glyphs gTop-k about 6 pp behind dense too; within "
+                 "1 pp needed the long budgets (`--long`)."), "",
              "| task | method | seed | test accuracy (%) | gap to dense (pp) |", "|---|---|---|---|---|"]
     for r in rows:
         acc = "" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
@@ -191,10 +199,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", nargs="+", default=[], metavar="[TASK=]N",
                     help="cut the budget to N steps (every task, or TASK=N for one)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "lab", "results", "hsdp_accuracy.json"))
-    ap.add_argument("--report", default=os.path.join(ROOT, "lab", "reports", "hsdp_accuracy.md"),
-                    help="markdown table ('' : none)")
+    ap.add_argument("--long", action="store_true",
+                    help="the momentum group's long budgets (digits 1056, glyphs 2800 steps, four-epoch "
+                         "warm-up); results hsdp_accuracy_long.*")
+    ap.add_argument("--out", default=None, help="JSON (default lab/results/hsdp_accuracy[_long].json)")
+    ap.add_argument("--report", default=None,
+                    help="markdown table (default lab/reports/hsdp_accuracy[_long].md; '' : none)")
     args = ap.parse_args(argv)
+    stem = "hsdp_accuracy_long" if args.long else "hsdp_accuracy"
+    if args.out is None:
+        args.out = os.path.join(ROOT, "lab", "results", stem + ".json")
+    if args.report is None:
+        args.report = os.path.join(ROOT, "lab", "reports", stem + ".md")
     cut = {}
     for item in args.steps:
         name, _, n = item.rpartition("=")
@@ -217,9 +233,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for task in args.tasks:
         for seed in args.seeds:
             for method in METHODS:
-                k = _key(task, method, seed, cut.get(task))
+                k = _key(task, method, seed, cut.get(task), args.long)
                 if k not in done:
-                    done[k] = run_one(task, method, seed, cut.get(task))
+                    done[k] = run_one(task, method, seed, cut.get(task), long=args.long)
                     with open(journal, "a") as f:
                         f.write(json.dumps({"key": k, "result": done[k]}) + "\n")
                 r = done[k]
@@ -230,11 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = {"command": COMMAND + "".join(
                     f" --{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                     for k, v in (("tasks", args.tasks), ("seeds", args.seeds), ("steps", args.steps))
-                    if v != {"tasks": list(TASKS), "seeds": [0, 1], "steps": []}.get(k)),
+                    if v != {"tasks": list(TASKS), "seeds": [0, 1], "steps": []}.get(k))
+                    + (" --long" if args.long else ""),
+                "long": args.long,
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
                            f"{__import__('torch').__version__}",
                 "mesh": list(MESH), "density": DENSITY, "seeds": args.seeds,
-                "budget": {t: budget(t, cut.get(t)) for t in args.tasks},
+                "budget": {t: budget(t, cut.get(t), args.long) for t in args.tasks},
                 "total_wall_s": sum(r["total_wall_s"] for r in runs),
                 "when": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(args.out, "w") as f:
