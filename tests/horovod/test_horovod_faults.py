@@ -20,8 +20,8 @@ What is checked, against nothing the optimizer computes itself:
   and interleaved steps (under parameter names of their own) to the end.
 
 The reported job (one optimizer per torch optimizer class, rank-dependent
-hyper-parameters, broadcasts, a non-finite step) runs at P = 2 and 3 with
-stock Horovod beside it; the seconds each ``DistributedOptimizer(...)``
+hyper-parameters, broadcasts, a non-finite step) runs at P = 2 (every
+class) and 3 (four of them) with stock Horovod beside it; the seconds each ``DistributedOptimizer(...)``
 call took are printed for both (a figure, not asserted).
 """
 import os
@@ -84,7 +84,7 @@ def test_reported_job_optimizer_per_class_broadcasts_and_a_nonfinite_step(P):
         for (name, what), got in ev.items():
             want = "NonFiniteGradientError" if what == "nonfinite" else "ok"
             assert got == want, f"{key} {name} {what}: {got}"
-        assert len(ev) == 4 * 11
+        assert len(ev) == 4 * (11 if P == 2 else 4)  # every torch optimizer class at P = 2, four at P = 3
     for r, res in enumerate(results):
         ours, stock = value(res, "per_class")["build_s"], value(res, "per_class_stock")["build_s"]
         later = [k for k in ours if k != "SGD"]  # the first pays for one-time imports
