@@ -1,6 +1,6 @@
 """Real torch.distributed gloo process groups, P = 1, 2, 3, 4, 5, 6, 8.
 
-One spawn per P runs every method for 50 steps; the parent checks each
+One spawn per P runs every method for 30 steps; the parent checks each
 against the single-process oracle (gtopk_plugin.testing.Oracle), checks that
 all ranks got the same bits, that mass is conserved, and that the traffic
 counters match docs/design.md §2 exactly.
@@ -15,7 +15,7 @@ from gtopk_plugin.testing import Oracle
 from dist_utils import run_workers
 from workers import SHAPES, grads_for, run_configs
 
-STEPS = 50
+STEPS = 30
 CONFIGS = [
     dict(method="gtopk", density=0.1, op="sum"),
     dict(method="topk", density=0.1, op="sum"),
