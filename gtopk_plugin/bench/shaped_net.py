@@ -11,6 +11,11 @@ worker share its rate, as at a switch port).  Needs root and iproute2
 (``ip``, ``tc``); :func:`available` says why not, and a benchmark then runs
 on loopback and labels its figures unshaped.  Namespace names carry the
 creating process id: :func:`cleanup` removes those of runs that died.
+
+:func:`run`, :func:`available`, :func:`add_bridge`, :func:`wire_worker` and
+:func:`add_tbf` are the building blocks; the lab's cluster emulator builds
+its richer topologies from them too (its own namespace prefix and error
+class passed in).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Type
 
 PREFIX = "gtob"
 IFACE = "eth0"
@@ -32,21 +37,30 @@ class ShapedNetError(RuntimeError):
     pass
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run(cmd: Sequence[str], check: bool = True,
+        error: Type[Exception] = ShapedNetError) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (output captured as text); with ``check``, a non-zero
+    exit raises ``error`` naming the command, its status and its stderr."""
+    p = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if check and p.returncode != 0:
-        raise ShapedNetError(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
+        raise error(f"`{' '.join(cmd)}` failed ({p.returncode}): {p.stderr.strip()}")
     return p
 
 
-def available() -> Tuple[bool, str]:
-    """Whether shaped namespaces can be made here, and if not, why."""
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run(args, check=check)
+
+
+def available(prefix: str = PREFIX) -> Tuple[bool, str]:
+    """Whether shaped namespaces can be made here, and if not, why: root,
+    ``ip`` and ``tc``, and a probe namespace named ``<prefix>-<pid>-<tag>-w0``
+    (a name :func:`cleanup` of that prefix knows) holding a veth with a tbf."""
     if os.geteuid() != 0:
         return False, "not root (network namespaces and tc need root)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(2)}-w0"
+    probe = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}-w0"
     try:
         _ip("ip", "netns", "add", probe)
         try:
@@ -58,6 +72,35 @@ def available() -> Tuple[bool, str]:
     except ShapedNetError as e:
         return False, f"cannot make a shaped network namespace: {e}"
     return True, "network namespaces with tc tbf"
+
+
+def add_bridge(ns: str, name: str, error: Type[Exception] = ShapedNetError) -> None:
+    """A bridge ``name`` in namespace ``ns``, up."""
+    run(["ip", "-n", ns, "link", "add", name, "type", "bridge"], error=error)
+    run(["ip", "-n", ns, "link", "set", name, "up"], error=error)
+
+
+def wire_worker(bridge_ns: str, port: str, master: str, ns: str, cidr: str, mtu: Optional[int] = None,
+                error: Type[Exception] = ShapedNetError) -> None:
+    """Join namespace ``ns`` to bridge ``master`` (in ``bridge_ns``): a veth
+    whose end ``port`` is a port of the bridge and whose other end is
+    :data:`IFACE` in ``ns`` with address ``cidr``; both ends and ``ns``'s
+    loopback up.  ``mtu`` (both ends) when given, else the kernel's."""
+    mtu_arg = [] if mtu is None else ["mtu", str(mtu)]
+    run(["ip", "-n", bridge_ns, "link", "add", port, *mtu_arg, "type", "veth",
+         "peer", "name", IFACE, *mtu_arg, "netns", ns], error=error)
+    run(["ip", "-n", bridge_ns, "link", "set", port, "master", master, "up"], error=error)
+    run(["ip", "-n", ns, "addr", "add", cidr, "dev", IFACE], error=error)
+    run(["ip", "-n", ns, "link", "set", IFACE, "up"], error=error)
+    run(["ip", "-n", ns, "link", "set", "lo", "up"], error=error)
+
+
+def add_tbf(ns: str, dev: str, rate: str, burst: str, latency: str, parent: Sequence[str] = ("root",),
+            error: Type[Exception] = ShapedNetError) -> None:
+    """A ``tbf`` at ``rate`` on ``dev`` in ``ns``, attached at ``parent``
+    (``tc`` words: ``root``, or e.g. ``parent 1:1 handle 10:``)."""
+    run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", rate, "burst", burst,
+         "latency", latency], error=error)
 
 
 def _pids_in(ns: str) -> List[int]:
@@ -117,8 +160,7 @@ class ShapedNet:
                 "topology": f"{self.P} namespaces on one bridge, tbf both ways"}
 
     def _tbf(self, ns: str, dev: str) -> None:
-        _ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst",
-            self.burst, "latency", self.latency)
+        add_tbf(ns, dev, self.rate, self.burst, self.latency)
 
     def up(self) -> "ShapedNet":
         cleanup()
@@ -127,15 +169,10 @@ class ShapedNet:
                 _ip("ip", "netns", "add", ns)
                 self._made.append(ns)
             b = self.bridge
-            _ip("ip", "-n", b, "link", "add", "br0", "type", "bridge")
-            _ip("ip", "-n", b, "link", "set", "br0", "up")
+            add_bridge(b, "br0")
             for r, w in enumerate(self.workers):
                 port = f"p{r}"
-                _ip("ip", "-n", b, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", w)
-                _ip("ip", "-n", b, "link", "set", port, "master", "br0", "up")
-                _ip("ip", "-n", w, "addr", "add", f"{self.addr(r)}/24", "dev", IFACE)
-                _ip("ip", "-n", w, "link", "set", IFACE, "up")
-                _ip("ip", "-n", w, "link", "set", "lo", "up")
+                wire_worker(b, port, "br0", w, f"{self.addr(r)}/24")
                 self._tbf(w, IFACE)   # what worker r sends
                 self._tbf(b, port)    # what it receives
         except BaseException:

@@ -32,6 +32,11 @@ Besides the namespaces, the only thing written is ``/etc/netns/<ns>/hosts``
 
 Names carry the creating process id, so :func:`cleanup` can tell leftovers
 of a dead run (removed) from the namespaces of a run still going (kept).
+
+The namespace plumbing (commands, probe, bridge, worker veth, tbf) is the
+package's :mod:`gtopk_plugin.bench.shaped_net`, called with this module's
+prefix and error class; netem, host names, sysctls, MTU and the zombie-aware
+teardown are the lab's own.
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Tuple
 
+from gtopk_plugin.bench import shaped_net
+
 PREFIX = "gtkb"
 IFACE = "eth0"
 ETC_NETNS = "/etc/netns"
@@ -56,32 +63,15 @@ class NetnsError(RuntimeError):
 
 
 def _run(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if check and p.returncode != 0:
-        raise NetnsError(f"`{' '.join(cmd)}` failed ({p.returncode}): {p.stderr.strip()}")
-    return p
+    return shaped_net.run(cmd, check=check, error=NetnsError)
 
 
 def available() -> Tuple[bool, str]:
     """Whether namespaces + veth + bridge + tbf can be created here, and if
-    not, why (a sentence for the user)."""
-    if os.geteuid() != 0:
-        return False, "not running as root (network namespaces and tc need root)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(2)}-w0"
-    try:
-        _run(["ip", "netns", "add", probe])
-        try:
-            _run(["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
-            _run(["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit",
-                  "burst", "128kb", "latency", "50ms"])
-        finally:
-            _run(["ip", "netns", "del", probe], check=False)
-    except NetnsError as e:
-        return False, f"cannot create a shaped network namespace: {e}"
-    return True, "network namespaces, veth, bridge and tc tbf available"
+    not, why (a sentence for the user); the probe namespace carries this
+    module's prefix, so :func:`cleanup` removes it if the run dies."""
+    ok, why = shaped_net.available(PREFIX)
+    return (True, "network namespaces, veth, bridge and tc tbf available") if ok else (False, why)
 
 
 def netem_available() -> Tuple[bool, str]:
@@ -245,9 +235,22 @@ class NetCluster:
         self._created.append(name)
         NetCluster._live.add(name)
 
-    def _tbf(self, ns: str, dev: str, parent: List[str]) -> None:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev] + parent +
-             ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.tbf_latency])
+    def _tbf(self, ns: str, dev: str, parent: List[str], rate: Optional[str] = None) -> None:
+        """A tbf at ``rate`` (default: the cluster's) on ``dev`` in ``ns``."""
+        shaped_net.add_tbf(ns, dev, rate or self.rate, self.burst, self.tbf_latency, parent=parent,
+                           error=NetnsError)
+
+    def _worker(self, rank: int, master: str) -> str:
+        """Worker ``rank``'s namespace, joined through bridge port ``p<rank>``
+        to bridge ``master``, with its hosts file and sysctls; its name."""
+        w = self.worker_ns[rank]
+        self._ns(w)
+        shaped_net.wire_worker(self.bridge_ns, f"p{rank}", master, w, f"{self.addr(rank)}/24",
+                               mtu=self.mtu, error=NetnsError)
+        self._hosts_file(w, rank)
+        for k, v in self.sysctls.items():
+            _run(["ip", "netns", "exec", w, "sysctl", "-q", "-w", f"{k}={v}"])
+        return w
 
     def _hosts_file(self, ns: str, rank: int) -> None:
         """/etc/netns/<ns>/hosts, which ``ip netns exec`` mounts over
@@ -274,20 +277,9 @@ class NetCluster:
         try:
             self._ns(self.bridge_ns)
             b = self.bridge_ns
-            _run(["ip", "-n", b, "link", "add", "br0", "type", "bridge"])
-            _run(["ip", "-n", b, "link", "set", "br0", "up"])
-            for i, w in enumerate(self.worker_ns):
-                self._ns(w)
-                port = f"p{i}"
-                _run(["ip", "-n", b, "link", "add", port, "mtu", str(self.mtu), "type", "veth",
-                      "peer", "name", IFACE, "mtu", str(self.mtu), "netns", w])
-                _run(["ip", "-n", b, "link", "set", port, "master", "br0", "up"])
-                _run(["ip", "-n", w, "addr", "add", f"{self.addr(i)}/24", "dev", IFACE])
-                _run(["ip", "-n", w, "link", "set", IFACE, "up"])
-                _run(["ip", "-n", w, "link", "set", "lo", "up"])
-                self._hosts_file(w, i)
-                for k, v in self.sysctls.items():
-                    _run(["ip", "netns", "exec", w, "sysctl", "-q", "-w", f"{k}={v}"])
+            shaped_net.add_bridge(b, "br0", error=NetnsError)
+            for i in range(self.P):
+                w, port = self._worker(i, "br0"), f"p{i}"
                 if self.rate:
                     if self.delay:
                         netem = ["netem", "delay", self.delay] + ([self.jitter, "distribution", "normal"]

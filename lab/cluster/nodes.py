@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from gtopk_plugin.bench import shaped_net
 from lab.cluster.netns import IFACE, NetCluster, NetnsError, _run
 
 
@@ -61,18 +62,15 @@ class NodeCluster(NetCluster):
         return d
 
     def _shape(self, ns: str, dev: str, rate: str) -> None:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
-              "burst", self.burst, "latency", self.tbf_latency])
+        self._tbf(ns, dev, ["root", "handle", "1:"], rate=rate)
 
     def up(self) -> "NodeCluster":
         try:
             self._ns(self.bridge_ns)
             b = self.bridge_ns
-            _run(["ip", "-n", b, "link", "add", "core", "type", "bridge"])
-            _run(["ip", "-n", b, "link", "set", "core", "up"])
+            shaped_net.add_bridge(b, "core", error=NetnsError)
             for j in range(self.nodes):
-                _run(["ip", "-n", b, "link", "add", f"n{j}", "type", "bridge"])
-                _run(["ip", "-n", b, "link", "set", f"n{j}", "up"])
+                shaped_net.add_bridge(b, f"n{j}", error=NetnsError)
                 _run(["ip", "-n", b, "link", "add", f"u{j}", "mtu", str(self.mtu), "type", "veth",
                       "peer", "name", f"c{j}", "mtu", str(self.mtu)])
                 _run(["ip", "-n", b, "link", "set", f"u{j}", "master", f"n{j}", "up"])
@@ -80,21 +78,11 @@ class NodeCluster(NetCluster):
                 if self.rate:
                     self._shape(b, f"u{j}", self.rate)  # node j -> the others
                     self._shape(b, f"c{j}", self.rate)  # the others -> node j
-            for i, w in enumerate(self.worker_ns):
-                self._ns(w)
-                port = f"p{i}"
-                _run(["ip", "-n", b, "link", "add", port, "mtu", str(self.mtu), "type", "veth",
-                      "peer", "name", IFACE, "mtu", str(self.mtu), "netns", w])
-                _run(["ip", "-n", b, "link", "set", port, "master", f"n{self.node_of(i)}", "up"])
-                _run(["ip", "-n", w, "addr", "add", f"{self.addr(i)}/24", "dev", IFACE])
-                _run(["ip", "-n", w, "link", "set", IFACE, "up"])
-                _run(["ip", "-n", w, "link", "set", "lo", "up"])
-                self._hosts_file(w, i)
-                for k, v in self.sysctls.items():
-                    _run(["ip", "netns", "exec", w, "sysctl", "-q", "-w", f"{k}={v}"])
+            for i in range(self.P):
+                w = self._worker(i, f"n{self.node_of(i)}")
                 if self.intra_rate:
                     self._shape(w, IFACE, self.intra_rate)
-                    self._shape(b, port, self.intra_rate)
+                    self._shape(b, f"p{i}", self.intra_rate)
         except BaseException:
             self.down()
             raise
