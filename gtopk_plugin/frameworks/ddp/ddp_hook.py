@@ -16,14 +16,12 @@ No ``from __future__ import annotations`` here: ``register_comm_hook``
 compares the hook's annotations with the real ``dist.GradBucket`` /
 ``Future[Tensor]`` objects, and string annotations fail that check.
 """
-import inspect
 import logging
 from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from gtopk_plugin import registry
 from gtopk_plugin.config import split_momentum_correction
 from gtopk_plugin.two_level.hierarchical_reducer import HierarchicalReducer
 from gtopk_plugin.reducer import GradientReducer, local_grad_norm
@@ -35,6 +33,9 @@ from gtopk_plugin.frameworks.ddp.ddp_buckets import (BucketItem, agree_used, fai
                                                      reduce_group, submit_group)
 from gtopk_plugin.frameworks.ddp.ddp_naming import ParameterNaming
 from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
+# _REDUCER_KWARGS: the GradientReducer keywords SparseState passes through
+from gtopk_plugin.frameworks.reducer_keywords import REDUCER_KWARGS as _REDUCER_KWARGS  # noqa: F401
+from gtopk_plugin.frameworks.reducer_keywords import check_reducer_kwargs
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 from gtopk_plugin.pipeline.comm_worker import CommWorker
 
@@ -42,12 +43,6 @@ __all__ = ["SparseState", "sparse_hook"]
 
 logger = logging.getLogger(__name__)
 
-# GradientReducer keywords a SparseState passes through.  ``transport`` is not
-# among them: the state builds its own TorchDistributedTransport on
-# ``process_group`` so that pickling can drop and rebind the group.
-_REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
-                        if n not in ("self", "transport", "momentum_correction", "optimizer", "named_parameters")
-                        and p.kind is not p.VAR_KEYWORD)
 _STATE_VERSION = 1
 #: With ``overlap``, consecutive DDP buckets are fused until they hold this
 #: many elements (``coalesce_buckets`` left at its default).  Each reduction
@@ -90,17 +85,10 @@ class SparseState(ParameterNaming):
                  intra_fabric: Optional[str] = None, overlap: bool = True, coalesce_buckets=None,
                  **reducer_kwargs):
         check_ddp_mode()  # DDP's Python reducer (compiled autograd): refused (ddp_compile)
-        if "transport" in reducer_kwargs:
-            raise ValueError("SparseState builds its own transport on `process_group`; pass "
-                             "process_group=<torch.distributed group> instead of transport=")
-        # the method's own hyper-parameters (registry) pass through too
-        own = [h["name"] for h in registry.describe(method)["hyperparams"]]
-        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS) - set(own))
-        if unknown:
-            raise ValueError(f"unknown SparseState keyword(s) {', '.join(map(repr, unknown))}; "
-                             f"accepted: method, density, process_group, named_parameters, timeout, "
-                             f"{', '.join(n for n in _REDUCER_KWARGS if n not in ('method', 'density'))}"
-                             + (f"; {method!r} also takes {', '.join(own)}" if own else ""))
+        # the state builds its own transport on process_group, so that pickling can drop and rebind the group
+        check_reducer_kwargs("SparseState", method, reducer_kwargs,
+                             ("method", "density", "process_group", "named_parameters", "timeout"),
+                             "`process_group`", "pass process_group=<torch.distributed group> instead of transport=")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError("process_group must be None (the default group) or a "
                              "torch.distributed ProcessGroup (e.g. from dist.new_group); got "

@@ -15,26 +15,22 @@ rank's: one per (replica, shard).  See docs/fsdp.md.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from gtopk_plugin import registry
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 from gtopk_plugin.frameworks.fsdp import fsdp_state
 from gtopk_plugin.frameworks.fsdp.fsdp_mesh import ReplicaTopology, find_topology, fsdp_units
+from gtopk_plugin.frameworks.reducer_keywords import check_reducer_kwargs
 from gtopk_plugin.pipeline.input_check import NonFiniteGradientError
 from gtopk_plugin.pipeline.traffic import StepTraffic
 from gtopk_plugin.reducer import GradientReducer
 
 __all__ = ["SparseReplicaState", "sparse_replica_reduction"]
 
-_OWN = ("self", "transport", "optimizer", "named_parameters", "momentum_correction")
-_REDUCER_KWARGS = tuple(n for n, p in inspect.signature(GradientReducer.__init__).parameters.items()
-                        if n not in _OWN and p.kind is not p.VAR_KEYWORD)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -74,16 +70,9 @@ class SparseReplicaState:
 
     def __init__(self, model, topology: ReplicaTopology, method, density, timeout, momentum_correction,
                  optimizer, reducer_kwargs: dict):
-        if "transport" in reducer_kwargs:
-            raise ValueError("sparse_replica_reduction builds its own transport on the replicate "
-                             "dimension; do not pass transport=")
-        own = [h["name"] for h in registry.describe(method)["hyperparams"]]
-        unknown = sorted(set(reducer_kwargs) - set(_REDUCER_KWARGS) - set(own))
-        if unknown:
-            raise ValueError(f"unknown sparse_replica_reduction keyword(s) {', '.join(map(repr, unknown))}; "
-                             f"accepted: mesh, replicate_group, timeout, momentum_correction, optimizer, "
-                             f"{', '.join(_REDUCER_KWARGS)}" + (f"; {method!r} also takes {', '.join(own)}"
-                                                                if own else ""))
+        check_reducer_kwargs("sparse_replica_reduction", method, reducer_kwargs,
+                             ("mesh", "replicate_group", "timeout", "momentum_correction", "optimizer"),
+                             "the replicate dimension", "do not pass transport=")
         if reducer_kwargs.get("op", "average") != "average":
             raise ValueError("the replica reduction averages over replicas, as HSDP does; op must be 'average'")
         for g in topology.param_groups:
