@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import shutil
 import statistics
-import subprocess
 import time
 
+from gtopk_plugin.bench import shaped_net
 from gtopk_plugin.bench.bench_record import RESULTS, write_json
 
 WIDTHS = [1024, 2048, 2048, 2048, 10]  # 10,512,394 parameters
@@ -41,66 +39,6 @@ VARIANTS = {  # name -> how the model reduces across nodes
 }
 BASELINE, FLOOR = "HSDP (fp32 all-reduce)", "no replica reduction (floor)"
 GOAL = 0.5  # gtopk 1% step <= 0.5 x stock HSDP's at 2 nodes
-
-
-class NodeLinks:
-    """``nodes`` network namespaces on one bridge (in a namespace of its own),
-    each node's link shaped to ``rate`` both ways; a context manager that
-    removes all of it, also on error."""
-
-    def __init__(self, nodes: int, rate: str, burst: str = "128kb", latency: str = "50ms"):
-        tag = f"gtkh-{os.getpid()}-{secrets.token_hex(2)}"
-        self.bridge, self.ns = f"{tag}-br", [f"{tag}-n{j}" for j in range(nodes)]
-        self.rate, self.burst, self.latency = rate, burst, latency
-        self._made: list = []
-
-    @staticmethod
-    def available():
-        """(True, "") or (False, why not)."""
-        if os.geteuid() != 0:
-            return False, "not root"
-        missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-        return (False, f"{missing[0]} (iproute2) not installed") if missing else (True, "")
-
-    def addr(self, node: int) -> str:
-        return f"10.214.0.{node + 1}"
-
-    def _run(self, *cmd):
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if p.returncode:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed: {p.stderr.strip()}")
-
-    def _shape(self, ns, dev):
-        self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                  "burst", self.burst, "latency", self.latency)
-
-    def __enter__(self):
-        try:
-            b = self.bridge
-            self._run("ip", "netns", "add", b)
-            self._made.append(b)
-            self._run("ip", "-n", b, "link", "add", "br0", "type", "bridge")
-            self._run("ip", "-n", b, "link", "set", "br0", "up")
-            for j, ns in enumerate(self.ns):
-                self._run("ip", "netns", "add", ns)
-                self._made.append(ns)
-                self._run("ip", "-n", b, "link", "add", f"p{j}", "type", "veth", "peer", "name", "eth0",
-                          "netns", ns)
-                self._run("ip", "-n", b, "link", "set", f"p{j}", "master", "br0", "up")
-                self._run("ip", "-n", ns, "addr", "add", f"{self.addr(j)}/24", "dev", "eth0")
-                self._run("ip", "-n", ns, "link", "set", "eth0", "up")
-                self._run("ip", "-n", ns, "link", "set", "lo", "up")
-                self._shape(ns, "eth0")  # what node j sends
-                self._shape(b, f"p{j}")  # what node j receives
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
-        self._made = []
 
 
 def _mlp():
@@ -165,14 +103,13 @@ def run_topology(nodes: int, local: int, args) -> dict:
     from gtopk_plugin.bench import bench_launch
 
     payload = {"nodes": nodes, "local": local, "rounds": args.rounds, "warmup": args.warmup, "batch": args.batch}
-    ok, why = NodeLinks.available()
+    ok, why = shaped_net.available()
     link = f"{args.rate} between nodes (tc tbf), unshaped inside" if ok else f"unshaped loopback ({why})"
     P = nodes * local
-    if ok:
-        with NodeLinks(nodes, args.rate) as net:
-            reps = bench_launch.run_workers(P, worker, payload, master_addr=net.addr(0), ifname="eth0",
-                                            prefix=lambda r: ["ip", "netns", "exec", net.ns[r // local]],
-                                            timeout=args.timeout)
+    if ok:  # one shaped namespace per node, holding its ranks (they share the node's link)
+        with shaped_net.ShapedNet(nodes, args.rate) as net:
+            reps = bench_launch.run_workers(P, worker, payload, master_addr=net.addr(0), ifname=net.iface,
+                                            prefix=lambda r: net.prefix(r // local), timeout=args.timeout)
     else:
         reps = bench_launch.run_workers(P, worker, payload, timeout=args.timeout)
     med = {n: statistics.median(t for r in reps for t in r["times"][n]) * 1e3 for n in VARIANTS}
