@@ -8,7 +8,7 @@ compression corrects momentum 0.9 itself, SGD has none) or Keras
 DistributedOptimizer (``keras``: SGD momentum 0.9 with
 ``momentum_correction=True``; the state finds ``opt.gtopk_compression``
 itself), gTop-k inside tf.function, under ``hvd.elastic.run`` with a
-``SparseKerasState`` and, once,
+``SparseKerasState`` and, once (tests/jobs/hvd_elastic_failure.py),
 raises ``HorovodInternalError`` on every worker after uncommitted steps (what
 Horovod raises when a peer is lost).  ``hvd.elastic.run`` then restores the
 last commit, re-initialises Horovod and syncs; the script records residuals,
@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import horovod.tensorflow as hvd  # noqa: E402
-from horovod.common.exceptions import HorovodInternalError  # noqa: E402
 
 from gtopk_plugin.tensorflow import (Compression, DistributedGradientTape, DistributedOptimizer,  # noqa: E402
                                      SparseKerasState)
+from hvd_elastic_failure import run_with_one_failure  # noqa: E402 - this script's folder (tests/jobs/)
 
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -72,38 +72,16 @@ def run_mode(mode):
         assert state.compressions == [comp], state.compressions
     else:
         state = SparseKerasState(model, opt, compressions=[comp], batch=0)
-    log = {"events": []}
-    failed = []
 
     def sparse_state():
         return {"step": int(comp.step.numpy()), "residuals": comp.residual_values(),
                 "velocities": comp.velocity_values()}
 
-    @hvd.elastic.run
-    def train(state):
-        while state.batch < 10:
-            b = state.batch
-            rng = np.random.default_rng(100 * b + hvd.rank())
-            train_step(tf.constant(rng.standard_normal((8, 12)), tf.float32), tf.constant(rng.integers(0, 3, 8)))
-            state.batch = b + 1
-            if state.batch == 4:
-                state.commit()
-                log["committed"] = sparse_state()
-            if state.batch == 6 and not failed:
-                failed.append(True)
-                log["before_failure"] = sparse_state()
-                raise HorovodInternalError("simulated loss of a peer")
+    def step(b):
+        rng = np.random.default_rng(100 * b + hvd.rank())
+        train_step(tf.constant(rng.standard_normal((8, 12)), tf.float32), tf.constant(rng.integers(0, 3, 8)))
 
-    state.register_reset_callbacks([lambda: log["events"].append(("reset", hvd.size()))])
-    orig_sync = state.sync
-
-    def sync_and_record():
-        orig_sync()
-        if failed and "after_restore" not in log:
-            log["after_restore"] = sparse_state()
-
-    state.sync = sync_and_record
-    train(state)
+    log = run_with_one_failure(hvd, state, step, sparse_state)
     log["final"] = [w.numpy() for w in model.weights]
     log["final_step"] = int(comp.step.numpy())
     os.makedirs(os.path.join(OUT, mode), exist_ok=True)

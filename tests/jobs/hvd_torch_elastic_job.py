@@ -3,9 +3,10 @@
 
     python tests/jobs/hvd_torch_elastic_job.py OUTDIR
 
-Trains with a sparse DistributedOptimizer inside ``hvd.elastic.run`` and, once,
-raises ``HorovodInternalError`` on every worker right after a few uncommitted
-steps (what Horovod raises when a peer is lost).  ``hvd.elastic.run`` then
+Trains with a sparse DistributedOptimizer inside ``hvd.elastic.run`` and, once
+(tests/jobs/hvd_elastic_failure.py), raises ``HorovodInternalError`` on every
+worker right after a few uncommitted steps (what Horovod raises when a peer is
+lost).  ``hvd.elastic.run`` then
 restores the last commit, re-initialises Horovod and syncs the state; the
 script records the residuals and step counter at the commit, just before the
 failure, and right after the restore, plus the final parameters.
@@ -16,9 +17,10 @@ import sys
 import torch
 
 import horovod.torch as hvd
-from horovod.common.exceptions import HorovodInternalError
 
 from gtopk_plugin.horovod import Compression, DistributedOptimizer
+
+from hvd_elastic_failure import run_with_one_failure  # this script's folder (tests/jobs/)
 
 torch.set_num_threads(1)
 hvd.init()
@@ -30,8 +32,6 @@ opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=
                            named_parameters=model.named_parameters(),
                            compression=Compression.gtopk(0.1, fusion_threshold=200))
 state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
-log = {"events": []}
-failed = []
 
 
 def residuals():
@@ -39,37 +39,15 @@ def residuals():
     return {"step": sd["step"], "residuals": {n: t.clone() for n, t in sd["residuals"].items()}}
 
 
-@hvd.elastic.run
-def train(state):
-    while state.batch < 10:
-        b = state.batch
-        g = torch.Generator().manual_seed(100 * b + hvd.rank())
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        state.batch = b + 1
-        if state.batch == 4:
-            state.commit()
-            log["committed"] = residuals()
-        if state.batch == 6 and not failed:
-            failed.append(True)
-            log["before_failure"] = residuals()
-            raise HorovodInternalError("simulated loss of a peer")
+def step(b):
+    g = torch.Generator().manual_seed(100 * b + hvd.rank())
+    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 
 
-state.register_reset_callbacks([lambda: log["events"].append(("reset", hvd.size()))])
-orig_sync = state.sync
-
-
-def sync_and_record():
-    orig_sync()
-    if failed and "after_restore" not in log:
-        log["after_restore"] = residuals()
-
-
-state.sync = sync_and_record
-train(state)
+log = run_with_one_failure(hvd, state, step, residuals)
 log["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
 log["final_step"] = opt.reducer.step
 torch.save(log, os.path.join(OUT, f"rank{hvd.rank()}.pt"))
