@@ -20,6 +20,24 @@ import time
 from lab.convergence import sim
 
 
+def history_recorder(task, model, evaluates: bool = True):
+    """A worker's evaluation history and the function that extends it:
+    ``record(step)`` evaluates ``model`` on ``task`` and appends the step,
+    the task's metric and the evaluation loss to ``hist``; with ``evaluates``
+    false it does nothing (a rank that does not report).  Returns
+    ``(hist, record)``."""
+    hist = {"step": [], "metric": [], "eval_loss": []}
+
+    def record(step):
+        if evaluates:
+            ev = task.evaluate(model)
+            hist["step"].append(step)
+            hist["metric"].append(ev[task.metric])
+            hist["eval_loss"].append(ev["loss"])
+
+    return hist, record
+
+
 def worker(ctx, spec_d: dict) -> dict:
     """Launcher target (:func:`gtopk_plugin._launch.launcher.run`, gloo group joined):
     train ``spec_d`` on this rank; rank 0 returns the history, the mean
@@ -43,15 +61,7 @@ def worker(ctx, spec_d: dict) -> dict:
     # per rank and rank 0 evaluates with its own (sim.Rank0Buffers)
     reducer = gp.GradientReducer(**sim.reducer_kwargs(spec, steps, sim.steps_per_epoch(task, batch_size)))
     opt = sim.make_optimizer(spec, params, lr)
-    hist = {"step": [], "metric": [], "eval_loss": []}
-
-    def record(step):
-        if rank == 0:
-            ev = task.evaluate(model)
-            hist["step"].append(step)
-            hist["metric"].append(ev[task.metric])
-            hist["eval_loss"].append(ev["loss"])
-
+    hist, record = history_recorder(task, model, evaluates=rank == 0)
     record(0)
     losses, sent = [], []
     ctx.barrier()

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from lab.convergence import momentum, sim
+from lab.convergence import gloo, momentum, sim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASKS = momentum.IMAGE_TASKS
@@ -89,14 +89,8 @@ def worker(ctx, task_name: str, method: str, seed: int, steps: int, lr: float, w
         reduction = sparse_replica_reduction(model, method=method, density=DENSITY, mesh=mesh,
                                              momentum_correction=True, optimizer=opt, warmup=wu, seed=seed)
     every = eval_every or task.eval_every
-    hist = {"step": [], "metric": [], "eval_loss": []}
-
-    def record(step):
-        ev = task.evaluate(model)  # collective: every rank runs the forward
-        hist["step"].append(step)
-        hist["metric"].append(ev[task.metric])
-        hist["eval_loss"].append(ev["loss"])
-
+    # every rank evaluates: an FSDP forward is collective
+    hist, record = gloo.history_recorder(task, model)
     record(0)
     losses, sent = [], []
     ctx.barrier()
