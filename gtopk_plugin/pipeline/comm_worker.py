@@ -161,7 +161,10 @@ class CommWorker:
     def __init__(self, name: str = "gtopk-comm", device=None):
         device = None if device is None else torch.device(device)
         self._core = _Core(name, device)
-        self._finalizer = weakref.finalize(self, _Core.close, self._core)
+        # collected (or still alive at interpreter exit): stop the thread
+        # without waiting for it -- a job stuck on a dead peer must block
+        # neither the collecting thread nor the exit (timeout 0)
+        self._finalizer = weakref.finalize(self, _Core.close, self._core, False, 0.0)
 
     @property
     def name(self) -> str:

@@ -106,6 +106,31 @@ def test_a_dropped_worker_ends_its_thread():
     assert fut.wait() == 7
 
 
+def test_dropping_a_worker_whose_job_is_stuck_does_not_block_the_collector():
+    # what runs when a worker is collected also runs at interpreter exit: it
+    # must stop the thread without waiting for a job stuck on a dead peer
+    gate = threading.Event()
+    w = CommWorker("gtopk-test-stuck-drop")
+    w.submit(gate.wait)
+    t = _threads("gtopk-test-stuck-drop")[0]
+    dropped = threading.Event()
+    box = [w]
+    del w
+
+    def drop():
+        box.clear()
+        gc.collect()
+        dropped.set()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        assert dropped.wait(10), "collecting the worker waited for its stuck job"
+    finally:
+        gate.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
 def test_wait_for_bounds_the_wait_and_drain_waits_for_everything():
     w = CommWorker("gtopk-test-wait")
     gate = threading.Event()
