@@ -132,6 +132,32 @@ SECTIONS = [
                                  ("max conservation error", "conservation_error", "e"),
                                  ("finite", "finite", "yes"), ("ranks agree", "ranks_agree", "yes")])],
          plot=True),
+    dict(key="overlap", title="DDP: the exchange beside backward",
+         command="gtopk-bench overlap",
+         text="DDP on 1 Gbit/s shaped links, one thread per worker, the 10.5M-parameter MLP: PyTorch's "
+              "hooks and the sparse hook synchronous and asynchronous (gTop-k 1 %).  Exposed: the step "
+              "less the no-op hook's step (no communication); on a CPU the selection competes with "
+              "backward for the worker's core, so only the wire time can hide.",
+         tables=[("rows", None, [("P", "P", "int"), ("hook", "hook", "str"), ("step ms", "step_ms", "ms"),
+                                 ("exchange alone ms", "exchange_ms", "ms"), ("exposed ms", "exposed_ms", "ms"),
+                                 ("vs no-op", "x_noop", "x"), ("vs best PyTorch hook", "x_best_pytorch", "x")])]),
+    dict(key="hsdp_step", title="FSDP2 (HSDP) step",
+         command="gtopk-bench hsdp-step",
+         text="FSDP2 HSDP of a 10.5M-parameter MLP, batch 16 per rank, on emulated nodes of 2 ranks: "
+              "inside a node unshaped, between nodes 1 Gbit/s (tc tbf).  Stock HSDP's replica "
+              "all-reduce (fp32, bf16) against `sparse_replica_reduction`; the floor shards inside the "
+              "node only (no replica reduction at all).",
+         tables=[("rows", None, [("nodes", "nodes", "int"), ("variant", "variant", "str"),
+                                 ("step ms", "step_ms", "ms"), ("vs stock", "vs_stock", "x"),
+                                 ("replica bytes sent per rank", "bytes_sent", "bytes")])]),
+    dict(key="hsdp_accuracy", title="FSDP2 (HSDP) accuracy",
+         command="python -m lab hsdp-accuracy && python -m lab hsdp-accuracy --tasks glyphs --long",
+         text="Real FSDP2 HSDP on a (2 replicas × 2 shards) gloo mesh: stock HSDP with SGD momentum "
+              "against `sparse_replica_reduction(method=\"gtopk\", density=0.01)` with the recipe "
+              "(momentum correction, DGC warm-up), mean of seeds 0 and 1.",
+         tables=[("rows", None, [("task", "task", "str"), ("steps", "steps", "int"),
+                                 ("dense", "dense", "pct"), ("gTop-k 1 %", "gtopk", "pct"),
+                                 ("gap pp", "gap_pp", "pp"), ("within 1 pp", "holds", "yes")])]),
     dict(key="cluster_comm", title="Emulated 1 GbE cluster: the exchange alone",
          command="python -m lab cluster reproduce",
          text="One exchange of 25M fp32 values between P network namespaces on 1 Gbit/s shaped "
@@ -384,10 +410,49 @@ def _two_level(raw):
     return {}, {"exchange": ex, "convergence": conv}, "cluster_nodes.png"
 
 
+def _overlap(raw):
+    d = _read(raw, "overlap.json")
+    rows = []
+    for t in ("overlap", "mlp"):
+        tab = d["results"].get(t)
+        for name, r in (tab or {"rows": {}})["rows"].items():
+            if "per bucket" in name:
+                continue  # the default bucket policies only (the bench prints the per-bucket rows)
+            rows.append(dict(P=tab["P"], hook=name, step_ms=r["step"], exchange_ms=r["exchange"] or None,
+                             exposed_ms=r["exposed"] if r["exchange"] else None, x_noop=r["x_noop"],
+                             x_best_pytorch=r["x_best_pytorch"]))
+    return {"settings": d["settings"]}, {"rows": rows}, None
+
+
+def _hsdp_step(raw):
+    d = _read(raw, "hsdp_step.json")
+    rows = [dict(nodes=t["nodes"], variant=name, step_ms=r["median_ms"], vs_stock=r["vs_stock"],
+                 bytes_sent=r["replica_bytes_sent"]) for t in d["results"] for name, r in t["rows"].items()]
+    return {"settings": d["settings"]}, {"rows": rows}, None
+
+
+def _hsdp_accuracy(raw):
+    rows = []
+    for f in ("hsdp_accuracy.json", "hsdp_accuracy_long.json"):
+        d = _read(raw, f, optional=True)
+        for g in (d or {"rows": []})["rows"]:
+            if g["method"] != "mean gap":
+                continue
+            runs = [r for r in d["rows"] if r["task"] == g["task"] and r["method"] in ("dense", "gtopk")]
+            mean = lambda m: sum(r["accuracy"] for r in runs if r["method"] == m) / 100 / \
+                sum(1 for r in runs if r["method"] == m)  # noqa: E731
+            rows.append(dict(task=g["task"], steps=runs[0]["steps"], dense=mean("dense"), gtopk=mean("gtopk"),
+                             gap_pp=g["gap_pp"], holds=g["within_goal"]))
+    if not rows:
+        raise FileNotFoundError(f"no hsdp_accuracy*.json in {raw}")
+    return {}, {"rows": rows}, None
+
+
 COLLECT = {"bytes_per_step": _bytes_per_step, "selection": _selection, "step": _step, "ddp_step": _ddp_step,
            "horovod_overhead": _horovod_overhead, "half_precision": _half_precision,
            "cluster_comm": _cluster_comm, "cluster_ddp": _cluster_ddp, "train": _train,
-           "convergence": _convergence, "elastic": _elastic, "two_level": _two_level}
+           "convergence": _convergence, "elastic": _elastic, "two_level": _two_level, "overlap": _overlap,
+           "hsdp_step": _hsdp_step, "hsdp_accuracy": _hsdp_accuracy}
 
 
 def _machine(raw) -> Optional[dict]:
