@@ -86,9 +86,9 @@ def test_momentum_checkpoint_and_ddp_keyword():
     b = [again.reduce(_grads(t)) for t in range(3, 5)]
     for x, y in zip(a, b):
         assert all(torch.equal(x[n], y[n]) for n in x)
-    from gtopk_plugin.frameworks.ddp import ddp_hook as torch_ddp
+    from gtopk_plugin.frameworks.reducer_keywords import REDUCER_KWARGS  # what SparseState passes through
     assert "dense_below" in inspect.signature(gp.GradientReducer).parameters
-    assert "dense_below" in torch_ddp._REDUCER_KWARGS
+    assert "dense_below" in REDUCER_KWARGS
 
 
 def test_nonfinite_small_raises_before_anything_applied():

@@ -33,8 +33,6 @@ from gtopk_plugin.frameworks.ddp.ddp_buckets import (BucketItem, agree_used, fai
                                                      reduce_group, submit_group)
 from gtopk_plugin.frameworks.ddp.ddp_naming import ParameterNaming
 from gtopk_plugin.frameworks.ddp.ddp_usage import UsageTracker
-# _REDUCER_KWARGS: the GradientReducer keywords SparseState passes through
-from gtopk_plugin.frameworks.reducer_keywords import REDUCER_KWARGS as _REDUCER_KWARGS  # noqa: F401
 from gtopk_plugin.frameworks.reducer_keywords import check_reducer_kwargs
 from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 from gtopk_plugin.pipeline.comm_worker import CommWorker
