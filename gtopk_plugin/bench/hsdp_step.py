@@ -103,11 +103,11 @@ def run_topology(nodes: int, local: int, args) -> dict:
     from gtopk_plugin.bench import bench_launch
 
     payload = {"nodes": nodes, "local": local, "rounds": args.rounds, "warmup": args.warmup, "batch": args.batch}
-    ok, why = shaped_net.available()
-    link = f"{args.rate} between nodes (tc tbf), unshaped inside" if ok else f"unshaped loopback ({why})"
+    net, why = shaped_net.network(nodes, args.rate)  # None: loopback ('--rate none', or no namespaces)
+    link = f"{args.rate} between nodes (tc tbf), unshaped inside" if net else f"unshaped loopback ({why})"
     P = nodes * local
-    if ok:  # one shaped namespace per node, holding its ranks (they share the node's link)
-        with shaped_net.ShapedNet(nodes, args.rate) as net:
+    if net is not None:  # one shaped namespace per node, holding its ranks (they share the node's link)
+        with net:
             reps = bench_launch.run_workers(P, worker, payload, master_addr=net.addr(0), ifname=net.iface,
                                             prefix=lambda r: net.prefix(r // local), timeout=args.timeout)
     else:
@@ -128,7 +128,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--local", type=int, default=2, help="ranks per node (the shard dimension)")
-    ap.add_argument("--rate", default="1gbit", help="tc rate of each node's link")
+    ap.add_argument("--rate", default="1gbit", help="tc rate of each node's link ('none': loopback, unshaped)")
     ap.add_argument("--batch", type=int, default=BATCH, help="samples per rank and step")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
