@@ -47,10 +47,6 @@ def run(cmd: Sequence[str], check: bool = True,
     return p
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return run(args, check=check)
-
-
 def available(prefix: str = PREFIX) -> Tuple[bool, str]:
     """Whether shaped namespaces can be made here, and if not, why: root,
     ``ip`` and ``tc``, and a probe namespace named ``<prefix>-<pid>-<tag>-w0``
@@ -62,13 +58,13 @@ def available(prefix: str = PREFIX) -> Tuple[bool, str]:
             return False, f"`{tool}` (iproute2) is not installed"
     probe = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}-w0"
     try:
-        _ip("ip", "netns", "add", probe)
+        run(["ip", "netns", "add", probe])
         try:
-            _ip("ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb")
-            _ip("tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit", "burst",
-                "128kb", "latency", "50ms")
+            run(["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
+            run(["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit", "burst",
+             "128kb", "latency", "50ms"])
         finally:
-            _ip("ip", "netns", "del", probe, check=False)
+            run(["ip", "netns", "del", probe], check=False)
     except ShapedNetError as e:
         return False, f"cannot make a shaped network namespace: {e}"
     return True, "network namespaces with tc tbf"
@@ -104,7 +100,7 @@ def add_tbf(ns: str, dev: str, rate: str, burst: str, latency: str, parent: Sequ
 
 
 def _pids_in(ns: str) -> List[int]:
-    return [int(x) for x in _ip("ip", "netns", "pids", ns, check=False).stdout.split() if x.isdigit()]
+    return [int(x) for x in run(["ip", "netns", "pids", ns], check=False).stdout.split() if x.isdigit()]
 
 
 def _delete(ns: str) -> None:
@@ -119,12 +115,12 @@ def _delete(ns: str) -> None:
         if not pids:
             break
         time.sleep(0.5)
-    _ip("ip", "netns", "del", ns, check=False)
+    run(["ip", "netns", "del", ns], check=False)
 
 
 def cleanup() -> List[str]:
     """Remove the namespaces of runs whose process is gone; their names."""
-    names = [ln.split()[0] for ln in _ip("ip", "netns", "list", check=False).stdout.splitlines() if ln.strip()]
+    names = [ln.split()[0] for ln in run(["ip", "netns", "list"], check=False).stdout.splitlines() if ln.strip()]
     gone = []
     for ns in names:
         m = _NAME.match(ns)
@@ -166,7 +162,7 @@ class ShapedNet:
         cleanup()
         try:
             for ns in [self.bridge] + self.workers:
-                _ip("ip", "netns", "add", ns)
+                run(["ip", "netns", "add", ns])
                 self._made.append(ns)
             b = self.bridge
             add_bridge(b, "br0")
