@@ -125,7 +125,7 @@ class GradientReducer:
             early = CompensateEarly(st, cfg.kernels)
         direct = isinstance(early, DensePath)
         check = [Validate(cfg, self.aggregation, self.compressor, st, tr), early,
-                 Agree(cfg, self.aggregation, tr, self._updates)] + ([RedoCopy(early)] if direct else [])
+                 Agree(cfg, self.aggregation, tr, self._updates, st)] + ([RedoCopy(early)] if direct else [])
         to_wire = NearestWire(cfg) if cfg.wire_rounding == "nearest" else StochasticWire(cfg, tr, agg)
         select = (Encode if self.codec else Select)(cfg, self.compressor, segments, to_wire, self.aggregation,
                                                     agg, tr)
@@ -253,6 +253,20 @@ class GradientReducer:
     @binding.setter
     def binding(self, value) -> None:
         self.state.binding = value
+
+    @property
+    def joint_check(self):
+        """``None``, or ``fn(bad, nonfinite) -> (bad, nonfinite)`` for ranks
+        outside the transport whose calls must take the same path (an FSDP
+        replica's other shards, whose own reducers exchange elsewhere): run
+        once per call, on every such rank, before the cross-rank check, it
+        joins their verdicts -- the first invalid input's message and the
+        non-finite names -- to this rank's (docs/design.md §6)."""
+        return self.state.joint_check
+
+    @joint_check.setter
+    def joint_check(self, fn) -> None:
+        self.state.joint_check = fn
 
     def state_dict(self) -> dict:
         """This rank's state: residuals, velocities, step, loss scale and

@@ -184,15 +184,22 @@ class Agree:
 
     phase = "check"
 
-    def __init__(self, config, aggregation: str, transport, updates):
+    def __init__(self, config, aggregation: str, transport, updates, state):
         self.config, self.aggregation, self.transport, self.updates = config, aggregation, transport, updates
+        self.state = state
 
     def __call__(self, c):
         layout, nonfinite, bad = c.extra
+        bad, nonfinite = c.bad or bad, c.nonfinite + list(nonfinite)
+        if self.state.joint_check is not None:
+            # ranks outside the transport that must take the same path (the
+            # other shards of an FSDP replica): their verdicts join this
+            # rank's before the transport's agreement spreads them
+            bad, nonfinite = self.state.joint_check(bad, nonfinite)
         # the flag: "no exact prescaled copy here" (dense_direct: any rank's makes all redo it)
         try:
             any_nonfinite, where, c.redo = input_check.check_flagged(
-                self.transport, c.layout + list(layout), c.bad or bad, c.nonfinite + list(nonfinite),
+                self.transport, c.layout + list(layout), bad, nonfinite,
                 flag=c.direct is None or c.direct.flag)
         except ValueError:
             if c.local_error is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -225,6 +225,9 @@ class ReducerState:
         self.loss_scale: Optional[float] = None
         self.binding = None  # OptimizerBinding: momentum and weight decay from an optimizer
         self.loaded_origin: Optional[Tuple[int, int]] = None
+        # ranks outside the transport whose calls take the same path (see
+        # GradientReducer.joint_check)
+        self.joint_check: Optional[Callable] = None
 
     def follow_loss_scale(self, loss_scale: Optional[float]) -> None:
         """Keep residuals and velocities in the units of the incoming

@@ -67,6 +67,9 @@ class SmallTensors:
         small, rest = parts
         dense, cfg = self.dense, self.state.config
         dense.step, dense.binding = self.state.step, self.state.binding
+        # the call's one joint check (GradientReducer.joint_check) is the
+        # method's, or the dense reducer's when it is the only check
+        dense.joint_check = None if rest else self.state.joint_check
         grad_norm = c.grad_norm
         if cfg.clip_norm is not None and grad_norm is None:
             # the clipping norm is over the whole call, both parts

@@ -198,8 +198,27 @@ def test_nonfinite_gradient_on_one_shard_is_handled_on_every_rank(reports):
     for rep in reps:
         assert "NonFiniteGradientError" in rep["nonfinite"]["raise"]
         assert rep["nonfinite"]["skip"] == {"zero": True, "step": 1}
-    assert "this rank's shards" in reps[-1]["nonfinite"]["raise"]
-    assert "another rank's shards" in reps[0]["nonfinite"]["raise"]
+    # every rank names the shard and the mesh rank that holds the NaN
+    culprit = f"(on global rank {len(reps) - 1})"
+    for rep in reps:
+        assert culprit in rep["nonfinite"]["raise"], rep["nonfinite"]["raise"]
+
+
+def test_a_fault_on_one_shard_reaches_every_rank_of_the_mesh(reports):
+    """Invalid input on the last rank: it raises its own error, its shard
+    peer names it, the replicas raise too.  A NaN where the other shard holds
+    no entries at all: that rank raises (or skips) with the others."""
+    reps = reports(2, 2)
+    errs = [rep["joined"]["bad"] for rep in reps]
+    assert all(e is not None for e in errs), errs
+    assert "ValueError" in errs[3] and "int32" in errs[3]
+    assert "global rank 3 (another shard of this replica)" in errs[2]
+    assert all(("PeerInputError" in e or "ValueError" in e) for e in errs[:2])
+    entries = [rep["joined"]["skip"]["entries"] for rep in reps]
+    assert sorted(entries) == [0, 0, 1, 1]  # two ranks hold the one entry, two hold none
+    for rep in reps:
+        assert "NonFiniteGradientError" in rep["joined"]["raise"], rep["joined"]["raise"]
+        assert rep["joined"]["skip"]["step"] == 1 and rep["joined"]["skip"]["zero"]
 
 
 def test_momentum_correction_from_the_optimizer(reports):

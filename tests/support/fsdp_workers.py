@@ -169,6 +169,39 @@ def nonfinite(rank, mesh, policy):
     return {"zero": all(bool((g == 0).all()) for g in grads.values()), "step": state.step}
 
 
+def joined_faults(rank, mesh):
+    """Faults whose rank has no reducer peer on this rank's transport:
+    invalid input on one shard, and a NaN seen by a rank that holds no
+    entries at all (a 1-entry model on 2 shards).  What every rank raises
+    or does."""
+    from torch.distributed.fsdp import fully_shard
+
+    last = rank == dist.get_world_size() - 1
+    out = {}
+    state = gp.torch_fsdp.sparse_replica_reduction(sharded(mesh), method="gtopk", density=0.2)
+    grads = {n: torch.ones(p.to_local().shape) for n, p in state.model.named_parameters() if p.to_local().numel()}
+    if last:
+        grads["a.weight"] = grads["a.weight"].to(torch.int32)
+    try:
+        state._reduce(grads)
+        out["bad"] = None
+    except Exception as e:  # noqa: BLE001
+        out["bad"] = f"{type(e).__name__}: {e}"
+    for policy in ("raise", "skip"):
+        torch.manual_seed(0)
+        tiny = fully_shard(nn.Linear(1, 1, bias=False), mesh=mesh)
+        state = gp.torch_fsdp.sparse_replica_reduction(tiny, method="gtopk", density=0.5, nonfinite=policy)
+        g = {n: torch.full(p.to_local().shape, float("nan") if last or rank == 2 else 1.0)
+             for n, p in tiny.named_parameters() if p.to_local().numel()}
+        try:
+            state._reduce(g)
+            out[policy] = {"entries": sum(t.numel() for t in g.values()), "step": state.step,
+                           "zero": all(bool((t == 0).all()) for t in g.values())}
+        except Exception as e:  # noqa: BLE001
+            out[policy] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def momentum_from_optimizer(rank, mesh):
     """momentum_correction=True with SGD(momentum=0.9) against the momentum
     given explicitly with SGD without momentum: the same parameters."""
@@ -349,6 +382,7 @@ def mesh_checks(rank, world, R, S, ckdir):
         rep["accumulation"] = accumulation_vs_stock(rank, mesh)
         rep["removed"] = removed_vs_stock(rank, mesh)
         rep["nonfinite"] = {p: nonfinite(rank, mesh, p) for p in ("raise", "skip")}
+        rep["joined"] = joined_faults(rank, mesh)
         rep["momentum"] = momentum_from_optimizer(rank, mesh)
         rep["clip"] = sparse_run(rank, mesh, dict(SPARSE["gtopk"], clip_norm=CLIP))
     elif (R, S) == (2, 3):

@@ -16,7 +16,7 @@ rank's: one per (replica, shard).  See docs/fsdp.md.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from gtopk_plugin.collectives.torch_distributed import TorchDistributedTransport
 from gtopk_plugin.frameworks.fsdp import fsdp_state
 from gtopk_plugin.frameworks.fsdp.fsdp_mesh import ReplicaTopology, find_topology, fsdp_units
 from gtopk_plugin.frameworks.reducer_keywords import check_reducer_kwargs
+from gtopk_plugin.pipeline import input_check
 from gtopk_plugin.pipeline.input_check import NonFiniteGradientError
 from gtopk_plugin.pipeline.traffic import StepTraffic
 from gtopk_plugin.reducer import GradientReducer
@@ -89,6 +90,8 @@ class SparseReplicaState:
             transport=TorchDistributedTransport(group=topology.replicate_group, timeout=timeout),
             momentum_correction=momentum_correction, optimizer=optimizer,
             named_parameters=named if momentum_correction is True else None, **kwargs)
+        self._shard_transport = TorchDistributedTransport(group=topology.shard_group, timeout=timeout)
+        self.reducer.joint_check = self._joint_check
         self._reducing: list = []   # parameter groups FSDP reduce-scattered in this backward
         self._stash: dict = {}      # param -> its gradient from earlier steps (already reduced)
         self._local: set = set()    # ids of params whose .grad holds shards not yet reduced
@@ -191,54 +194,59 @@ class SparseReplicaState:
 
     def _reduce(self, grads: Dict[str, torch.Tensor]) -> None:
         grads = {n: g for n, g in grads.items() if g.numel() > 0}  # uneven sharding: empty shards
-        norm, bad = self._agree(grads)
-        if bad:
-            self._nonfinite(grads)
-        elif grads:
-            out = {n: g if g.is_contiguous() else g.contiguous() for n, g in grads.items()}
-            self.reducer.reduce(grads, out=out, grad_norm=norm)
-            for n, g in grads.items():
-                if out[n] is not g:
-                    g.copy_(out[n])
-            self.last_step_traffic = _traffic(self.reducer.last_stats)
+        # clipping: this replica's norm over all its shards, before the call
+        norm = self._replica_norm(grads) if self.reducer.config.clip_norm is not None else None
+        if not grads:
+            self._empty_step()
             return
-        else:
-            self.reducer.step += 1
+        out = {n: g if g.is_contiguous() else g.contiguous() for n, g in grads.items()}
+        # the reducer's check joins this replica's other shards (_joint_check)
+        self.reducer.reduce(grads, out=out, grad_norm=norm)
+        for n, g in grads.items():
+            if out[n] is not g:
+                g.copy_(out[n])
+        stats = self.reducer.last_stats
+        self.last_step_traffic = None if stats is None or stats.skipped else _traffic(stats)
+
+    def _joint_check(self, bad: Optional[str], nonfinite: List[str]):
+        """The reducer's check across the replicas, joined with this
+        replica's other shards first (``GradientReducer.joint_check``): one
+        int64 MAX over the shard group; the replicas' agreement then carries
+        it, so that every rank of the mesh takes the same path -- raises, or
+        skips the step -- and none is left waiting in FSDP's next collective.
+        Details travel only when a rank has something to report."""
+        tr = self._shard_transport
+        flags = torch.tensor([int(bad is not None), int(bool(nonfinite))], dtype=torch.int64)
+        if tr.size == 1 or not bool(tr.control_allreduce_max(flags).any()):
+            return bad, nonfinite
+        me, joined = dist.get_rank(), []
+        for rank, peer_bad, peer_names in tr.allgather_object((me, bad, list(nonfinite))):
+            if bad is None and peer_bad is not None:
+                bad = f"global rank {rank} (another shard of this replica): {peer_bad}"
+            joined += [f"{n} (on global rank {rank})" for n in peer_names]  # the mesh's rank, not the replica's
+        return bad, joined
+
+    def _replica_norm(self, grads) -> float:
+        """This replica's gradient norm over all its shards: float64, as the
+        reducer's own norm (docs/design.md §5), summed over the shard group."""
+        sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
+        v = torch.tensor([sq], dtype=torch.float64)
+        if self._shard_transport.size > 1:
+            self._shard_transport.allreduce_sum_(v)
+        return float(v[0]) ** 0.5
+
+    def _empty_step(self) -> None:
+        """No entries on this rank (nor on its replicas, which hold the same
+        shards): it takes part in the joined check as a reducer call would,
+        so that a fault elsewhere reaches it too, and the step advances."""
+        bad, nonfinite = self._joint_check(None, [])
         self.last_step_traffic = None
-
-    def _agree(self, grads):
-        """(this replica's gradient norm over all its shards, whether any rank
-        has a non-finite gradient): one float64 sum over the shard group, one
-        max over the replicas -- so that every rank takes the same path."""
-        dev = next(iter(grads.values())).device if grads else torch.device("cpu")
-        if dist.get_backend(self.topology.shard_group) == "gloo":
-            dev = torch.device("cpu")
-        clip = self.reducer.config.clip_norm is not None
-        if clip:  # float64, as the reducer's own norm (docs/design.md §5)
-            sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
-        else:  # a sum is finite when every entry is (a sum that overflowed is checked entry by entry)
-            sq = 0.0 if all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
-                            for g in grads.values()) else float("nan")
-        v = torch.tensor([sq], dtype=torch.float64, device=dev)
-        dist.all_reduce(v, group=self.topology.shard_group)
-        flag = torch.tensor([0 if bool(torch.isfinite(v).all()) else 1], dtype=torch.int64, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.replicate_group)
-        return (float(v[0]) ** 0.5 if clip else None), bool(flag[0])
-
-    def _nonfinite(self, grads) -> None:
-        """Some rank's gradient holds NaN/Inf: the reducer's policy, applied
-        on every rank (docs/design.md §6); residuals stay as they were."""
-        policy = self.reducer.config.nonfinite
-        here = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
-        if policy == "raise":
-            where = f"this rank's shards of {here[:5]}" if here else "another rank's shards"
+        any_nonfinite, _, _ = input_check.check_flagged(self.reducer.transport, [("no entries",)], bad, nonfinite)
+        if any_nonfinite and self.reducer.config.nonfinite == "raise":
             raise NonFiniteGradientError(
-                f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) in {where} (global rank "
-                f"{dist.get_rank()}); nothing was reduced.  nonfinite='skip' drops such steps on every "
-                "rank, 'propagate' hands infinite updates to an AMP scaler")
-        with torch.no_grad():
-            for g in grads.values():
-                g.fill_(0.0 if policy == "skip" else float("inf"))
+                f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) on another rank (global rank "
+                f"{dist.get_rank()} holds no entries); nothing was reduced.  nonfinite='skip' drops such "
+                "steps on every rank")
         self.reducer.step += 1
 
 
