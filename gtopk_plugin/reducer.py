@@ -259,8 +259,9 @@ class GradientReducer:
         """``None``, or ``fn(bad, nonfinite) -> (bad, nonfinite)`` for ranks
         outside the transport whose calls must take the same path (an FSDP
         replica's other shards, whose own reducers exchange elsewhere): run
-        once per call, on every such rank, before the cross-rank check, it
-        joins their verdicts -- the first invalid input's message and the
+        on every such rank before each cross-rank agreement of a call (the
+        check; on the general path also the accumulator's overflow check),
+        it joins their verdicts -- the first invalid input's message and the
         non-finite names -- to this rank's (docs/design.md §6)."""
         return self.state.joint_check
 

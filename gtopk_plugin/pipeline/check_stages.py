@@ -262,5 +262,7 @@ class Compensate:
             flat = st.momentum.accumulate(names, c.sizes, flat, c.dtype, c.acc.device, scratch=parts)
         overflow = [n for n, g, part, r in zip(names, flat, parts, res_parts)
                     if not kernels.compensate(part, g, r, kernels=cfg.kernels)]
+        if st.joint_check is not None:  # the ranks outside the transport too (see Agree)
+            overflow = st.joint_check(None, overflow)[1]
         input_check.check_state_finite(self.transport, overflow)
         return c

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin.pipeline.input_check import NonFiniteGradientError
+from gtopk_plugin.pipeline.input_check import NonFiniteGradientError, NonFiniteStateError
 
 SIZES = {"w": 600, "b": 20, "g": 7}
 
@@ -36,6 +36,8 @@ CASES = [  # (reducer keywords, gradient names)
     (dict(method="gtopk", dense_below=21), ["w"]),
     (dict(method="dense"), ["w", "b"]),
     (dict(method="topk", clip_norm=1.0), ["w", "b"]),          # the general path
+    (dict(method="gtopk", momentum_correction=0.9, dense_below=21), ["b", "g"]),
+    (dict(method="gtopk", momentum_correction=0.9, dense_below=21), ["w", "b", "g"]),
     (dict(method="qsgd"), ["w", "b"]),
 ]
 
@@ -50,7 +52,9 @@ def test_called_once_per_call_with_the_local_verdict(kw, names):
         red.reduce(grads)
     assert len(joint.calls) == 1 and joint.calls[0][0] is None and names[0] in joint.calls[0][1]
     red.reduce(_grads(names, 1))
-    assert len(joint.calls) == 2 and joint.calls[1] == (None, [])
+    # the general path (clipping, momentum) agrees once more, on the accumulator
+    general = "clip_norm" in kw or "momentum_correction" in kw
+    assert joint.calls[1:] == [(None, [])] * (2 if general else 1)
 
 
 @pytest.mark.parametrize("kw,names", CASES)
@@ -78,3 +82,18 @@ def test_a_peer_bad_input_raises_here():
     with pytest.raises(ValueError, match="global rank 2"):
         red.reduce(_grads(["w"]))
     assert red.step == 0
+
+
+def test_a_peer_overflow_raises_here_on_the_general_path():
+    """Finite gradients everywhere, but a peer's accumulator overflowed:
+    NonFiniteStateError here too, naming it."""
+    red = gp.GradientReducer(transport=gp.SingleProcessTransport(), method="gtopk", density=0.05,
+                             momentum_correction=0.9)
+
+    def joint(bad, names):
+        return bad, list(names) + (["w (on global rank 1)"] if len(joint.calls) > 1 else [])
+    joint.calls = []
+    red.joint_check = lambda bad, names: (joint.calls.append(1), joint(bad, names))[1]
+    with pytest.raises(NonFiniteStateError, match=r"w \(on global rank 1\)"):
+        red.reduce(_grads(["w"]))
+    assert len(joint.calls) == 2
