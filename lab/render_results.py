@@ -146,9 +146,11 @@ SECTIONS = [
          text="FSDP2 HSDP of a 10.5M-parameter MLP, batch 16 per rank, on emulated nodes of 2 ranks: "
               "inside a node unshaped, between nodes 1 Gbit/s (tc tbf).  Stock HSDP's replica "
               "all-reduce (fp32, bf16) against `sparse_replica_reduction`; the floor shards inside the "
-              "node only (no replica reduction at all).",
+              "node only (no replica reduction at all).  Per round: the range of the ratio to stock "
+              "round by round (the variants of a round run back to back).",
          tables=[("rows", None, [("nodes", "nodes", "int"), ("variant", "variant", "str"),
                                  ("step ms", "step_ms", "ms"), ("vs stock", "vs_stock", "x"),
+                                 ("per round", "per_round", "str"),
                                  ("replica bytes sent per rank", "bytes_sent", "bytes")])]),
     dict(key="hsdp_accuracy", title="FSDP2 (HSDP) accuracy",
          command="python -m lab hsdp-accuracy && python -m lab hsdp-accuracy --tasks glyphs --long",
@@ -426,8 +428,13 @@ def _overlap(raw):
 
 def _hsdp_step(raw):
     d = _read(raw, "hsdp_step.json")
+    def per_round(r):
+        pr = r.get("vs_stock_per_round")
+        return "—" if pr is None else f"{pr['min']:.2f}–{pr['max']:.2f}×"
+
     rows = [dict(nodes=t["nodes"], variant=name, step_ms=r["median_ms"], vs_stock=r["vs_stock"],
-                 bytes_sent=r["replica_bytes_sent"]) for t in d["results"] for name, r in t["rows"].items()]
+                 per_round=per_round(r), bytes_sent=r["replica_bytes_sent"])
+            for t in d["results"] for name, r in t["rows"].items()]
     return {"settings": d["settings"]}, {"rows": rows}, None
 
 

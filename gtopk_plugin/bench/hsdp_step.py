@@ -14,7 +14,9 @@ MLP per variant, sharded with ``fully_shard`` on a (nodes, local) mesh, and
 the variants take turns round by round (the order rotates, so a change in
 load falls on all of them alike).  A step is forward + backward (with the
 reductions) + SGD step between barriers; reported: the median over ranks
-and rounds, its ratio to stock HSDP, and the replica reduction's bytes.
+and rounds, its ratio to stock HSDP, the range of that ratio round by round
+(paired: the variants of a round ran back to back), and the replica
+reduction's bytes.
 The floor row shards inside the node only (no replica reduction at all).
 Writes ``gtopk-bench-results/hsdp_step.json``.  A benchmark, not a test.
 """
@@ -113,12 +115,19 @@ def run_topology(nodes: int, local: int, args) -> dict:
     else:
         reps = bench_launch.run_workers(P, worker, payload, timeout=args.timeout)
     med = {n: statistics.median(t for r in reps for t in r["times"][n]) * 1e3 for n in VARIANTS}
+    # each round's step (median over ranks): the variants of one round ran
+    # back to back, so their ratio is paired and its spread shows the noise
+    per_round = {n: [statistics.median(r["times"][n][i] for r in reps) for i in range(args.rounds)]
+                 for n in VARIANTS}
     rows = {}
     for n in VARIANTS:
         tr = reps[0]["traffic"].get(n) or {}
+        paired = sorted(a / b for a, b in zip(per_round[n], per_round[BASELINE]))
         # the time a variant adds to the floor: its replica reduction, as a
         # share of what stock HSDP's takes
         rows[n] = {"median_ms": med[n], "vs_stock": med[n] / med[BASELINE],
+                   "vs_stock_per_round": {"median": statistics.median(paired), "min": paired[0],
+                                          "max": paired[-1]},
                    "above_floor_vs_stock": (med[n] - med[FLOOR]) / (med[BASELINE] - med[FLOOR]),
                    "replica_bytes_sent": tr.get("bytes_sent"), "replica_dense_bytes": tr.get("dense_bytes")}
     return {"nodes": nodes, "local": local, "link": link, "params": reps[0]["params"], "rows": rows}
@@ -141,11 +150,14 @@ def main(argv=None):
         results.append(res)
         print(f"\nHSDP step, {nodes} nodes x {args.local} ranks, {res['link']}, {res['params'] / 1e6:.1f}M-parameter "
               f"MLP, batch {args.batch} per rank, one thread per rank (median over ranks and {args.rounds} rounds)")
-        print(f"{'variant':<30} {'ms':>8} {'x stock':>8} {'above floor':>12}   replica bytes sent per rank (dense)")
+        print(f"{'variant':<30} {'ms':>8} {'x stock':>8} {'per round':>11} {'above floor':>12}   "
+              "replica bytes sent per rank (dense)")
         for n, r in res["rows"].items():
             b = "" if r["replica_bytes_sent"] is None else \
                 f"{r['replica_bytes_sent']:,} ({r['replica_dense_bytes']:,})"
-            print(f"{n:<30} {r['median_ms']:8.1f} {r['vs_stock']:8.2f} {r['above_floor_vs_stock']:12.2f}   {b}")
+            pr = r["vs_stock_per_round"]
+            print(f"{n:<30} {r['median_ms']:8.1f} {r['vs_stock']:8.2f} {pr['min']:5.2f}-{pr['max']:<5.2f} "
+                  f"{r['above_floor_vs_stock']:12.2f}   {b}")
     two = next((r for r in results if r["nodes"] == 2), None)
     if two is not None:
         ratio = two["rows"]["gtopk 1%"]["vs_stock"]

@@ -47,7 +47,10 @@ def test_hsdp_step_quick_run_every_variant_and_the_dense_byte_count(tmp_path):
     assert set(rows) == set(hsdp_step.VARIANTS)
     n = res["params"]
     assert n == sum(a * b + b for a, b in zip(hsdp_step.WIDTHS[:-1], hsdp_step.WIDTHS[1:]))
+    assert rows[hsdp_step.BASELINE]["vs_stock_per_round"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     for name, r in rows.items():
+        pr = r["vs_stock_per_round"]
+        assert 0 < pr["min"] <= pr["median"] <= pr["max"], name
         assert r["median_ms"] > 0 and r["vs_stock"] == pytest.approx(
             r["median_ms"] / rows[hsdp_step.BASELINE]["median_ms"], rel=1e-4), name  # 6 digits in the JSON
     for name in ("gtopk 1%", "gtopk 0.1%"):
