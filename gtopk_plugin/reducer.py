@@ -31,7 +31,8 @@ from gtopk_plugin.compress.optimizer_binding import OptimizerBinding
 from gtopk_plugin.compress.topk import GTopKSelector, TopKSelector
 from gtopk_plugin.config import ReducerConfig, split_momentum_correction
 from gtopk_plugin.pipeline.comm_worker import CommWorker
-from gtopk_plugin.pipeline.check_stages import Agree, Compensate, CompensateEarly, FusedTopK, GradsFinite, Validate
+from gtopk_plugin.pipeline.check_stages import (Agree, Compensate, CompensateEarly, FusedTopK, GradsFinite,
+                                                 Validate, compensates_after_check)
 from gtopk_plugin.pipeline.dense_direct import DensePath, DirectUpdate, RedoCopy
 from gtopk_plugin.pipeline.exchange_stages import (Aggregate, Encode, NearestWire, Record, Residual, Select,
                                                    StochasticWire, Update)
@@ -115,7 +116,7 @@ class GradientReducer:
         update, wrapped by the small tensors' dense side with ``dense_below``."""
         cfg, st, tr, agg = self.config, self.state, self.transport, collectives.get(self.aggregation)
         segments = Segments(cfg.granularity, full=self.codec)
-        if cfg.momentum_correction is not None or cfg.clip_norm is not None:
+        if compensates_after_check(cfg):
             early = GradsFinite()  # they change state: compensate after the check
         elif type(self.compressor) is DenseSelector and self.aggregation == "dense":
             early = DensePath(cfg, st, self._updates, tr)  # the gradients straight into the update
@@ -259,11 +260,18 @@ class GradientReducer:
         """``None``, or ``fn(bad, nonfinite) -> (bad, nonfinite)`` for ranks
         outside the transport whose calls must take the same path (an FSDP
         replica's other shards, whose own reducers exchange elsewhere): run
-        on every such rank before each cross-rank agreement of a call (the
-        check; on the general path also the accumulator's overflow check),
-        it joins their verdicts -- the first invalid input's message and the
-        non-finite names -- to this rank's (docs/design.md §6)."""
+        on every such rank before each of a call's :attr:`joint_agreements`
+        (the check; with momentum correction or clipping also the
+        accumulator's overflow check), it joins their verdicts -- the first
+        invalid input's message and the non-finite names -- to this rank's
+        (docs/design.md §6)."""
         return self.state.joint_check
+
+    @property
+    def joint_agreements(self) -> int:
+        """How many times a call runs :attr:`joint_check` (the same for every
+        call and rank): a rank with nothing to reduce mirrors them."""
+        return 2 if compensates_after_check(self.config) else 1
 
     @joint_check.setter
     def joint_check(self, fn) -> None:

@@ -26,7 +26,15 @@ from gtopk_plugin.pipeline.layout import (all_finite, clip_scale, flat_dtype, me
 from gtopk_plugin.pipeline.reduce_stats import ReduceStats
 from gtopk_plugin.pipeline.update_buffers import check_out
 
-__all__ = ["Validate", "GradsFinite", "CompensateEarly", "FusedTopK", "Agree", "Compensate", "buffers"]
+__all__ = ["Validate", "GradsFinite", "CompensateEarly", "FusedTopK", "Agree", "Compensate", "buffers",
+           "compensates_after_check"]
+
+
+def compensates_after_check(config) -> bool:
+    """Whether every call takes the general path whatever its gradients
+    (momentum correction, clipping: they change state, so the accumulator
+    is built after the check and its overflow agreed on separately)."""
+    return config.momentum_correction is not None or config.clip_norm is not None
 
 
 def buffers(memory, names, sizes, dtype, device):
@@ -239,6 +247,10 @@ class Compensate:
 
     def __init__(self, config, state, transport):
         self.config, self.state, self.transport = config, state, transport
+        # the overflow agreement joins the ranks outside the transport only
+        # where every call, on every rank, takes this path: the number of
+        # joint checks per call must not depend on one rank's gradients
+        self.joins = compensates_after_check(config)
 
     def __call__(self, c):
         if c.acc is not None:  # compensated before the check
@@ -262,7 +274,7 @@ class Compensate:
             flat = st.momentum.accumulate(names, c.sizes, flat, c.dtype, c.acc.device, scratch=parts)
         overflow = [n for n, g, part, r in zip(names, flat, parts, res_parts)
                     if not kernels.compensate(part, g, r, kernels=cfg.kernels)]
-        if st.joint_check is not None:  # the ranks outside the transport too (see Agree)
+        if st.joint_check is not None and self.joins:  # the ranks outside the transport too (see Agree)
             overflow = st.joint_check(None, overflow)[1]
         input_check.check_state_finite(self.transport, overflow)
         return c

@@ -214,11 +214,15 @@ def test_a_fault_on_one_shard_reaches_every_rank_of_the_mesh(reports):
     assert "ValueError" in errs[3] and "int32" in errs[3]
     assert "global rank 3 (another shard of this replica)" in errs[2]
     assert all(("PeerInputError" in e or "ValueError" in e) for e in errs[:2])
-    entries = [rep["joined"]["skip"]["entries"] for rep in reps]
+    entries = [rep["joined"]["skip", 0]["entries"] for rep in reps]
     assert sorted(entries) == [0, 0, 1, 1]  # two ranks hold the one entry, two hold none
     for rep in reps:
-        assert "NonFiniteGradientError" in rep["joined"]["raise"], rep["joined"]["raise"]
-        assert rep["joined"]["skip"]["step"] == 1 and rep["joined"]["skip"]["zero"]
+        j = rep["joined"]
+        assert "NonFiniteGradientError" in j["raise", 0], j["raise", 0]
+        for policy in ("skip", "skip clipped"):  # clipped: one more agreement per call, mirrored
+            assert j[policy, 0]["step"] == 1 and j[policy, 0]["zero"], (policy, j[policy, 0])
+            assert j[policy, 1]["step"] == 2, (policy, j[policy, 1])
+            assert not j[policy, 1]["zero"] or j[policy, 1]["entries"] == 0
 
 
 def test_momentum_correction_from_the_optimizer(reports):

@@ -187,18 +187,20 @@ def joined_faults(rank, mesh):
         out["bad"] = None
     except Exception as e:  # noqa: BLE001
         out["bad"] = f"{type(e).__name__}: {e}"
-    for policy in ("raise", "skip"):
+    for policy, kw in (("raise", {}), ("skip", {}), ("skip clipped", {"clip_norm": 1.0})):
         torch.manual_seed(0)
         tiny = fully_shard(nn.Linear(1, 1, bias=False), mesh=mesh)
-        state = gp.torch_fsdp.sparse_replica_reduction(tiny, method="gtopk", density=0.5, nonfinite=policy)
-        g = {n: torch.full(p.to_local().shape, float("nan") if last or rank == 2 else 1.0)
-             for n, p in tiny.named_parameters() if p.to_local().numel()}
-        try:
-            state._reduce(g)
-            out[policy] = {"entries": sum(t.numel() for t in g.values()), "step": state.step,
-                           "zero": all(bool((t == 0).all()) for t in g.values())}
-        except Exception as e:  # noqa: BLE001
-            out[policy] = f"{type(e).__name__}: {e}"
+        state = gp.torch_fsdp.sparse_replica_reduction(tiny, method="gtopk", density=0.5,
+                                                       nonfinite=policy.split()[0], **kw)
+        for step in range(2):  # a NaN, then finite gradients (the rank without entries mirrors the calls)
+            g = {n: torch.full(p.to_local().shape, float("nan") if step == 0 and (last or rank == 2) else 1.0)
+                 for n, p in tiny.named_parameters() if p.to_local().numel()}
+            try:
+                state._reduce(g)
+                out[policy, step] = {"entries": sum(t.numel() for t in g.values()), "step": state.step,
+                                     "zero": all(bool((t == 0).all()) for t in g.values())}
+            except Exception as e:  # noqa: BLE001
+                out[policy, step] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -55,6 +55,20 @@ def test_called_once_per_call_with_the_local_verdict(kw, names):
     # the general path (clipping, momentum) agrees once more, on the accumulator
     general = "clip_norm" in kw or "momentum_correction" in kw
     assert joint.calls[1:] == [(None, [])] * (2 if general else 1)
+    assert red.joint_agreements == (2 if general else 1)  # what a rank with no entries mirrors
+
+
+def test_mixed_dtypes_take_the_general_path_without_another_joint_check():
+    """Mixed dtypes send one rank's call down the general path while its
+    peers' (holding other tensors) may take the fast one: the overflow
+    agreement then stays on the transport, so the count of joint checks
+    does not depend on one rank's gradients."""
+    red = gp.GradientReducer(transport=gp.SingleProcessTransport(), method="gtopk", density=0.05)
+    red.joint_check = joint = Joint()
+    grads = _grads(["w", "b"])
+    grads["b"] = grads["b"].to(torch.bfloat16)
+    red.reduce(grads)
+    assert len(joint.calls) == 1 and red.joint_agreements == 1
 
 
 @pytest.mark.parametrize("kw,names", CASES)

@@ -241,12 +241,15 @@ class SparseReplicaState:
         so that a fault elsewhere reaches it too, and the step advances."""
         bad, nonfinite = self._joint_check(None, [])
         self.last_step_traffic = None
-        any_nonfinite, _, _ = input_check.check_flagged(self.reducer.transport, [("no entries",)], bad, nonfinite)
+        tr = self.reducer.transport  # its replicas hold no entries either: they mirror the same calls
+        any_nonfinite, _, _ = input_check.check_flagged(tr, [("no entries",)], bad, nonfinite)
         if any_nonfinite and self.reducer.config.nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) on another rank (global rank "
                 f"{dist.get_rank()} holds no entries); nothing was reduced.  nonfinite='skip' drops such "
                 "steps on every rank")
+        if not any_nonfinite and self.reducer.joint_agreements > 1:  # the accumulator's overflow check
+            input_check.check_state_finite(tr, self._joint_check(None, [])[1])
         self.reducer.step += 1
 
 
