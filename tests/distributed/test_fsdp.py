@@ -209,11 +209,12 @@ def test_a_fault_on_one_shard_reaches_every_rank_of_the_mesh(reports):
     peer names it, the replicas raise too.  A NaN where the other shard holds
     no entries at all: that rank raises (or skips) with the others."""
     reps = reports(2, 2)
-    errs = [rep["joined"]["bad"] for rep in reps]
-    assert all(e is not None for e in errs), errs
-    assert "ValueError" in errs[3] and "int32" in errs[3]
-    assert "global rank 3 (another shard of this replica)" in errs[2]
-    assert all(("PeerInputError" in e or "ValueError" in e) for e in errs[:2])
+    for key in ("bad", "bad clipped"):  # clipped: the replica's norm is taken first
+        errs = [rep["joined"][key] for rep in reps]
+        assert all(e is not None for e in errs), (key, errs)
+        assert "ValueError" in errs[3] and "int32" in errs[3]
+        assert "global rank 3 (another shard of this replica)" in errs[2]
+        assert all(("PeerInputError" in e or "ValueError" in e) for e in errs[:2])
     entries = [rep["joined"]["skip", 0]["entries"] for rep in reps]
     assert sorted(entries) == [0, 0, 1, 1]  # two ranks hold the one entry, two hold none
     for rep in reps:

@@ -178,15 +178,17 @@ def joined_faults(rank, mesh):
 
     last = rank == dist.get_world_size() - 1
     out = {}
-    state = gp.torch_fsdp.sparse_replica_reduction(sharded(mesh), method="gtopk", density=0.2)
-    grads = {n: torch.ones(p.to_local().shape) for n, p in state.model.named_parameters() if p.to_local().numel()}
-    if last:
-        grads["a.weight"] = grads["a.weight"].to(torch.int32)
-    try:
-        state._reduce(grads)
-        out["bad"] = None
-    except Exception as e:  # noqa: BLE001
-        out["bad"] = f"{type(e).__name__}: {e}"
+    for key, kw in (("bad", {}), ("bad clipped", {"clip_norm": 1.0})):
+        state = gp.torch_fsdp.sparse_replica_reduction(sharded(mesh), method="gtopk", density=0.2, **kw)
+        grads = {n: torch.ones(p.to_local().shape) for n, p in state.model.named_parameters()
+                 if p.to_local().numel()}
+        if last:
+            grads["a.weight"] = grads["a.weight"].to(torch.int32)
+        try:
+            state._reduce(grads)
+            out[key] = None
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
     for policy, kw in (("raise", {}), ("skip", {}), ("skip clipped", {"clip_norm": 1.0})):
         torch.manual_seed(0)
         tiny = fully_shard(nn.Linear(1, 1, bias=False), mesh=mesh)

@@ -229,7 +229,10 @@ class SparseReplicaState:
     def _replica_norm(self, grads) -> float:
         """This replica's gradient norm over all its shards: float64, as the
         reducer's own norm (docs/design.md §5), summed over the shard group."""
-        sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
+        try:
+            sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
+        except (RuntimeError, TypeError):  # not a float tensor: the reducer's check raises it on every rank
+            sq = float("nan")
         v = torch.tensor([sq], dtype=torch.float64)
         if self._shard_transport.size > 1:
             self._shard_transport.allreduce_sum_(v)
