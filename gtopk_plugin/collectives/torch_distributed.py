@@ -23,6 +23,8 @@ from gtopk_plugin.collectives.transport import Transport, UseGuard
 # destroyed group takes its guard with it.
 _GROUP_GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _GROUP_GUARDS_LOCK = threading.Lock()
+# backends (or parts of a "cpu:gloo,cuda:nccl" pair) that take CPU tensors
+_CPU_BACKENDS = ("gloo", "mpi", "ucc", "cpu:")
 
 
 def _not_a_member(group) -> ValueError:
@@ -113,8 +115,17 @@ class TorchDistributedTransport(Transport):
         return str(dist.get_backend(self.group))
 
     def comm_device(self, device):
-        # gloo moves bytes between CPU tensors; NCCL needs CUDA tensors.
-        return torch.device("cpu") if self.backend == "gloo" else torch.device(device)
+        # gloo moves bytes between CPU tensors; NCCL (alone: "nccl", not
+        # "cpu:gloo,cuda:nccl") takes only accelerator tensors, so the
+        # check's and the error path's small CPU vectors go there
+        backend, device = self.backend, torch.device(device)
+        if backend == "gloo":
+            return torch.device("cpu")
+        if device.type == "cpu" and not any(b in backend for b in _CPU_BACKENDS):
+            acc = torch.accelerator.current_accelerator()
+            if acc is not None:
+                return torch.device(acc.type, torch.accelerator.current_device_index())
+        return device
 
     def _use_guard(self) -> UseGuard:
         self._require_init()
@@ -173,8 +184,7 @@ class TorchDistributedTransport(Transport):
         # error path, where a peer may be the one that failed.  Two
         # asynchronous all_gathers (sizes, then the pickles padded to the
         # largest), each waited for with this transport's timeout.
-        dev = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-               else torch.device("cpu"))
+        dev = self.comm_device(torch.device("cpu"))
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
         P = self.size
         n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
