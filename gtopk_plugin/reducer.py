@@ -261,8 +261,9 @@ class GradientReducer:
         outside the transport whose calls must take the same path (an FSDP
         replica's other shards, whose own reducers exchange elsewhere): run
         on every such rank before each of a call's :attr:`joint_agreements`
-        (the check; with momentum correction or clipping also the
-        accumulator's overflow check), it joins their verdicts -- the first
+        (the check; with momentum correction, clipping or an optimizer
+        binding also the accumulator's overflow check), it joins their
+        verdicts -- the first
         invalid input's message and the non-finite names -- to this rank's
         (docs/design.md §6)."""
         return self.state.joint_check
@@ -271,7 +272,7 @@ class GradientReducer:
     def joint_agreements(self) -> int:
         """How many times a call runs :attr:`joint_check` (the same for every
         call and rank): a rank with nothing to reduce mirrors them."""
-        return 2 if compensates_after_check(self.config) else 1
+        return 2 if compensates_after_check(self.config, self.state.binding) else 1
 
     @joint_check.setter
     def joint_check(self, fn) -> None:

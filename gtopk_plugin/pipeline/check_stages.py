@@ -30,11 +30,12 @@ __all__ = ["Validate", "GradsFinite", "CompensateEarly", "FusedTopK", "Agree", "
            "compensates_after_check"]
 
 
-def compensates_after_check(config) -> bool:
+def compensates_after_check(config, binding=None) -> bool:
     """Whether every call takes the general path whatever its gradients
-    (momentum correction, clipping: they change state, so the accumulator
-    is built after the check and its overflow agreed on separately)."""
-    return config.momentum_correction is not None or config.clip_norm is not None
+    (momentum correction, clipping, an optimizer binding: they change state,
+    so the accumulator is built after the check and its overflow agreed on
+    separately)."""
+    return config.momentum_correction is not None or config.clip_norm is not None or binding is not None
 
 
 def buffers(memory, names, sizes, dtype, device):
@@ -199,6 +200,7 @@ class Agree:
     def __call__(self, c):
         layout, nonfinite, bad = c.extra
         bad, nonfinite = c.bad or bad, c.nonfinite + list(nonfinite)
+        own = bad
         if self.state.joint_check is not None:
             # ranks outside the transport that must take the same path (the
             # other shards of an FSDP replica): their verdicts join this
@@ -209,9 +211,11 @@ class Agree:
             any_nonfinite, where, c.redo = input_check.check_flagged(
                 self.transport, c.layout + list(layout), bad, nonfinite,
                 flag=c.direct is None or c.direct.flag)
-        except ValueError:
+        except ValueError as e:
             if c.local_error is not None:
                 raise c.local_error from None  # every peer raises PeerInputError naming it
+            if own is None:  # the joint check's: another rank's input
+                raise input_check.PeerInputError(f"another rank passed invalid input to reduce(): {e}") from None
             raise
         if not any_nonfinite:
             return c
@@ -247,10 +251,6 @@ class Compensate:
 
     def __init__(self, config, state, transport):
         self.config, self.state, self.transport = config, state, transport
-        # the overflow agreement joins the ranks outside the transport only
-        # where every call, on every rank, takes this path: the number of
-        # joint checks per call must not depend on one rank's gradients
-        self.joins = compensates_after_check(config)
 
     def __call__(self, c):
         if c.acc is not None:  # compensated before the check
@@ -274,7 +274,10 @@ class Compensate:
             flat = st.momentum.accumulate(names, c.sizes, flat, c.dtype, c.acc.device, scratch=parts)
         overflow = [n for n, g, part, r in zip(names, flat, parts, res_parts)
                     if not kernels.compensate(part, g, r, kernels=cfg.kernels)]
-        if st.joint_check is not None and self.joins:  # the ranks outside the transport too (see Agree)
+        # the ranks outside the transport too (see Agree), where every call
+        # on every rank takes this path: the number of joint checks per call
+        # must not depend on one rank's gradients (mixed dtypes)
+        if st.joint_check is not None and compensates_after_check(cfg, st.binding):
             overflow = st.joint_check(None, overflow)[1]
         input_check.check_state_finite(self.transport, overflow)
         return c

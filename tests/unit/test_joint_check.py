@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gtopk_plugin as gp
-from gtopk_plugin.pipeline.input_check import NonFiniteGradientError, NonFiniteStateError
+from gtopk_plugin.pipeline.input_check import NonFiniteGradientError, NonFiniteStateError, PeerInputError
 
 SIZES = {"w": 600, "b": 20, "g": 7}
 
@@ -93,7 +93,7 @@ def test_a_peer_nonfinite_skips_the_step_here(kw, names):
 def test_a_peer_bad_input_raises_here():
     red = gp.GradientReducer(transport=gp.SingleProcessTransport(), method="gtopk", density=0.05)
     red.joint_check = Joint(bad="global rank 2 (another shard of this replica): gradient 'w' is not a tensor")
-    with pytest.raises(ValueError, match="global rank 2"):
+    with pytest.raises(PeerInputError, match="another rank passed invalid input.*global rank 2"):
         red.reduce(_grads(["w"]))
     assert red.step == 0
 
@@ -111,3 +111,17 @@ def test_a_peer_overflow_raises_here_on_the_general_path():
     with pytest.raises(NonFiniteStateError, match=r"w \(on global rank 1\)"):
         red.reduce(_grads(["w"]))
     assert len(joint.calls) == 2
+
+
+def test_an_optimizer_binding_joins_the_overflow_check():
+    """momentum_correction=True reads the SGD optimizer (a binding, no
+    momentum in the settings): every call takes the general path, so its
+    overflow agreement joins too."""
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in SIZES.items() if n != "g"}
+    opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    red = gp.GradientReducer(transport=gp.SingleProcessTransport(), method="gtopk", density=0.05,
+                             momentum_correction=True, optimizer=opt, named_parameters=list(params.items()))
+    assert red.binding is not None and red.joint_agreements == 2
+    red.joint_check = joint = Joint()
+    red.reduce(_grads(["w", "b"]))
+    assert joint.calls == [(None, [])] * 2

@@ -219,12 +219,13 @@ class SparseReplicaState:
         flags = torch.tensor([int(bad is not None), int(bool(nonfinite))], dtype=torch.int64)
         if tr.size == 1 or not bool(tr.control_allreduce_max(flags).any()):
             return bad, nonfinite
-        me, joined = dist.get_rank(), []
+        # named by the mesh's rank: the replicas' messages number ranks in the replica group
+        me, first, joined = dist.get_rank(), None, []
         for rank, peer_bad, peer_names in tr.allgather_object((me, bad, list(nonfinite))):
-            if bad is None and peer_bad is not None:
-                bad = f"global rank {rank} (another shard of this replica): {peer_bad}"
-            joined += [f"{n} (on global rank {rank})" for n in peer_names]  # the mesh's rank, not the replica's
-        return bad, joined
+            if first is None and peer_bad is not None:
+                first = f"global rank {rank}: {peer_bad}"
+            joined += [f"{n} (on global rank {rank})" for n in peer_names]
+        return (first if bad is None else f"global rank {me}: {bad}"), joined
 
     def _replica_norm(self, grads) -> float:
         """This replica's gradient norm over all its shards: float64, as the
@@ -245,10 +246,11 @@ class SparseReplicaState:
         bad, nonfinite = self._joint_check(None, [])
         self.last_step_traffic = None
         tr = self.reducer.transport  # its replicas hold no entries either: they mirror the same calls
-        any_nonfinite, _, _ = input_check.check_flagged(tr, [("no entries",)], bad, nonfinite)
+        any_nonfinite, where, _ = input_check.check_flagged(tr, [("no entries",)], bad, nonfinite)
         if any_nonfinite and self.reducer.config.nonfinite == "raise":
+            names = "; ".join(", ".join(n) for _, n in where)
             raise NonFiniteGradientError(
-                f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) on another rank (global rank "
+                f"gtopk_plugin.torch_fsdp: non-finite gradient (NaN or Inf) in {names} (global rank "
                 f"{dist.get_rank()} holds no entries); nothing was reduced.  nonfinite='skip' drops such "
                 "steps on every rank")
         if not any_nonfinite and self.reducer.joint_agreements > 1:  # the accumulator's overflow check
