@@ -263,9 +263,8 @@ class GradientReducer:
         on every such rank before each of a call's :attr:`joint_agreements`
         (the check; with momentum correction, clipping or an optimizer
         binding also the accumulator's overflow check), it joins their
-        verdicts -- the first
-        invalid input's message and the non-finite names -- to this rank's
-        (docs/design.md §6)."""
+        verdicts -- the first invalid input's message and the non-finite
+        names -- to this rank's (docs/design.md §6)."""
         return self.state.joint_check
 
     @property
