@@ -121,11 +121,27 @@ class TorchDistributedTransport(Transport):
         backend, device = self.backend, torch.device(device)
         if backend == "gloo":
             return torch.device("cpu")
-        if device.type == "cpu" and not any(b in backend for b in _CPU_BACKENDS):
-            acc = torch.accelerator.current_accelerator()
-            if acc is not None:
-                return torch.device(acc.type, torch.accelerator.current_device_index())
+        if device.type != "cpu":
+            self._accelerator = device  # this rank's device on the group, for CPU vectors later
+        elif not any(b in backend for b in _CPU_BACKENDS):
+            return self._accelerator_device()
         return device
+
+    def _accelerator_device(self) -> torch.device:
+        """Where an NCCL-only group takes this rank's CPU vectors: the
+        device of the last tensors it carried, the group's bound device, or
+        the current accelerator device (a rank that never called
+        ``torch.cuda.set_device`` has cuda:0 there, which may not be its)."""
+        dev = self.__dict__.get("_accelerator")
+        if dev is None:
+            pg = self.group if self.group is not None else dist.group.WORLD
+            dev = getattr(pg, "bound_device_id", None)
+        if dev is None:
+            acc = torch.accelerator.current_accelerator()
+            if acc is None:
+                return torch.device("cpu")
+            dev = torch.device(acc.type, torch.accelerator.current_device_index())
+        return torch.device(dev)
 
     def _use_guard(self) -> UseGuard:
         self._require_init()
@@ -160,8 +176,15 @@ class TorchDistributedTransport(Transport):
                     f"answer within {self.timeout:g} s): {e}") from e
 
     def _raw_sendrecv(self, dst, send, src, recv):
-        works = [dist.irecv(recv, self._global(src), group=self.group),
-                 dist.isend(send, self._global(dst), group=self.group)]
+        if send.device.type == "cpu":
+            works = [dist.irecv(recv, self._global(src), group=self.group),
+                     dist.isend(send, self._global(dst), group=self.group)]
+        else:
+            # NCCL: a receive and a send issued apart share one stream, and
+            # the receive blocks it until its data comes -- both ranks of a
+            # pair would wait forever; one batch runs them together
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, self._global(src), self.group),
+                                            dist.P2POp(dist.isend, send, self._global(dst), self.group)])
         self._wait(works, f"exchange with ranks {dst}/{src}")
 
     def _raw_send(self, peer, send):

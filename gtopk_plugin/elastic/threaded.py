@@ -49,13 +49,17 @@ class _ThreadedBase(AsyncReduction):
     def launch(self, unit, step, names, tensors, last_of_step):
         grads = self._copies(unit, step, tensors)
         # fresh: each layer's reduction runs and raises on its own
-        fut = self._comm_worker().submit(self._run, unit, step, list(names), grads, last_of_step, fresh=True)
+        # the worker on the gradients' device: on CUDA its thread runs there,
+        # on a side stream ordered after the submitting one (comm_worker)
+        device = tensors[0].device if tensors else None
+        fut = self._comm_worker(device).submit(self._run, unit, step, list(names), grads, last_of_step,
+                                               fresh=True)
         self._inputs[(unit, step % self._slots)] = (grads, fut)
         return fut
 
-    def _comm_worker(self) -> CommWorker:
+    def _comm_worker(self, device=None) -> CommWorker:
         if self._worker is None or self._worker.closed:
-            self._worker = CommWorker(f"gtopk-comm-elastic-{self.kind}")
+            self._worker = CommWorker(f"gtopk-comm-elastic-{self.kind}", device=device)
         return self._worker
 
     def _copies(self, unit, step, tensors) -> List[Tensor]:
@@ -132,8 +136,8 @@ class ThreadedReduction(_ThreadedBase):
         self.reducer = reducer
         self.kind = f"reducer:{reducer.config.method}"
 
-    def _comm_worker(self) -> CommWorker:
-        return self.reducer.worker()  # one thread per reducer, whoever submits
+    def _comm_worker(self, device=None) -> CommWorker:
+        return self.reducer.worker(device)  # one thread per reducer, whoever submits
 
     def _reduce(self, names, grads, last_of_step):
         out = self.reducer.reduce(dict(zip(names, grads)), advance_step=last_of_step)

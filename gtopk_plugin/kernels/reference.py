@@ -135,8 +135,9 @@ def select_threshold(x: Tensor, offsets: Tensor, k: Tensor) -> Tuple[Tensor, Ten
 
 
 def segment_of(idx: Tensor, offsets: Tensor) -> Tensor:
-    """Segment id of each global index."""
-    return torch.searchsorted(offsets, idx.long(), right=True) - 1
+    """Segment id of each global index (on ``idx``'s device: the layout's
+    ``offsets`` are built on the CPU)."""
+    return torch.searchsorted(offsets.to(idx.device), idx.long(), right=True) - 1
 
 
 def merge_select(idx_a: Tensor, val_a: Tensor, idx_b: Tensor, val_b: Tensor,

@@ -38,6 +38,12 @@ def compensates_after_check(config, binding=None) -> bool:
     return config.momentum_correction is not None or config.clip_norm is not None or binding is not None
 
 
+def _device_of(tensors):
+    """The gradients' device (None when the input is not tensors: bad input)."""
+    t = tensors[0] if tensors else None
+    return t.device if isinstance(t, torch.Tensor) else None
+
+
 def buffers(memory, names, sizes, dtype, device):
     """``(flatres, acc, acc views, residual views)``: this layout's
     persistent residual and scratch accumulator, per-name views (residual
@@ -210,7 +216,7 @@ class Agree:
         try:
             any_nonfinite, where, c.redo = input_check.check_flagged(
                 self.transport, c.layout + list(layout), bad, nonfinite,
-                flag=c.direct is None or c.direct.flag)
+                flag=c.direct is None or c.direct.flag, device=_device_of(c.tensors))
         except ValueError as e:
             if c.local_error is not None:
                 raise c.local_error from None  # every peer raises PeerInputError naming it
@@ -279,5 +285,5 @@ class Compensate:
         # must not depend on one rank's gradients (mixed dtypes)
         if st.joint_check is not None and compensates_after_check(cfg, st.binding):
             overflow = st.joint_check(None, overflow)[1]
-        input_check.check_state_finite(self.transport, overflow)
+        input_check.check_state_finite(self.transport, overflow, device=c.acc.device)
         return c

@@ -39,11 +39,12 @@ class NonFiniteStateError(RuntimeError):
     the state can no longer be trusted; ``reset()`` or restore a checkpoint."""
 
 
-def check_state_finite(transport: Transport, overflow_names: Sequence[str]) -> None:
+def check_state_finite(transport: Transport, overflow_names: Sequence[str], device=None) -> None:
     """One int64 MAX agreement that no rank's accumulator overflowed (the
     general path builds it after the main check, from finite gradients);
-    raises :class:`NonFiniteStateError` on every rank otherwise."""
-    v = torch.tensor([1 if overflow_names else 0], dtype=torch.int64)
+    raises :class:`NonFiniteStateError` on every rank otherwise.  ``device``:
+    the gradients' (an NCCL group takes the vector there)."""
+    v = torch.tensor([1 if overflow_names else 0], dtype=torch.int64, device=device)
     if transport.size > 1:
         v = transport.control_allreduce_max(v)
     if int(v[0]) == 0:
@@ -98,12 +99,13 @@ def check(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str
 
 
 def check_flagged(transport: Transport, layout: Sequence[Tuple], bad_input: Optional[str],
-                  nonfinite_names: Sequence[str], flag: bool = False
+                  nonfinite_names: Sequence[str], flag: bool = False, device=None
                   ) -> Tuple[bool, List[Tuple[int, List[str]]], bool]:
     """:func:`check`, also agreeing on a per-rank ``flag`` at no extra cost
     (the dense step's "my prescaled copy is not exact": every rank then
     redoes it unscaled); returns ``(any_nonfinite, where, any_flag)``,
-    ``any_flag`` meaningful only when no rank is non-finite."""
+    ``any_flag`` meaningful only when no rank is non-finite.  ``device``:
+    the gradients' (an NCCL group takes the vector there)."""
     fp = fingerprint(layout) if bad_input is None else 0
     # status: -1 fine, +1 invalid input.  A rank that has called hvd.join()
     # takes part in Horovod allreduces with zeros, so a 0 after the MAX means
@@ -112,7 +114,7 @@ def check_flagged(transport: Transport, layout: Sequence[Tuple], bad_input: Opti
     # 2: non-finite, 1: flagged, 0: neither -- the MAX keeps what matters
     # (a non-finite step is skipped or raises whatever the flag says)
     state = 2 if nonfinite_names else int(bool(flag))
-    v = torch.tensor([status, state, fp, -fp], dtype=torch.int64)
+    v = torch.tensor([status, state, fp, -fp], dtype=torch.int64, device=device)
     if transport.size > 1:
         v = transport.control_allreduce_max(v)
     status, state, hi, neg_lo = v.tolist()

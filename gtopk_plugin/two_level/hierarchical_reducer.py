@@ -228,10 +228,10 @@ class HierarchicalReducer:
                     status, update, blob = fabric.publish(flat_result(out, names, sizes), divisor)
             except Exception as e:
                 # tell the node before raising, or it waits in vain
-                fabric.broadcast(status_blob(ERROR, pickle.dumps((type(e).__name__, str(e)))))
+                fabric.broadcast(status_blob(ERROR, pickle.dumps((type(e).__name__, str(e)))), flat.device)
                 raise
         t3 = time.perf_counter()
-        blob = fabric.broadcast(blob)
+        blob = fabric.broadcast(blob, flat.device)
         if not topo.is_leader:  # the leader's update, divided like its own
             status, update = fabric.receive(blob, (tuple(names), dtype, flat.device), sum(sizes), divisor)
         seconds["intra"] += time.perf_counter() - t3

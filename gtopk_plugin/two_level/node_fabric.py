@@ -159,15 +159,16 @@ class NodeFabric:
         self.intra.allreduce_sum_(flat)
         return flat
 
-    def broadcast(self, blob: Optional[Tensor]) -> Tensor:
-        """The leader's blob on every rank of the node (others pass None)."""
+    def broadcast(self, blob: Optional[Tensor], device=None) -> Tensor:
+        """The leader's blob on every rank of the node (others pass None),
+        sent and received on ``device`` (the gradients')."""
         if self.intra.size == 1:
             return blob
         if self.current == "shared_memory":
             got = self.shm.broadcast(blob)
             if got is not None:
                 return got
-        return node_broadcast(self.intra, blob)
+        return node_broadcast(self.intra, blob, device)
 
     # -------------------------------------------------------- the result
     @staticmethod

@@ -275,18 +275,23 @@ class TorchEngine:
 
 
 # ------------------------------------------------------ the node broadcast
-def node_broadcast(intra: Transport, blob: Optional[Tensor]) -> Tensor:
+def node_broadcast(intra: Transport, blob: Optional[Tensor], device=None) -> Tensor:
     """The leader's blob to every rank of the node: a binomial tree on the
     node group (round j: local ranks < j send to rank + j), each
     message with its size in front.  Every rank of the node calls it;
-    ``blob`` is the leader's (others pass None) and is returned on all."""
+    ``blob`` is the leader's (others pass None) and is returned on all.
+    ``device``: the gradients' (default: the CPU), where every rank sends
+    and receives -- on a "cpu:gloo,cuda:nccl" group the device picks the
+    engine, so sender and receiver must agree on it."""
     L, r = intra.size, intra.rank
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if blob is not None:
+        blob = blob.to(device)
     j = 1
     while j < L:
         send_to = r + j if r < j and r + j < L else None
         recv_from = r - j if j <= r < 2 * j else None
-        got = intra.phase(send_to, blob if send_to is not None else None, recv_from, None,
-                          "cpu" if blob is None else blob.device, headers=True)
+        got = intra.phase(send_to, blob if send_to is not None else None, recv_from, None, device, headers=True)
         if got is not None:
             blob = got
         j *= 2

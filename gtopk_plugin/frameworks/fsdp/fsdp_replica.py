@@ -216,7 +216,7 @@ class SparseReplicaState:
         skips the step -- and none is left waiting in FSDP's next collective.
         Details travel only when a rank has something to report."""
         tr = self._shard_transport
-        flags = torch.tensor([int(bad is not None), int(bool(nonfinite))], dtype=torch.int64)
+        flags = torch.tensor([int(bad is not None), int(bool(nonfinite))], dtype=torch.int64, device=self._device())
         if tr.size == 1 or not bool(tr.control_allreduce_max(flags).any()):
             return bad, nonfinite
         # named by the mesh's rank: the replicas' messages number ranks in the replica group
@@ -227,6 +227,15 @@ class SparseReplicaState:
             joined += [f"{n} (on global rank {rank})" for n in peer_names]
         return (first if bad is None else f"global rank {me}: {bad}"), joined
 
+    def _device(self) -> torch.device:
+        """This rank's device for the small agreement vectors: the
+        parameters' (an NCCL group takes them there, not on the CPU)."""
+        dev = getattr(self, "_param_device", None)
+        if dev is None:
+            p = next(iter(self.model.parameters()), None)
+            dev = self._param_device = p.device if p is not None else torch.device("cpu")
+        return dev
+
     def _replica_norm(self, grads) -> float:
         """This replica's gradient norm over all its shards: float64, as the
         reducer's own norm (docs/design.md §5), summed over the shard group."""
@@ -234,7 +243,7 @@ class SparseReplicaState:
             sq = sum((float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads.values()), 0.0)
         except (RuntimeError, TypeError):  # not a float tensor: the reducer's check raises it on every rank
             sq = float("nan")
-        v = torch.tensor([sq], dtype=torch.float64)
+        v = torch.tensor([sq], dtype=torch.float64, device=self._device())
         if self._shard_transport.size > 1:
             self._shard_transport.allreduce_sum_(v)
         return float(v[0]) ** 0.5
@@ -246,7 +255,8 @@ class SparseReplicaState:
         bad, nonfinite = self._joint_check(None, [])
         self.last_step_traffic = None
         tr = self.reducer.transport  # its replicas hold no entries either: they mirror the same calls
-        any_nonfinite, where, _ = input_check.check_flagged(tr, [("no entries",)], bad, nonfinite)
+        any_nonfinite, where, _ = input_check.check_flagged(tr, [("no entries",)], bad, nonfinite,
+                                                            device=self._device())
         if any_nonfinite and self.reducer.config.nonfinite == "raise":
             names = "; ".join(", ".join(n) for _, n in where)
             raise NonFiniteGradientError(
@@ -254,7 +264,7 @@ class SparseReplicaState:
                 f"{dist.get_rank()} holds no entries); nothing was reduced.  nonfinite='skip' drops such "
                 "steps on every rank")
         if not any_nonfinite and self.reducer.joint_agreements > 1:  # the accumulator's overflow check
-            input_check.check_state_finite(tr, self._joint_check(None, [])[1])
+            input_check.check_state_finite(tr, self._joint_check(None, [])[1], device=self._device())
         self.reducer.step += 1
 
 
