@@ -229,12 +229,10 @@ class SparseReplicaState:
 
     def _device(self) -> torch.device:
         """This rank's device for the small agreement vectors: the
-        parameters' (an NCCL group takes them there, not on the CPU)."""
-        dev = getattr(self, "_param_device", None)
-        if dev is None:
-            p = next(iter(self.model.parameters()), None)
-            dev = self._param_device = p.device if p is not None else torch.device("cpu")
-        return dev
+        parameters' (an NCCL group takes them there, not on the CPU); read
+        each time, as a model sharded on meta moves on ``to_empty``."""
+        p = next(iter(self.model.parameters()), None)
+        return p.device if p is not None else torch.device("cpu")
 
     def _replica_norm(self, grads) -> float:
         """This replica's gradient norm over all its shards: float64, as the
